@@ -1,0 +1,66 @@
+// CUDA implementations of torch.ops.msa: argument checks, allocation, params, launch.
+#include <c10/cuda/CUDAStream.h>
+#include <c10/cuda/CUDAGuard.h>
+#include <torch/library.h>
+
+#include <tuple>
+
+#include "api/checks.h"
+#include "sm80/reverse_index/reverse_index.h"
+
+namespace msa::api {
+namespace {
+
+std::tuple<at::Tensor, at::Tensor, at::Tensor> reverse_index_cuda(const at::Tensor& indices,
+                                                                  const at::Tensor& cu_seqlens,
+                                                                  int64_t max_seqlen, int64_t block_size) {
+  check_cuda_int32(indices, "indices", 3);
+  check_cuda_int32(cu_seqlens, "cu_seqlens", 1);
+  TORCH_CHECK_VALUE(indices.device() == cu_seqlens.device(), "cu_seqlens: expected device ", indices.device(),
+                    ", got ", cu_seqlens.device());
+  TORCH_CHECK_VALUE(block_size == 64 || block_size == 128, "block_size: expected 64 or 128, got ", block_size);
+  const int64_t heads = indices.size(0), tokens = indices.size(1), topk = indices.size(2);
+  check_cu_seqlens(cu_seqlens, tokens, max_seqlen);
+  const int64_t num_seqs = cu_seqlens.size(0) - 1;
+  const int64_t max_blocks = tokens / block_size + num_seqs;
+  const int64_t entries = heads * tokens * topk;
+  TORCH_CHECK_VALUE(entries < (int64_t(1) << 31) && heads * max_blocks < (int64_t(1) << 30),
+                    "indices: too many entries for the int32 reverse index, shape ", indices.sizes());
+
+  c10::cuda::CUDAGuard guard(indices.device());
+  auto opts = indices.options();
+  auto offsets = at::empty({heads * max_blocks + 1}, opts);
+  auto rows = at::empty({entries}, opts);
+  auto block_offsets = at::empty({num_seqs + 1}, opts);
+  auto keys = at::empty({2, entries}, opts);
+  auto rows_in = at::empty({entries}, opts);
+  const size_t sort_bytes = reverse_index_sort_bytes(int(entries), int(heads * max_blocks));
+  auto sort_temp = at::empty({int64_t(sort_bytes)}, opts.dtype(at::kByte));
+
+  ReverseIndexParams p{};
+  p.indices = indices.data_ptr<int32_t>();
+  p.cu_seqlens = cu_seqlens.data_ptr<int32_t>();
+  p.block_offsets = block_offsets.data_ptr<int32_t>();
+  p.offsets = offsets.data_ptr<int32_t>();
+  p.rows = rows.data_ptr<int32_t>();
+  p.keys_in = keys[0].data_ptr<int32_t>();
+  p.keys_out = keys[1].data_ptr<int32_t>();
+  p.rows_in = rows_in.data_ptr<int32_t>();
+  p.sort_temp = sort_temp.data_ptr();
+  p.sort_temp_bytes = sort_bytes;
+  p.num_heads = int(heads);
+  p.total_tokens = int(tokens);
+  p.topk = int(topk);
+  p.num_seqs = int(num_seqs);
+  p.block_size = int(block_size);
+  p.max_blocks = int(max_blocks);
+  const cudaError_t err = run_reverse_index(p, c10::cuda::getCurrentCUDAStream());
+  TORCH_CHECK(err == cudaSuccess, "msa::reverse_index launch failed: ", cudaGetErrorString(err));
+  return {offsets, rows, block_offsets};
+}
+
+}  // namespace
+
+TORCH_LIBRARY_IMPL(msa, CUDA, m) { m.impl("reverse_index", &reverse_index_cuda); }
+
+}  // namespace msa::api

@@ -1,0 +1,99 @@
+// Reverse index: for every (index head r, kv block b) the tokens whose selection holds b.
+// A stable radix sort of (key, token) pairs in (r, token, slot) order keeps each key's tokens
+// ascending, so the map (and everything that reduces over it) is deterministic.
+#include <cub/device/device_radix_sort.cuh>
+
+#include "common/cuda_check.h"
+#include "sm80/reverse_index/reverse_index.h"
+
+namespace msa {
+namespace {
+
+// block_offsets[s] = sum over s' < s of ceil(len(s') / block_size). Sequences are few: one thread.
+__global__ void reverse_index_block_offsets_kernel(const int32_t* cu, int32_t* block_offsets, int num_seqs,
+                                                   int block_size) {
+  if (blockIdx.x != 0 || threadIdx.x != 0) return;
+  int32_t acc = 0;
+  for (int s = 0; s < num_seqs; ++s) {
+    block_offsets[s] = acc;
+    acc += (cu[s + 1] - cu[s] + block_size - 1) / block_size;
+  }
+  block_offsets[num_seqs] = acc;
+}
+
+// One thread per (r, t, slot). Entries that select nothing (-1, out of range, causally invisible,
+// or a repeat of an earlier slot of the same row) get the sentinel key and sort to the end.
+__global__ void reverse_index_keys_kernel(ReverseIndexParams p) {
+  const int64_t total = int64_t(p.num_heads) * p.total_tokens * p.topk;
+  const int32_t sentinel = p.num_heads * p.max_blocks;
+  for (int64_t e = blockIdx.x * int64_t(blockDim.x) + threadIdx.x; e < total;
+       e += int64_t(gridDim.x) * blockDim.x) {
+    const int slot = int(e % p.topk);
+    const int64_t row = e / p.topk;  // r * T + t
+    const int t = int(row % p.total_tokens);
+    const int r = int(row / p.total_tokens);
+    // Sequence of token t: the last s with cu[s] <= t.
+    int lo = 0, hi = p.num_seqs - 1;
+    while (lo < hi) {
+      const int mid = (lo + hi + 1) >> 1;
+      if (p.cu_seqlens[mid] <= t) lo = mid; else hi = mid - 1;
+    }
+    const int32_t b = p.indices[e];
+    const int local_block = (t - p.cu_seqlens[lo]) / p.block_size;
+    bool valid = b >= 0 && b <= local_block;
+    for (int j = 0; j < slot && valid; ++j) valid = p.indices[e - slot + j] != b;
+    p.keys_in[e] = valid ? r * p.max_blocks + p.block_offsets[lo] + b : sentinel;
+    p.rows_in[e] = t;
+  }
+}
+
+// offsets[key] = first position of key in the sorted keys (lower bound); offsets[num_keys] = count.
+__global__ void reverse_index_offsets_kernel(const int32_t* sorted_keys, int64_t n, int32_t* offsets,
+                                             int num_keys) {
+  const int key = blockIdx.x * blockDim.x + threadIdx.x;
+  if (key > num_keys) return;
+  int64_t lo = 0, hi = n;
+  while (lo < hi) {
+    const int64_t mid = (lo + hi) >> 1;
+    if (sorted_keys[mid] < key) lo = mid + 1; else hi = mid;
+  }
+  offsets[key] = int32_t(lo);
+}
+
+int key_bits(int num_keys) {
+  int bits = 1;
+  while ((int64_t(1) << bits) <= num_keys) ++bits;
+  return bits;
+}
+
+}  // namespace
+
+size_t reverse_index_sort_bytes(int num_entries, int num_keys) {
+  size_t bytes = 0;
+  cub::DeviceRadixSort::SortPairs(nullptr, bytes, static_cast<int32_t*>(nullptr), static_cast<int32_t*>(nullptr),
+                                  static_cast<int32_t*>(nullptr), static_cast<int32_t*>(nullptr), num_entries, 0,
+                                  key_bits(num_keys));
+  return bytes;
+}
+
+cudaError_t run_reverse_index(const ReverseIndexParams& p, cudaStream_t stream) {
+  const int64_t n = int64_t(p.num_heads) * p.total_tokens * p.topk;
+  const int num_keys = p.num_heads * p.max_blocks;
+  reverse_index_block_offsets_kernel<<<1, 1, 0, stream>>>(p.cu_seqlens, p.block_offsets, p.num_seqs, p.block_size);
+  MSA_CUDA_TRY(cudaGetLastError());
+  if (n > 0) {
+    const int threads = 256;
+    const int blocks = int((n + threads - 1) / threads < 65536 ? (n + threads - 1) / threads : 65536);
+    reverse_index_keys_kernel<<<blocks, threads, 0, stream>>>(p);
+    MSA_CUDA_TRY(cudaGetLastError());
+    size_t bytes = p.sort_temp_bytes;
+    MSA_CUDA_TRY(cub::DeviceRadixSort::SortPairs(p.sort_temp, bytes, p.keys_in, p.keys_out, p.rows_in, p.rows,
+                                                 int(n), 0, key_bits(num_keys), stream));
+  }
+  const int threads = 256;
+  reverse_index_offsets_kernel<<<(num_keys + 1 + threads - 1) / threads, threads, 0, stream>>>(p.keys_out, n,
+                                                                                             p.offsets, num_keys);
+  return cudaGetLastError();
+}
+
+}  // namespace msa

@@ -1,0 +1,13 @@
+#pragma once
+#include <cuda_runtime_api.h>
+
+#include "params.h"
+
+namespace msa {
+
+// Bytes of radix-sort workspace for `num_entries` (key, token) pairs.
+size_t reverse_index_sort_bytes(int num_entries, int num_keys);
+// Builds the reverse index on `stream`; no host synchronisation.
+cudaError_t run_reverse_index(const ReverseIndexParams& p, cudaStream_t stream);
+
+}  // namespace msa

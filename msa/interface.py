@@ -1,0 +1,268 @@
+"""The public API (SPEC.md section 6): argument checks with clear errors, defaults, layouts.
+
+Batched tensors (B, N, H, D) are the equal-length case of the packed layout (T = B*N, H, D): they are
+viewed as packed with cu_seqlens = [0, N, 2N, ...] and the ops see one layout only.
+"""
+from __future__ import annotations
+
+import math
+
+import torch
+
+from ._ops import has_cuda_kernel, ops
+
+HEAD_DIMS = (64, 128)
+BLOCK_SIZES = (64, 128)
+MAX_TOPK = 32
+GPU_DTYPES = (torch.bfloat16, torch.float16)
+# The CPU path also takes fp32/fp64 (debugging, gradcheck); the CUDA kernels take bf16/fp16.
+CPU_DTYPES = GPU_DTYPES + (torch.float32, torch.float64)
+
+
+def _fail(name, expected, got, exc=ValueError):
+    raise exc(f"{name}: expected {expected}, got {got}")
+
+
+def _check_tensor(name, x, rank, layout):
+    if not isinstance(x, torch.Tensor):
+        _fail(name, "a torch.Tensor", type(x).__name__, TypeError)
+    if x.dim() != rank:
+        _fail(name, f"a {rank}-dim tensor {layout}", f"shape {tuple(x.shape)}")
+    if x.stride(-1) != 1:
+        _fail(name, "a contiguous last dim (stride(-1) == 1)", f"stride {x.stride()}")
+
+
+def _check_common(named, rank, layout):
+    """Rank, last-dim contiguity, one device, one dtype out of the supported ones."""
+    for name, x in named:
+        _check_tensor(name, x, rank, layout)
+    name0, x0 = named[0]
+    for name, x in named[1:]:
+        if x.device != x0.device:
+            _fail(name, f"device {x0.device} (the device of {name0})", x.device)
+    allowed = CPU_DTYPES if x0.device.type == "cpu" else GPU_DTYPES
+    if x0.dtype not in allowed:
+        _fail(name0, f"dtype in {[str(d) for d in allowed]} on {x0.device.type}", x0.dtype, TypeError)
+    for name, x in named[1:]:
+        if x.dtype != x0.dtype:
+            _fail(name, f"dtype {x0.dtype} (the dtype of {name0})", x.dtype, TypeError)
+
+
+def _check_option(name, value, allowed):
+    if isinstance(value, bool) or not isinstance(value, int):
+        _fail(name, f"an int in {allowed}", repr(value), TypeError)
+    if value not in allowed:
+        _fail(name, f"one of {tuple(allowed)}", value)
+
+
+def _check_heads(hq, hkv, hi, hki):
+    if hq % hkv:
+        _fail("k", f"a kv head count dividing Hq={hq}", hkv)
+    if hi is None:
+        return
+    if hq % hi:
+        _fail("q_idx", f"an index head count dividing Hq={hq}", hi)
+    if hki is not None and hi % hki:
+        _fail("k_idx", f"an index-key head count dividing Hi={hi}", hki)
+    if hi % hkv and hkv % hi:
+        _fail("q_idx", f"Hi and Hkv={hkv} such that one divides the other", f"Hi={hi}")
+
+
+def _check_dim(name, d):
+    if d not in HEAD_DIMS:
+        _fail(name, f"head dim in {HEAD_DIMS}", d)
+
+
+def _scale(name, value, d):
+    if value is None:
+        return 1.0 / math.sqrt(d)
+    if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value):
+        _fail(name, "a finite float or None", repr(value), TypeError)
+    return float(value)
+
+
+def _require_kernel(op, x):
+    if x.device.type == "cuda" and not has_cuda_kernel(op):
+        raise NotImplementedError(
+            f"msa: this build has no CUDA kernel for msa::{op} (built without CUDA, or the kernel is not "
+            f"written yet: see the support matrix in README.md). Tensors on the CPU use the reference path.")
+    if x.device.type not in ("cpu", "cuda"):
+        _fail("q", "a CPU or CUDA tensor", x.device)
+
+
+def _batch_cu(x, B, N):
+    return torch.arange(0, (B + 1) * N, N, dtype=torch.int32, device=x.device)
+
+
+def _check_msa_inputs(q, k, v, q_idx, k_idx, rank, topk, block_size):
+    layout = "(B, N, H, D)" if rank == 4 else "(T, H, D)"
+    _check_common([("q", q), ("k", k), ("v", v), ("q_idx", q_idx), ("k_idx", k_idx)], rank, layout)
+    lead = q.shape[:-2]
+    if any(s < 1 for s in lead):
+        _fail("q", "at least one token" + (" and batch >= 1" if rank == 4 else ""), f"shape {tuple(q.shape)}")
+    for name, x in (("k", k), ("v", v), ("q_idx", q_idx), ("k_idx", k_idx)):
+        if x.shape[:-2] != lead:
+            _fail(name, f"leading dims {tuple(lead)} (those of q)", f"shape {tuple(x.shape)}")
+    D, Di = q.shape[-1], q_idx.shape[-1]
+    _check_dim("q", D)
+    _check_dim("q_idx", Di)
+    if k.shape != v.shape:
+        _fail("v", f"the shape of k {tuple(k.shape)}", f"shape {tuple(v.shape)}")
+    if k.shape[-1] != D:
+        _fail("k", f"head dim D={D} (that of q)", k.shape[-1])
+    if k_idx.shape[-1] != Di:
+        _fail("k_idx", f"head dim Di={Di} (that of q_idx)", k_idx.shape[-1])
+    _check_heads(q.shape[-2], k.shape[-2], q_idx.shape[-2], k_idx.shape[-2])
+    _check_option("block_size", block_size, BLOCK_SIZES)
+    _check_option("topk", topk, range(1, MAX_TOPK + 1))
+
+
+def _check_varlen(cu_seqlens, max_seqlen, x):
+    if not isinstance(cu_seqlens, torch.Tensor):
+        _fail("cu_seqlens", "an int32 tensor", type(cu_seqlens).__name__, TypeError)
+    if cu_seqlens.dtype != torch.int32:
+        _fail("cu_seqlens", "dtype torch.int32", cu_seqlens.dtype, TypeError)
+    if cu_seqlens.dim() != 1 or cu_seqlens.numel() < 2:
+        _fail("cu_seqlens", "shape (S+1,) with S >= 1", tuple(cu_seqlens.shape))
+    if cu_seqlens.device != x.device:
+        _fail("cu_seqlens", f"device {x.device} (that of q)", cu_seqlens.device)
+    if isinstance(max_seqlen, bool) or not isinstance(max_seqlen, int) or max_seqlen < 1:
+        _fail("max_seqlen", "an int >= 1", repr(max_seqlen), TypeError if not isinstance(max_seqlen, int) else
+              ValueError)
+
+
+def _msa(q, k, v, q_idx, k_idx, cu_seqlens, max_seqlen, topk, block_size, softmax_scale, index_scale, warmup,
+         return_indices):
+    _require_kernel("msa_fwd", q)
+    scale = _scale("softmax_scale", softmax_scale, q.shape[-1])
+    iscale = _scale("index_scale", index_scale, q_idx.shape[-1])
+    return ops.msa_fwd(q, k, v, q_idx, k_idx, cu_seqlens, max_seqlen, topk, block_size, scale, iscale,
+                       bool(warmup), bool(return_indices))
+
+
+def msa_attention(q, k, v, q_idx, k_idx, *, topk=16, block_size=128, softmax_scale=None, index_scale=None,
+                  warmup=False, return_indices=False):
+    """MiniMax Sparse Attention, causal, batched layout.
+
+    Args:
+        q: (B, N, Hq, D) main queries; k, v: (B, N, Hkv, D) main keys/values (GQA).
+        q_idx: (B, N, Hi, Di) index queries, one head per index group; k_idx: (B, N, Hki, Di) index keys.
+        topk: blocks selected per (token, index group), the token's own block included (1..32).
+        block_size: tokens per kv block (64 or 128).
+        softmax_scale, index_scale: default 1/sqrt(D) and 1/sqrt(Di).
+        warmup: dense causal main attention, KL over the full causal set (SPEC 5).
+        return_indices: also return the selection, int32 (B, Hi, N, topk), ascending, -1 padded.
+
+    Returns:
+        (out, kl) or (out, kl, indices). out: (B, N, Hq, D) in the input dtype, differentiable in q, k, v.
+        kl: fp32 0-dim tensor, the exact KL(P || Pidx) averaged over B*N*Hi rows, differentiable in
+        q_idx, k_idx only (the teacher P is detached).
+    """
+    _check_msa_inputs(q, k, v, q_idx, k_idx, 4, topk, block_size)
+    B, N = q.shape[:2]
+    flat = [x.reshape(B * N, *x.shape[2:]) for x in (q, k, v, q_idx, k_idx)]
+    out, kl, indices, _, _ = _msa(*flat, _batch_cu(q, B, N), N, topk, block_size, softmax_scale, index_scale,
+                                  warmup, return_indices)
+    out = out.view(B, N, *out.shape[1:])
+    if not return_indices:
+        return out, kl
+    Hi = q_idx.shape[2]
+    return out, kl, indices.view(Hi, B, N, topk).permute(1, 0, 2, 3).contiguous()
+
+
+def msa_attention_varlen(q, k, v, q_idx, k_idx, cu_seqlens, max_seqlen, *, topk=16, block_size=128,
+                         softmax_scale=None, index_scale=None, warmup=False, return_indices=False):
+    """MiniMax Sparse Attention on packed sequences (flash-attn's thd layout).
+
+    Same as `msa_attention` with tensors (T, H, D) and `cu_seqlens` int32 (S+1,) giving each sequence's
+    first token (cu_seqlens[0] = 0, cu_seqlens[-1] = T, non-decreasing; empty sequences are allowed).
+    Every sequence is independent and its blocks start at its own first token. `max_seqlen` must be
+    >= the longest sequence. indices, when returned, are (Hi, T, topk); kl averages over T*Hi rows.
+    """
+    _check_msa_inputs(q, k, v, q_idx, k_idx, 3, topk, block_size)
+    _check_varlen(cu_seqlens, max_seqlen, q)
+    out, kl, indices, _, _ = _msa(q, k, v, q_idx, k_idx, cu_seqlens, max_seqlen, topk, block_size, softmax_scale,
+                                  index_scale, warmup, return_indices)
+    return (out, kl, indices) if return_indices else (out, kl)
+
+
+def select_blocks(q_idx, k_idx, *, topk=16, block_size=128, index_scale=None, cu_seqlens=None, max_seqlen=None):
+    """The index branch alone (SPEC 2): int32 selected blocks, ascending, -1 padded.
+
+    Batched (B, N, Hi, Di) / (B, N, Hki, Di) inputs give (B, Hi, N, topk). Packed (T, H, Di) inputs with
+    `cu_seqlens` and `max_seqlen` give (Hi, T, topk). Not differentiable.
+    """
+    rank = 3 if cu_seqlens is not None else 4
+    layout = "(B, N, H, Di)" if rank == 4 else "(T, H, Di)"
+    _check_common([("q_idx", q_idx), ("k_idx", k_idx)], rank, layout)
+    if q_idx.shape[:-2] != k_idx.shape[:-2] or any(s < 1 for s in q_idx.shape[:-2]):
+        _fail("k_idx", f"leading dims {tuple(q_idx.shape[:-2])} (those of q_idx, each >= 1)",
+              f"shape {tuple(k_idx.shape)}")
+    Di = q_idx.shape[-1]
+    _check_dim("q_idx", Di)
+    if k_idx.shape[-1] != Di:
+        _fail("k_idx", f"head dim Di={Di} (that of q_idx)", k_idx.shape[-1])
+    if q_idx.shape[-2] % k_idx.shape[-2]:
+        _fail("k_idx", f"an index-key head count dividing Hi={q_idx.shape[-2]}", k_idx.shape[-2])
+    _check_option("block_size", block_size, BLOCK_SIZES)
+    _check_option("topk", topk, range(1, MAX_TOPK + 1))
+    _require_kernel("select_blocks", q_idx)
+    iscale = _scale("index_scale", index_scale, Di)
+    if rank == 3:
+        _check_varlen(cu_seqlens, max_seqlen, q_idx)
+        return ops.select_blocks(q_idx, k_idx, cu_seqlens, max_seqlen, topk, block_size, iscale)
+    B, N, Hi = q_idx.shape[:3]
+    idx = ops.select_blocks(q_idx.reshape(B * N, Hi, Di), k_idx.reshape(B * N, -1, Di), _batch_cu(q_idx, B, N), N,
+                            topk, block_size, iscale)
+    return idx.view(Hi, B, N, topk).permute(1, 0, 2, 3).contiguous()
+
+
+def sparse_attention(q, k, v, indices, *, block_size=128, softmax_scale=None, return_lse=False, cu_seqlens=None,
+                     max_seqlen=None):
+    """The main branch alone (SPEC 3): causal attention over the tokens of the given blocks.
+
+    Batched: q (B, N, Hq, D), k/v (B, N, Hkv, D), indices int32 (B, Hi, N, topk) as `select_blocks`
+    returns them (query head h uses index group h // (Hq/Hi)); lse is (B, Hq, N). Packed: (T, H, D)
+    tensors, indices (Hi, T, topk), `cu_seqlens`/`max_seqlen` as in `msa_attention_varlen`; lse (Hq, T).
+    Entries < 0 or beyond the token's own block select nothing; repeats count once. A row that attends
+    to nothing gets out = 0 and lse = -inf. Differentiable in q, k, v.
+    """
+    rank = 3 if cu_seqlens is not None else 4
+    layout = "(B, N, H, D)" if rank == 4 else "(T, H, D)"
+    _check_common([("q", q), ("k", k), ("v", v)], rank, layout)
+    if not isinstance(indices, torch.Tensor):
+        _fail("indices", "an int32 tensor", type(indices).__name__, TypeError)
+    if indices.dtype != torch.int32:
+        _fail("indices", "dtype torch.int32", indices.dtype, TypeError)
+    if indices.device != q.device:
+        _fail("indices", f"device {q.device} (that of q)", indices.device)
+    lead = q.shape[:-2]
+    if any(s < 1 for s in lead):
+        _fail("q", "at least one token", f"shape {tuple(q.shape)}")
+    for name, x in (("k", k), ("v", v)):
+        if x.shape[:-2] != lead:
+            _fail(name, f"leading dims {tuple(lead)} (those of q)", f"shape {tuple(x.shape)}")
+    D = q.shape[-1]
+    _check_dim("q", D)
+    if k.shape != v.shape or k.shape[-1] != D:
+        _fail("k", f"k and v of one shape with head dim {D}", f"k {tuple(k.shape)}, v {tuple(v.shape)}")
+    if indices.dim() != rank or indices.shape[-1] < 1 or indices.shape[-1] > MAX_TOPK:
+        _fail("indices", f"a {rank}-dim tensor with 1..{MAX_TOPK} slots", f"shape {tuple(indices.shape)}")
+    hi = indices.shape[1] if rank == 4 else indices.shape[0]
+    tok = (indices.shape[0], indices.shape[2]) if rank == 4 else (indices.shape[1],)
+    if tok != tuple(lead):
+        _fail("indices", f"token dims {tuple(lead)} (those of q)", f"shape {tuple(indices.shape)}")
+    _check_heads(q.shape[-2], k.shape[-2], hi, None)
+    _check_option("block_size", block_size, BLOCK_SIZES)
+    _require_kernel("sparse_fwd", q)
+    scale = _scale("softmax_scale", softmax_scale, D)
+    if rank == 3:
+        _check_varlen(cu_seqlens, max_seqlen, q)
+        out, lse = ops.sparse_fwd(q, k, v, indices.contiguous(), cu_seqlens, max_seqlen, block_size, scale)
+        return (out, lse) if return_lse else out
+    B, N = lead
+    flat = [x.reshape(B * N, *x.shape[2:]) for x in (q, k, v)]
+    idx = indices.permute(1, 0, 2, 3).reshape(hi, B * N, indices.shape[-1])
+    out, lse = ops.sparse_fwd(*flat, idx, _batch_cu(q, B, N), N, block_size, scale)
+    out = out.view(B, N, *out.shape[1:])
+    return (out, lse.view(-1, B, N).permute(1, 0, 2)) if return_lse else out
