@@ -6,6 +6,7 @@ Environment switches:
   MSA_CUTLASS_DIR  CUTLASS checkout or include folder (default: third_party/cutlass, then the
                    headers of the pinned nvidia-cutlass wheel, see third_party/cutlass.pin)
   MAX_JOBS         parallel compile jobs (default: all cores)
+  MSA_PTXAS_VERBOSE=1  print registers, shared memory and spills of every kernel
   CUDA_HOME / CUDACXX  where nvcc is
 """
 import importlib.util
@@ -85,7 +86,8 @@ class CMakeBuild(build_ext):
             args += ["-DMSA_WITH_CUDA=ON", f"-DCMAKE_CUDA_COMPILER={nvcc}",
                      f"-DCUDA_TOOLKIT_ROOT_DIR={Path(nvcc).resolve().parent.parent}",
                      f"-DMSA_CUDA_ARCHS={os.environ.get('MSA_CUDA_ARCHS', '80;90a')}",
-                     f"-DMSA_CUTLASS_DIR={_cutlass_dir()}"]
+                     f"-DMSA_CUTLASS_DIR={_cutlass_dir()}",
+                     f"-DMSA_PTXAS_VERBOSE={'ON' if os.environ.get('MSA_PTXAS_VERBOSE') == '1' else 'OFF'}"]
             # torch's CMake config wants an arch list (else it probes the GPU); ours are set per source.
             env.setdefault("TORCH_CUDA_ARCH_LIST", "8.0;9.0")
         jobs = os.environ.get("MAX_JOBS") or str(os.cpu_count() or 1)

@@ -55,17 +55,17 @@ def _check_option(name, value, allowed):
         _fail(name, f"one of {tuple(allowed)}", value)
 
 
-def _check_heads(hq, hkv, hi, hki):
+def _check_heads(hq, hkv, hi, hki, hi_name="q_idx"):
     if hq % hkv:
         _fail("k", f"a kv head count dividing Hq={hq}", hkv)
     if hi is None:
         return
     if hq % hi:
-        _fail("q_idx", f"an index head count dividing Hq={hq}", hi)
+        _fail(hi_name, f"an index head count dividing Hq={hq}", hi)
     if hki is not None and hi % hki:
         _fail("k_idx", f"an index-key head count dividing Hi={hi}", hki)
     if hi % hkv and hkv % hi:
-        _fail("q_idx", f"Hi and Hkv={hkv} such that one divides the other", f"Hi={hi}")
+        _fail(hi_name, f"Hi and Hkv={hkv} such that one divides the other", f"Hi={hi}")
 
 
 def _check_dim(name, d):
@@ -106,10 +106,10 @@ def _check_msa_inputs(q, k, v, q_idx, k_idx, rank, topk, block_size):
     D, Di = q.shape[-1], q_idx.shape[-1]
     _check_dim("q", D)
     _check_dim("q_idx", Di)
-    if k.shape != v.shape:
-        _fail("v", f"the shape of k {tuple(k.shape)}", f"shape {tuple(v.shape)}")
     if k.shape[-1] != D:
         _fail("k", f"head dim D={D} (that of q)", k.shape[-1])
+    if k.shape != v.shape:
+        _fail("v", f"the shape of k {tuple(k.shape)}", f"shape {tuple(v.shape)}")
     if k_idx.shape[-1] != Di:
         _fail("k_idx", f"head dim Di={Di} (that of q_idx)", k_idx.shape[-1])
     _check_heads(q.shape[-2], k.shape[-2], q_idx.shape[-2], k_idx.shape[-2])
@@ -252,7 +252,7 @@ def sparse_attention(q, k, v, indices, *, block_size=128, softmax_scale=None, re
     tok = (indices.shape[0], indices.shape[2]) if rank == 4 else (indices.shape[1],)
     if tok != tuple(lead):
         _fail("indices", f"token dims {tuple(lead)} (those of q)", f"shape {tuple(indices.shape)}")
-    _check_heads(q.shape[-2], k.shape[-2], hi, None)
+    _check_heads(q.shape[-2], k.shape[-2], hi, None, "indices")
     _check_option("block_size", block_size, BLOCK_SIZES)
     _require_kernel("sparse_fwd", q)
     scale = _scale("softmax_scale", softmax_scale, D)

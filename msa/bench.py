@@ -1,0 +1,233 @@
+"""python -m msa.bench: time msa against dense attention on this device.
+
+CUDA: the SPEC 8 bench configuration (B=1, Hq=16, Hkv=2, Hi=4, Hki=1, D=Di=128, Bk=128, k=16, bf16) at
+N in {8K..128K}, dense cuDNN SDPA measured in the same run. CPU: the reference path at small N against
+PyTorch's CPU SDPA. Every msa op without a compiled kernel for the device is reported as such, not timed.
+`--save` writes the table with date, commit, GPU and command under benchmarks/results/.
+"""
+from __future__ import annotations
+
+import argparse
+import datetime
+import os
+import platform
+import statistics
+import subprocess
+import sys
+import time
+
+import torch
+import torch.nn.functional as F
+
+import msa
+
+CONFIG = dict(Hq=16, Hkv=2, Hi=4, Hki=1, D=128, Di=128, block_size=128, topk=16)
+
+
+def progress(msg: str) -> None:
+    print(f"  .. {msg}", file=sys.stderr, flush=True)
+
+
+class Timer:
+    """Median wall time of `fn(inputs)` over rotating input sets (CUDA events on the GPU)."""
+
+    def __init__(self, device, reps, warmup=2):
+        self.device, self.reps, self.warmup = device, reps, warmup
+
+    def __call__(self, fn, input_sets):
+        for i in range(self.warmup):
+            fn(*input_sets[i % len(input_sets)])
+        times = []
+        for i in range(self.reps):
+            args = input_sets[i % len(input_sets)]
+            if self.device.type == "cuda":
+                start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+                start.record()
+                fn(*args)
+                end.record()
+                end.synchronize()
+                times.append(start.elapsed_time(end))
+            else:
+                t0 = time.perf_counter()
+                fn(*args)
+                times.append((time.perf_counter() - t0) * 1e3)
+        return statistics.median(times)
+
+
+def make_inputs(N, device, dtype, seed, requires_grad=True):
+    g = torch.Generator(device="cpu").manual_seed(seed)
+    c = CONFIG
+    shapes = [(1, N, c["Hq"], c["D"]), (1, N, c["Hkv"], c["D"]), (1, N, c["Hkv"], c["D"]),
+              (1, N, c["Hi"], c["Di"]), (1, N, c["Hki"], c["Di"])]
+    return [torch.randn(s, generator=g).to(device=device, dtype=dtype).requires_grad_(requires_grad)
+            for s in shapes]
+
+
+def dense_fwd(q, k, v, *_):
+    # SDPA wants (B, H, N, D); GQA through enable_gqa keeps K/V unexpanded.
+    return F.scaled_dot_product_attention(q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), is_causal=True,
+                                          enable_gqa=True)
+
+
+def dense_fwd_bwd(q, k, v, *_):
+    out = dense_fwd(q, k, v)
+    torch.autograd.grad(out, (q, k, v), torch.ones_like(out))
+
+
+def msa_fwd(q, k, v, qi, ki):
+    with torch.no_grad():
+        msa.msa_attention(q, k, v, qi, ki, topk=CONFIG["topk"], block_size=CONFIG["block_size"])
+
+
+def msa_fwd_bwd(q, k, v, qi, ki):
+    out, kl = msa.msa_attention(q, k, v, qi, ki, topk=CONFIG["topk"], block_size=CONFIG["block_size"])
+    torch.autograd.grad((out, kl), (q, k, v, qi, ki), (torch.ones_like(out), torch.ones_like(kl)))
+
+
+def synthetic_indices(N, device, seed):
+    """A valid selection (local block + random distinct earlier blocks), packed (Hi, N, k), for timing
+    the kernels that consume a selection when the selector itself is not available on the device."""
+    g = torch.Generator(device="cpu").manual_seed(seed)
+    c = CONFIG
+    bs, k = c["block_size"], c["topk"]
+    local = torch.arange(N) // bs
+    keys = torch.rand(c["Hi"], N, N // bs + 1, generator=g) if N <= 16384 else None
+    if keys is None:  # large N: draw with repeats, the kernels count a repeat once
+        earlier = (torch.rand(c["Hi"], N, k - 1, generator=g) * local[None, :, None]).long()
+    else:
+        keys = keys.masked_fill(torch.arange(N // bs + 1)[None, None, :] >= local[None, :, None], 2.0)
+        earlier = keys.topk(k - 1, largest=False).indices
+        earlier = torch.where(torch.arange(k - 1)[None, None, :] < local[None, :, None], earlier, -1)
+    idx = torch.cat([local[None, :, None].expand(c["Hi"], N, 1), earlier], dim=-1)
+    idx = torch.where(idx < 0, N, idx).sort(-1).values  # ascending, -1 padding last
+    return torch.where(idx == N, -1, idx).to(torch.int32).to(device)
+
+
+def attended_tokens(indices, block_size):
+    """sum over (token, index group) of |T(i, r)| (SPEC 8), from packed (Hi, N, k) indices."""
+    N = indices.shape[1]
+    i = torch.arange(N, device=indices.device)[None, :, None]
+    b = indices.long()
+    uniq = torch.ones_like(b, dtype=torch.bool)
+    for j in range(1, b.shape[-1]):
+        uniq[..., j] = ~(b[..., :j] == b[..., j:j + 1]).any(-1)
+    n = torch.clamp(i - b * block_size + 1, min=0, max=block_size)
+    return int((n * ((b >= 0) & uniq)).sum())
+
+
+def git_commit():
+    try:
+        root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+        out = subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=root, capture_output=True, text=True)
+        dirty = subprocess.run(["git", "status", "--porcelain", "--untracked-files=no"], cwd=root,
+                               capture_output=True, text=True).stdout.strip()
+        return out.stdout.strip() + ("+dirty" if dirty else "") if out.returncode == 0 else "unknown"
+    except OSError:
+        return "unknown"
+
+
+def run(args):
+    device = torch.device(args.device)
+    on_gpu = device.type == "cuda"
+    dtype = torch.bfloat16
+    ns = args.n or ([8192, 16384, 32768, 65536, 131072] if on_gpu else [512, 1024, 2048])
+    timer = Timer(device, reps=args.reps or (20 if on_gpu else 2))
+    c = CONFIG
+    rows = []
+    steps = len(ns)
+    for step, N in enumerate(ns, 1):
+        progress(f"[{step}/{steps}] N={N}: inputs")
+        # Rotate input sets that together exceed the L2 cache (60 MB on an H200) at small N.
+        n_sets = max(1, min(3, (256 << 20) // max(1, N * (c["Hq"] + 2 * c["Hkv"]) * c["D"] * 2))) if on_gpu else 1
+        sets = [make_inputs(N, device, dtype, seed=s) for s in range(n_sets)]
+        dense_flops = 2 * N * N * c["D"] * c["Hq"]
+        row = dict(N=N)
+        progress(f"[{step}/{steps}] N={N}: dense fwd")
+        row["dense_fwd"] = timer(dense_fwd, sets)
+        progress(f"[{step}/{steps}] N={N}: dense fwd+bwd")
+        row["dense_fwdbwd"] = timer(dense_fwd_bwd, sets)
+        row["dense_tflops"] = 3.5 * dense_flops / row["dense_fwdbwd"] / 1e9
+        if device.type == "cpu" or msa.has_cuda_kernel("msa_fwd"):
+            progress(f"[{step}/{steps}] N={N}: msa fwd")
+            row["msa_fwd"] = timer(msa_fwd, sets)
+            progress(f"[{step}/{steps}] N={N}: msa fwd+bwd")
+            row["msa_fwdbwd"] = timer(msa_fwd_bwd, sets)
+            with torch.no_grad():
+                idx = msa.select_blocks(sets[0][3], sets[0][4], topk=c["topk"], block_size=c["block_size"])
+            att = attended_tokens(idx[0], c["block_size"]) * (c["Hq"] // c["Hi"])
+            row["attended_tflops"] = 3.5 * 4 * c["D"] * att / row["msa_fwdbwd"] / 1e9
+            row["ratio"] = row["dense_fwdbwd"] / row["msa_fwdbwd"]
+        if on_gpu and msa.has_cuda_kernel("reverse_index"):
+            progress(f"[{step}/{steps}] N={N}: reverse index")
+            idx = synthetic_indices(N, device, seed=N)
+            cu = torch.tensor([0, N], dtype=torch.int32, device=device)
+            row["reverse_index"] = timer(lambda i: torch.ops.msa.reverse_index(i, cu, N, c["block_size"]), [(idx,)])
+        rows.append(row)
+        del sets
+        if on_gpu:
+            torch.cuda.empty_cache()
+    return rows
+
+
+def fmt(v, spec):
+    return "n/a" if v is None else format(v, spec)
+
+
+def table(rows, device):
+    cols = [("N", "N", "d"), ("dense fwd ms", "dense_fwd", ".3f"), ("dense fwd+bwd ms", "dense_fwdbwd", ".3f"),
+            ("dense TFLOP/s", "dense_tflops", ".3g"), ("msa fwd ms", "msa_fwd", ".3f"),
+            ("msa fwd+bwd ms", "msa_fwdbwd", ".3f"), ("msa attended TFLOP/s", "attended_tflops", ".3g"),
+            ("dense/msa fwd+bwd", "ratio", ".2f")]
+    if device.type == "cuda":
+        cols.append(("reverse index ms", "reverse_index", ".3f"))
+    lines = ["| " + " | ".join(c[0] for c in cols) + " |", "|" + "---|" * len(cols)]
+    for r in rows:
+        lines.append("| " + " | ".join(fmt(r.get(key), spec) for _, key, spec in cols) + " |")
+    return "\n".join(lines)
+
+
+def header(device, argv):
+    gpu = torch.cuda.get_device_name(device) if device.type == "cuda" else f"CPU ({platform.processor() or 'x86_64'}, {os.cpu_count()} cores)"
+    notes = []
+    if device.type == "cuda" and not msa.has_cuda_kernel("msa_fwd"):
+        notes.append("msa_fwd has no CUDA kernel in this build yet: msa columns are n/a (not timed).")
+    if device.type == "cpu":
+        notes.append("CPU: msa runs the chunked PyTorch reference (msa/reference.py); dense is torch's CPU SDPA.")
+    return "\n".join([
+        f"- date: {datetime.datetime.now(datetime.timezone.utc).strftime('%Y-%m-%d %H:%M UTC')}",
+        f"- commit: {git_commit()}",
+        f"- device: {gpu}; torch {torch.__version__}",
+        f"- command: `{' '.join(argv)}`",
+        f"- config: B=1, Hq={CONFIG['Hq']}, Hkv={CONFIG['Hkv']}, Hi={CONFIG['Hi']}, Hki={CONFIG['Hki']}, "
+        f"D={CONFIG['D']}, Di={CONFIG['Di']}, block={CONFIG['block_size']}, k={CONFIG['topk']}, bf16, causal; "
+        f"median ms; TFLOP/s: dense = 3.5 * 2N^2*D*Hq / time, attended = 3.5 * 4*D*sum|T| / time (SPEC 8)",
+        *[f"- note: {n}" for n in notes]])
+
+
+def main(argv=None):
+    p = argparse.ArgumentParser(prog="python -m msa.bench", description=__doc__,
+                                formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
+    p.add_argument("--n", type=int, nargs="*", help="sequence lengths (default: 8K..128K on CUDA, 1K..4K on CPU)")
+    p.add_argument("--reps", type=int, help="timed repetitions (median reported)")
+    p.add_argument("--save", nargs="?", const="benchmarks/results", help="write the table to this folder")
+    args = p.parse_args(argv)
+    device = torch.device(args.device)
+    cmd = ["python -m msa.bench", *(argv if argv is not None else sys.argv[1:])]
+    print(f"msa {msa.__version__} benchmark on {device} (progress on stderr)", flush=True)
+    rows = run(args)
+    text = f"# msa benchmark\n\n{header(device, cmd)}\n\n{table(rows, device)}\n"
+    print(text)
+    if args.save:
+        os.makedirs(args.save, exist_ok=True)
+        stamp = datetime.datetime.now(datetime.timezone.utc).strftime("%Y%m%d-%H%M")
+        tag = "cpu" if device.type == "cpu" else torch.cuda.get_device_name(device).split()[-1].lower()
+        path = os.path.join(args.save, f"{stamp}-{tag}-{git_commit()}.md")
+        with open(path, "w") as f:
+            f.write(text)
+        print(f"saved {path}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,32 @@
+#!/usr/bin/env bash
+# How every kernel issue is checked on a CUDA machine with no network:
+#   scripts/gpu_check.sh LOGDIR [bench args...]
+# Installs carried wheels (.whl/, e.g. nvidia-cutlass), builds the extension with all cores, runs the
+# whole test suite (GPU tests included) and the benchmark; logs and the result table land in LOGDIR.
+set -uo pipefail
+LOG=${1:?usage: scripts/gpu_check.sh LOGDIR [bench args...]}
+shift
+mkdir -p "$LOG"
+PY=${PYTHON:-python3}
+export PYTHONUNBUFFERED=1
+if compgen -G ".whl/*.whl" > /dev/null; then
+  $PY -m pip install -q --no-index --no-deps --no-compile --target /tmp/msa-site .whl/*.whl || exit 1
+  export PYTHONPATH=/tmp/msa-site${PYTHONPATH:+:$PYTHONPATH}
+fi
+nvidia-smi --query-gpu=name,driver_version,clocks.sm,clocks.mem,temperature.gpu --format=csv > "$LOG/gpu.txt" 2>&1
+$PY -c "import torch; print('torch', torch.__version__, 'cuda', torch.version.cuda)" >> "$LOG/gpu.txt"
+t0=$(date +%s)
+MAX_JOBS=${MAX_JOBS:-$(nproc)} MSA_PTXAS_VERBOSE=1 $PY setup.py build_ext --inplace > "$LOG/build.log" 2>&1
+rc=$?
+echo "build: rc=$rc, $(( $(date +%s) - t0 )) s" | tee -a "$LOG/summary.txt"
+if [ $rc -ne 0 ]; then tail -n 40 "$LOG/build.log"; exit $rc; fi
+grep -E "spill|registers|Compiling entry" "$LOG/build.log" | sort -u > "$LOG/ptxas.txt" || true
+t0=$(date +%s)
+$PY -m pytest tests -q -rs --durations=10 > "$LOG/tests.log" 2>&1
+rc_tests=$?
+echo "tests: rc=$rc_tests, $(( $(date +%s) - t0 )) s, $(tail -n 1 "$LOG/tests.log")" | tee -a "$LOG/summary.txt"
+$PY -m msa.bench --save "$LOG" "$@" 2> "$LOG/bench_progress.log" | tee "$LOG/bench.txt"
+rc_bench=${PIPESTATUS[0]}
+echo "bench: rc=$rc_bench" | tee -a "$LOG/summary.txt"
+cat "$LOG/summary.txt"
+[ $rc_tests -eq 0 ] && [ $rc_bench -eq 0 ]

@@ -1,0 +1,32 @@
+"""Input factories shared by the tests."""
+import torch
+
+# (Hq, Hkv, Hi, Hki) head classes of the foundation issue.
+HEADS = [(4, 4, 4, 1), (8, 2, 4, 1), (8, 4, 2, 1), (16, 2, 4, 2)]
+
+
+def make_inputs(B, N, heads, D, Di, dtype=torch.float64, device="cpu", seed=0, requires_grad=False):
+    """Fresh random normal (q, k, v, q_idx, k_idx) in the batched layout."""
+    g = torch.Generator(device="cpu").manual_seed(seed)
+    Hq, Hkv, Hi, Hki = heads
+    shapes = [(B, N, Hq, D), (B, N, Hkv, D), (B, N, Hkv, D), (B, N, Hi, Di), (B, N, Hki, Di)]
+    return [torch.randn(s, generator=g, dtype=torch.float64).to(dtype=dtype, device=device)
+            .requires_grad_(requires_grad) for s in shapes]
+
+
+def make_packed(lengths, heads, D, Di, dtype=torch.float64, device="cpu", seed=0, requires_grad=False):
+    """(q, k, v, q_idx, k_idx, cu_seqlens, max_seqlen) for sequences of the given lengths, packed."""
+    T = sum(lengths)
+    tensors = [x[0] for x in make_inputs(1, T, heads, D, Di, dtype, device, seed)]
+    tensors = [x.detach().requires_grad_(requires_grad) for x in tensors]
+    cu = torch.tensor([0] + list(torch.tensor(lengths).cumsum(0).tolist()), dtype=torch.int32, device=device)
+    return (*tensors, cu, max(lengths))
+
+
+def packed(x):
+    """(B, N, H, D) -> (B*N, H, D) float64 numpy."""
+    return x.detach().double().reshape(-1, *x.shape[2:]).cpu().numpy()
+
+
+def batch_cu(B, N):
+    return [N * b for b in range(B + 1)]

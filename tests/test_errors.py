@@ -1,0 +1,161 @@
+"""SPEC 7: every bad-input class raises ValueError/TypeError naming the argument, before any launch."""
+import pytest
+import torch
+
+import msa
+from helpers import make_inputs, make_packed
+
+HEADS = (8, 2, 4, 1)
+
+
+def good(device="cpu", dtype=torch.bfloat16, N=130):
+    return dict(zip(["q", "k", "v", "q_idx", "k_idx"], make_inputs(2, N, HEADS, 64, 64, dtype=dtype, device=device)))
+
+
+def call(kw, **opts):
+    return msa.msa_attention(kw["q"], kw["k"], kw["v"], kw["q_idx"], kw["k_idx"], **opts)
+
+
+def expect(exc, name, fn):
+    with pytest.raises(exc) as info:
+        fn()
+    assert info.value.args and str(info.value).startswith(name + ":"), str(info.value)
+    return str(info.value)
+
+
+@pytest.mark.parametrize("name", ["q", "k", "v", "q_idx", "k_idx"])
+def test_wrong_rank(name):
+    kw = good()
+    kw[name] = kw[name][0]
+    msg = expect(ValueError, name, lambda: call(kw))
+    assert "4-dim" in msg and "got shape" in msg
+
+
+@pytest.mark.parametrize("name,shape", [("k", (2, 129, 2, 64)), ("v", (2, 130, 4, 64)), ("q_idx", (1, 130, 4, 64)),
+                                        ("k_idx", (2, 130, 1, 128)), ("k", (2, 130, 2, 128))])
+def test_wrong_shape(name, shape):
+    kw = good()
+    kw[name] = torch.randn(shape, dtype=torch.bfloat16)
+    expect(ValueError, name, lambda: call(kw))
+
+
+@pytest.mark.parametrize("name,heads", [("k", 3), ("q_idx", 3), ("k_idx", 3), ("q_idx", 8)])
+def test_head_divisibility(name, heads):
+    kw = good()
+    if name == "q_idx" and heads == 8:   # Hi=8 with Hkv=... make Hkv=2 and Hi=8 legal; use Hkv=4, Hi=... instead
+        kw = dict(zip(["q", "k", "v", "q_idx", "k_idx"], make_inputs(1, 10, (24, 8, 12, 1), 64, 64,
+                                                                    dtype=torch.bfloat16)))
+        expect(ValueError, "q_idx", lambda: call(kw))  # neither of Hi=12, Hkv=8 divides the other
+        return
+    shape = list(kw[name].shape)
+    shape[2] = heads
+    kw[name] = torch.randn(shape, dtype=torch.bfloat16)
+    if name == "k":
+        kw["v"] = torch.randn(shape, dtype=torch.bfloat16)
+    expect(ValueError, name, lambda: call(kw))
+
+
+@pytest.mark.parametrize("name", ["k", "v", "q_idx", "k_idx"])
+def test_dtype_mix(name):
+    kw = good()
+    kw[name] = kw[name].half()
+    expect(TypeError, name, lambda: call(kw))
+
+
+def test_unsupported_dtype():
+    kw = {n: x.to(torch.int32) for n, x in good().items()}
+    expect(TypeError, "q", lambda: call(kw))
+
+
+@pytest.mark.parametrize("name", ["k", "v", "q_idx", "k_idx"])
+def test_device_mix(name):
+    kw = good()
+    kw[name] = kw[name].to("meta")
+    expect(ValueError, name, lambda: call(kw))
+
+
+@pytest.mark.parametrize("name,dim", [("q", 96), ("q_idx", 32), ("q_idx", 256)])
+def test_unsupported_head_dim(name, dim):
+    kw = good()
+    if name == "q":
+        for n in ("q", "k", "v"):
+            kw[n] = torch.randn(*kw[n].shape[:3], dim, dtype=torch.bfloat16)
+    else:
+        for n in ("q_idx", "k_idx"):
+            kw[n] = torch.randn(*kw[n].shape[:3], dim, dtype=torch.bfloat16)
+    msg = expect(ValueError, name, lambda: call(kw))
+    assert str(dim) in msg
+
+
+@pytest.mark.parametrize("opt,value,exc", [("block_size", 32, ValueError), ("block_size", 256, ValueError),
+                                           ("block_size", 64.0, TypeError), ("topk", 0, ValueError),
+                                           ("topk", 33, ValueError), ("topk", True, TypeError)])
+def test_unsupported_options(opt, value, exc):
+    msg = expect(exc, opt, lambda: call(good(), **{opt: value}))
+    assert repr(value) in msg or str(value) in msg
+
+
+@pytest.mark.parametrize("name", ["q", "k", "v", "q_idx", "k_idx"])
+def test_noncontiguous_last_dim(name):
+    kw = good()
+    x = kw[name]
+    kw[name] = torch.stack([x, x], dim=-1)[..., 0]  # same values, stride(-1) == 2
+    msg = expect(ValueError, name, lambda: call(kw))
+    assert "stride" in msg
+
+
+def test_other_strides_are_fine():
+    kw = good()
+    ref_out, ref_kl = call(kw, topk=2, block_size=64)
+    kw["q"] = kw["q"].transpose(1, 2).contiguous().transpose(1, 2)  # (B, N, H, D) view of BHND memory
+    out, kl = call(kw, topk=2, block_size=64)
+    torch.testing.assert_close(out, ref_out, rtol=0, atol=0)
+
+
+@pytest.mark.parametrize("cu,mx,name", [([0, 100, 80, 200], 120, "cu_seqlens"),   # decreasing
+                                        ([0, 100, 199], 100, "cu_seqlens"),       # last != T
+                                        ([1, 100, 200], 100, "cu_seqlens"),       # first != 0
+                                        ([0, 100, 200], 99, "max_seqlen")])       # too small
+def test_bad_cu_seqlens(cu, mx, name):
+    q, k, v, qi, ki, _, _ = make_packed([100, 100], HEADS, 64, 64, dtype=torch.bfloat16)
+    cu_t = torch.tensor(cu, dtype=torch.int32)
+    expect(ValueError, name, lambda: msa.msa_attention_varlen(q, k, v, qi, ki, cu_t, mx))
+
+
+def test_cu_seqlens_type():
+    q, k, v, qi, ki, cu, mx = make_packed([100, 100], HEADS, 64, 64, dtype=torch.bfloat16)
+    expect(TypeError, "cu_seqlens", lambda: msa.msa_attention_varlen(q, k, v, qi, ki, cu.long(), mx))
+    expect(TypeError, "cu_seqlens", lambda: msa.msa_attention_varlen(q, k, v, qi, ki, [0, 100, 200], mx))
+    expect(ValueError, "cu_seqlens", lambda: msa.msa_attention_varlen(q, k, v, qi, ki, cu.view(1, 3), mx))
+
+
+def test_empty_input():
+    kw = good(N=1)
+    kw = {n: x[:, :0] for n, x in kw.items()}
+    expect(ValueError, "q", lambda: call(kw))
+
+
+def test_select_blocks_and_sparse_attention_errors():
+    kw = good()
+    expect(ValueError, "topk", lambda: msa.select_blocks(kw["q_idx"], kw["k_idx"], topk=40))
+    expect(ValueError, "k_idx", lambda: msa.select_blocks(kw["q_idx"], kw["k_idx"][:, :5]))
+    idx = msa.select_blocks(kw["q_idx"], kw["k_idx"], topk=2, block_size=64)
+    expect(TypeError, "indices", lambda: msa.sparse_attention(kw["q"], kw["k"], kw["v"], idx.long()))
+    expect(ValueError, "indices", lambda: msa.sparse_attention(kw["q"], kw["k"], kw["v"], idx[:, :, :5]))
+    expect(ValueError, "indices", lambda: msa.sparse_attention(kw["q"], kw["k"], kw["v"], idx[:, :3]))  # Hq % Hi
+
+
+@pytest.mark.gpu
+def test_cuda_bad_inputs_raise_before_launch():
+    kw = good("cuda")
+    kw32 = {n: x.float() for n, x in kw.items()}
+    expect(TypeError, "q", lambda: call(kw32))  # fp32 is CPU-only
+    mixed = dict(kw, k_idx=kw["k_idx"].cpu())
+    expect(ValueError, "k_idx", lambda: call(mixed))
+    idx = torch.zeros(4, 260, 2, dtype=torch.int32, device="cuda")
+    bad_cu = torch.tensor([0, 200, 100, 260], dtype=torch.int32, device="cuda")
+    expect(ValueError, "cu_seqlens", lambda: torch.ops.msa.reverse_index(idx, bad_cu, 200, 64))
+    good_cu = torch.tensor([0, 130, 260], dtype=torch.int32, device="cuda")
+    expect(ValueError, "max_seqlen", lambda: torch.ops.msa.reverse_index(idx, good_cu, 100, 64))
+    expect(ValueError, "block_size", lambda: torch.ops.msa.reverse_index(idx, good_cu, 130, 32))
+    torch.cuda.synchronize()  # nothing faulted

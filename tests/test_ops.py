@@ -1,0 +1,72 @@
+"""torch.library integration: opcheck on every op, torch.compile(fullgraph=True) of the public API."""
+import pytest
+import torch
+
+import msa
+from helpers import make_packed
+
+ops = torch.ops.msa
+
+
+def _packed(dtype=torch.float32, requires_grad=True, lengths=(70, 30)):
+    q, k, v, qi, ki, cu, mx = make_packed(list(lengths), (8, 2, 4, 1), 64, 64, dtype=dtype, seed=1,
+                                          requires_grad=requires_grad)
+    return q, k, v, qi, ki, cu, mx
+
+
+@pytest.mark.parametrize("warmup,ret", [(False, False), (True, False), (True, True)])
+def test_opcheck_msa_fwd(warmup, ret):
+    q, k, v, qi, ki, cu, mx = _packed()
+    torch.library.opcheck(ops.msa_fwd, (q, k, v, qi, ki, cu, mx, 2, 64, 0.125, 0.125, warmup, ret))
+
+
+def test_opcheck_msa_bwd():
+    q, k, v, qi, ki, cu, mx = _packed(requires_grad=False)
+    out, kl, idx, lse, lse_idx = ops.msa_fwd(q, k, v, qi, ki, cu, mx, 2, 64, 0.125, 0.125, False, False)
+    dout = torch.randn_like(out)
+    dkl = torch.tensor(1.5)
+    for d_out, d_kl in ((dout, dkl), (None, dkl), (dout, None)):
+        torch.library.opcheck(ops.msa_bwd, (d_out, d_kl, q, k, v, out, lse, qi, ki, lse_idx, idx, cu, mx, 64, 0.125,
+                                            0.125, False))
+
+
+def test_opcheck_select_sparse_reverse():
+    q, k, v, qi, ki, cu, mx = _packed()
+    idx = ops.select_blocks(qi.detach(), ki.detach(), cu, mx, 2, 64, 0.125)
+    torch.library.opcheck(ops.select_blocks, (qi, ki, cu, mx, 2, 64, 0.125))
+    torch.library.opcheck(ops.sparse_fwd, (q, k, v, idx, cu, mx, 64, 0.125))
+    out, lse = ops.sparse_fwd(q.detach(), k.detach(), v.detach(), idx, cu, mx, 64, 0.125)
+    torch.library.opcheck(ops.sparse_bwd, (torch.randn_like(out), q.detach(), k.detach(), v.detach(), out, lse, idx,
+                                           cu, mx, 64, 0.125))
+    torch.library.opcheck(ops.reverse_index, (idx, cu, mx, 64))
+
+
+@pytest.mark.parametrize("warmup", [False, True])
+def test_compile_fullgraph_msa_attention(warmup):
+    torch._dynamo.reset()
+    from helpers import make_inputs
+    q, k, v, qi, ki = make_inputs(2, 100, (8, 2, 4, 1), 64, 64, dtype=torch.bfloat16, seed=2, requires_grad=True)
+
+    def step(q, k, v, qi, ki):
+        out, kl = msa.msa_attention(q, k, v, qi, ki, topk=2, block_size=64, warmup=warmup)
+        return out.float().square().mean() + kl
+
+    compiled = torch.compile(step, fullgraph=True, backend="aot_eager")
+    loss_c = compiled(q, k, v, qi, ki)
+    grads_c = torch.autograd.grad(loss_c, (q, k, v, qi, ki))
+    loss_e = step(q, k, v, qi, ki)
+    grads_e = torch.autograd.grad(loss_e, (q, k, v, qi, ki))
+    torch.testing.assert_close(loss_c, loss_e)
+    for a, b in zip(grads_c, grads_e):
+        torch.testing.assert_close(a, b)
+
+
+def test_compile_fullgraph_inductor():
+    torch._dynamo.reset()
+    from helpers import make_inputs
+    q, k, v, qi, ki = make_inputs(1, 70, (4, 4, 4, 1), 64, 64, dtype=torch.float32, seed=3)
+    f = torch.compile(lambda *a: msa.msa_attention(*a, topk=1, block_size=64), fullgraph=True)
+    out, kl = f(q, k, v, qi, ki)
+    want, want_kl = msa.msa_attention(q, k, v, qi, ki, topk=1, block_size=64)
+    torch.testing.assert_close(out, want)
+    torch.testing.assert_close(kl, want_kl)
