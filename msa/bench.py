@@ -116,6 +116,8 @@ def attended_tokens(indices, block_size):
 
 
 def git_commit():
+    if os.environ.get("MSA_COMMIT"):  # set by scripts/gpu_check.sh callers where the tree has no .git
+        return os.environ["MSA_COMMIT"]
     try:
         root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
         out = subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=root, capture_output=True, text=True)
