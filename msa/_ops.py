@@ -12,9 +12,13 @@ from . import reference as ref
 try:
     from . import _C  # noqa: F401  (loading the library registers the schemas)
 except ImportError as e:  # pragma: no cover - only without a build
+    import glob
+    import os
+    here = os.path.dirname(os.path.abspath(__file__))
+    what = "does not load" if glob.glob(os.path.join(here, "_C*.so")) else "is not built"
     raise ImportError(
-        "msa: the compiled module msa._C is missing or does not load. Build it from the repository root "
-        "with `pip install --no-build-isolation -e .` (README.md). Cause: " + str(e)) from e
+        f"msa: the compiled module msa._C {what} (in {here}). Build it from the repository root with "
+        f"`pip install --no-build-isolation -e .` (README.md). Cause: {e}") from e
 
 ops = torch.ops.msa
 
