@@ -26,3 +26,25 @@ struct ReverseIndexParams {
 };
 
 }  // namespace msa
+
+namespace msa {
+
+// Index top-k (SPEC 2). q_idx (T, Hi, Di) and k_idx (T, Hki, Di) with 16-byte aligned rows.
+struct IndexTopkParams {
+  const void* q_idx;
+  const void* k_idx;
+  const int32_t* cu_seqlens;  // (num_seqs + 1)
+  int32_t* indices;           // out (Hi, T, topk)
+  int64_t q_stride_t, q_stride_h;  // in elements
+  int64_t k_stride_t, k_stride_h;
+  int total_tokens;
+  int num_heads;              // Hi
+  int num_key_heads;          // Hki
+  int num_seqs;
+  int max_seqlen;
+  int topk;
+  int block_size;
+  float scale;                // index_scale
+};
+
+}  // namespace msa

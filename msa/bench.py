@@ -84,6 +84,10 @@ def msa_fwd_bwd(q, k, v, qi, ki):
     torch.autograd.grad((out, kl), (q, k, v, qi, ki), (torch.ones_like(out), torch.ones_like(kl)))
 
 
+def select_fn(qi, ki):
+    msa.select_blocks(qi, ki, topk=CONFIG["topk"], block_size=CONFIG["block_size"])
+
+
 def synthetic_indices(N, device, seed):
     """A valid selection (local block + random distinct earlier blocks), packed (Hi, N, k), for timing
     the kernels that consume a selection when the selector itself is not available on the device."""
@@ -159,6 +163,10 @@ def run(args):
             att = attended_tokens(idx[0], c["block_size"]) * (c["Hq"] // c["Hi"])
             row["attended_tflops"] = 3.5 * 4 * c["D"] * att / row["msa_fwdbwd"] / 1e9
             row["ratio"] = row["dense_fwdbwd"] / row["msa_fwdbwd"]
+        if on_gpu and msa.has_cuda_kernel("select_blocks"):
+            progress(f"[{step}/{steps}] N={N}: index top-k")
+            row["index_topk"] = timer(select_fn, [(x[3].detach(), x[4].detach()) for x in sets])
+            row["index_tflops"] = 2 * c["Di"] * c["Hi"] * N * (N + 1) / 2 / row["index_topk"] / 1e9
         if on_gpu and msa.has_cuda_kernel("reverse_index"):
             progress(f"[{step}/{steps}] N={N}: reverse index")
             idx = synthetic_indices(N, device, seed=N)
@@ -181,7 +189,8 @@ def table(rows, device):
             ("msa fwd+bwd ms", "msa_fwdbwd", ".3f"), ("msa attended TFLOP/s", "attended_tflops", ".3g"),
             ("dense/msa fwd+bwd", "ratio", ".2f")]
     if device.type == "cuda":
-        cols.append(("reverse index ms", "reverse_index", ".3f"))
+        cols += [("index top-k ms", "index_topk", ".3f"), ("index TFLOP/s", "index_tflops", ".3g"),
+                 ("reverse index ms", "reverse_index", ".3f")]
     lines = ["| " + " | ".join(c[0] for c in cols) + " |", "|" + "---|" * len(cols)]
     for r in rows:
         lines.append("| " + " | ".join(fmt(r.get(key), spec) for _, key, spec in cols) + " |")
@@ -202,7 +211,8 @@ def header(device, argv):
         f"- command: `{' '.join(argv)}`",
         f"- config: B=1, Hq={CONFIG['Hq']}, Hkv={CONFIG['Hkv']}, Hi={CONFIG['Hi']}, Hki={CONFIG['Hki']}, "
         f"D={CONFIG['D']}, Di={CONFIG['Di']}, block={CONFIG['block_size']}, k={CONFIG['topk']}, bf16, causal; "
-        f"median ms; TFLOP/s: dense = 3.5 * 2N^2*D*Hq / time, attended = 3.5 * 4*D*sum|T| / time (SPEC 8)",
+        f"median ms; TFLOP/s: dense = 3.5 * 2N^2*D*Hq / time, attended = 3.5 * 4*D*sum|T| / time, "
+        f"index = 2*Di*Hi*N(N+1)/2 / time (SPEC 8)",
         *[f"- note: {n}" for n in notes]])
 
 

@@ -2,7 +2,8 @@
 # How every kernel issue is checked on a CUDA machine with no network:
 #   scripts/gpu_check.sh LOGDIR [bench args...]
 # Installs carried wheels (.whl/, e.g. nvidia-cutlass), builds the extension with all cores, runs the
-# whole test suite (GPU tests included) and the benchmark; logs and the result table land in LOGDIR.
+# whole test suite (GPU tests included; MSA_PYTEST_ARGS narrows it) and the benchmark; logs and the
+# result table land in LOGDIR.
 set -uo pipefail
 LOG=${1:?usage: scripts/gpu_check.sh LOGDIR [bench args...]}
 shift
@@ -22,7 +23,8 @@ echo "build: rc=$rc, $(( $(date +%s) - t0 )) s" | tee -a "$LOG/summary.txt"
 if [ $rc -ne 0 ]; then tail -n 40 "$LOG/build.log"; exit $rc; fi
 grep -E "spill|registers|Compiling entry" "$LOG/build.log" | sort -u > "$LOG/ptxas.txt" || true
 t0=$(date +%s)
-$PY -m pytest tests -q -rs --durations=10 > "$LOG/tests.log" 2>&1
+# MSA_PYTEST_ARGS narrows the run (e.g. "tests -m gpu" while iterating on a kernel); default: everything.
+$PY -m pytest ${MSA_PYTEST_ARGS:-tests} -q -rs --durations=10 > "$LOG/tests.log" 2>&1
 rc_tests=$?
 echo "tests: rc=$rc_tests, $(( $(date +%s) - t0 )) s, $(tail -n 1 "$LOG/tests.log")" | tee -a "$LOG/summary.txt"
 $PY -m msa.bench --save "$LOG" "$@" 2> "$LOG/bench_progress.log" | tee "$LOG/bench.txt"

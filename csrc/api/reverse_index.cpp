@@ -1,4 +1,4 @@
-// CUDA implementations of torch.ops.msa: argument checks, allocation, params, launch.
+// msa::reverse_index on CUDA: argument checks, allocation, params, launch.
 #include <c10/cuda/CUDAStream.h>
 #include <c10/cuda/CUDAGuard.h>
 #include <torch/library.h>

@@ -1,0 +1,79 @@
+// msa::select_blocks on CUDA (SPEC 2): argument checks, allocation, params, dispatch on (dtype, Di).
+#include <c10/cuda/CUDAGuard.h>
+#include <c10/cuda/CUDAStream.h>
+#include <torch/library.h>
+
+#include "api/checks.h"
+#include "sm80/index_topk/index_topk.h"
+
+namespace msa::api {
+namespace {
+
+// Rows must be 16-byte aligned for cp.async; otherwise work on a contiguous copy.
+at::Tensor aligned_rows(const at::Tensor& x) {
+  const bool ok = x.stride(-1) == 1 && x.stride(0) % 8 == 0 && x.stride(1) % 8 == 0 &&
+                  reinterpret_cast<uintptr_t>(x.data_ptr()) % 16 == 0;
+  return ok ? x : x.contiguous();
+}
+
+at::Tensor select_blocks_cuda(const at::Tensor& q_idx, const at::Tensor& k_idx, const at::Tensor& cu_seqlens,
+                              int64_t max_seqlen, int64_t topk, int64_t block_size, double index_scale) {
+  TORCH_CHECK_VALUE(q_idx.is_cuda() && k_idx.device() == q_idx.device() && cu_seqlens.device() == q_idx.device(),
+                    "q_idx, k_idx, cu_seqlens: expected one CUDA device, got ", q_idx.device(), ", ", k_idx.device(),
+                    ", ", cu_seqlens.device());
+  TORCH_CHECK_TYPE(q_idx.scalar_type() == at::kBFloat16 || q_idx.scalar_type() == at::kHalf,
+                   "q_idx: expected bfloat16 or float16, got ", q_idx.scalar_type());
+  TORCH_CHECK_TYPE(k_idx.scalar_type() == q_idx.scalar_type(), "k_idx: expected dtype ", q_idx.scalar_type(),
+                   ", got ", k_idx.scalar_type());
+  TORCH_CHECK_VALUE(q_idx.dim() == 3 && k_idx.dim() == 3, "q_idx, k_idx: expected (T, H, Di), got ", q_idx.sizes(),
+                    " and ", k_idx.sizes());
+  const int64_t T = q_idx.size(0), Hi = q_idx.size(1), Di = q_idx.size(2), Hki = k_idx.size(1);
+  TORCH_CHECK_VALUE(k_idx.size(0) == T && k_idx.size(2) == Di, "k_idx: expected (", T, ", Hki, ", Di, "), got ",
+                    k_idx.sizes());
+  TORCH_CHECK_VALUE(Di == 64 || Di == 128, "q_idx: expected head dim 64 or 128, got ", Di);
+  TORCH_CHECK_VALUE(Hki >= 1 && Hi % Hki == 0 && Hi / Hki <= 64, "k_idx: expected Hki dividing Hi = ", Hi,
+                    " with Hi / Hki <= 64, got Hki = ", Hki);
+  TORCH_CHECK_VALUE(topk >= 1 && topk <= 32, "topk: expected 1..32, got ", topk);
+  TORCH_CHECK_VALUE(block_size == 64 || block_size == 128, "block_size: expected 64 or 128, got ", block_size);
+  TORCH_CHECK_VALUE(q_idx.stride(-1) == 1 && k_idx.stride(-1) == 1, "q_idx, k_idx: expected a contiguous last dim");
+  check_cuda_int32(cu_seqlens, "cu_seqlens", 1);
+  check_cu_seqlens(cu_seqlens, T, max_seqlen);
+
+  c10::cuda::CUDAGuard guard(q_idx.device());
+  auto indices = at::empty({Hi, T, topk}, q_idx.options().dtype(at::kInt));
+  if (T == 0) return indices;
+  const at::Tensor q = aligned_rows(q_idx), k = aligned_rows(k_idx);
+  IndexTopkParams p{};
+  p.q_idx = q.data_ptr();
+  p.k_idx = k.data_ptr();
+  p.cu_seqlens = cu_seqlens.data_ptr<int32_t>();
+  p.indices = indices.data_ptr<int32_t>();
+  p.q_stride_t = q.stride(0);
+  p.q_stride_h = q.stride(1);
+  p.k_stride_t = k.stride(0);
+  p.k_stride_h = k.stride(1);
+  p.total_tokens = int(T);
+  p.num_heads = int(Hi);
+  p.num_key_heads = int(Hki);
+  p.num_seqs = int(cu_seqlens.size(0) - 1);
+  p.max_seqlen = int(std::max<int64_t>(max_seqlen, 1));
+  p.topk = int(topk);
+  p.block_size = int(block_size);
+  p.scale = float(index_scale);
+  const cudaStream_t stream = c10::cuda::getCurrentCUDAStream();
+  const bool bf16 = q.scalar_type() == at::kBFloat16;
+  cudaError_t err;
+  if (Di == 64)
+    err = bf16 ? sm80::launch_index_topk<__nv_bfloat16, 64>(p, stream) : sm80::launch_index_topk<__half, 64>(p, stream);
+  else
+    err = bf16 ? sm80::launch_index_topk<__nv_bfloat16, 128>(p, stream)
+               : sm80::launch_index_topk<__half, 128>(p, stream);
+  TORCH_CHECK(err == cudaSuccess, "msa::select_blocks launch failed: ", cudaGetErrorString(err));
+  return indices;
+}
+
+}  // namespace
+
+TORCH_LIBRARY_IMPL(msa, CUDA, m) { m.impl("select_blocks", &select_blocks_cuda); }
+
+}  // namespace msa::api
