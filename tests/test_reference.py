@@ -179,3 +179,24 @@ def test_reverse_index_cpu_matches_definition():
                 assert got == want, (r, s, blk)
     assert offsets[-1].item() == sum(len(set(x for x in idx[r, t].tolist() if x >= 0))
                                      for r in range(Hi) for t in range(T))
+
+
+def test_topk_checker_accepts_reference_and_rejects_tampering():
+    """The SPEC 2 validity checker used on the GPU selection: it passes the reference's selection and
+    fails each kind of wrong one."""
+    from topk_check import assert_valid_topk, block_scores
+    q, k, v, qi, ki, cu, mx = make_packed([700, 129], (8, 2, 4, 1), 64, 64, dtype=torch.bfloat16, seed=12)
+    idx = msa.select_blocks(qi, ki, topk=3, block_size=64, cu_seqlens=cu, max_seqlen=mx)
+    assert_valid_topk(idx, qi, ki, cu, 3, 64, 0.125)
+    t = 650  # a row with 11 visible blocks: 2 chosen earlier blocks + the local one
+    bad = []
+    x = idx.clone(); x[0, t, 2] = -1; bad.append(x)                      # wrong count
+    x = idx.clone(); x[0, t, 0], x[0, t, 1] = x[0, t, 1], x[0, t, 0]; bad.append(x)  # not ascending
+    x = idx.clone(); x[1, t, 2] = x[1, t, 1] - 1 if x[1, t, 1] > x[1, t, 0] + 1 else 0; bad.append(x)  # local gone
+    scores = block_scores(qi, ki, 0, 700, 64, 0.125)[0, t]
+    chosen = idx[0, t, :2].tolist()
+    worst = min((b for b in range(t // 64) if b not in chosen), key=lambda b: float(scores[b]))
+    x = idx.clone(); x[0, t, 0] = worst; x[0, t] = x[0, t].sort().values; bad.append(x)  # a worse block
+    for x in bad:
+        with pytest.raises(AssertionError):
+            assert_valid_topk(x, qi, ki, cu, 3, 64, 0.125)

@@ -47,8 +47,9 @@ def assert_valid_topk(indices, q_idx, k_idx, cu_seqlens, topk, block_size, scale
             both = used[None, :, 1:].expand_as(v[..., 1:])
             assert (v[..., 1:] > v[..., :-1])[both].all(), "not strictly ascending"
         assert (v == local[None, :, None]).any(-1).all(), "local block missing"
-        sel = torch.zeros(idx.shape[0], n, nb, dtype=torch.bool, device=dev)
-        sel.scatter_(2, v, used[None].expand_as(v))
+        sel = torch.zeros(idx.shape[0], n, nb + 1, dtype=torch.bool, device=dev)
+        sel.scatter_(2, torch.where(used[None], v, nb), True)  # unused slots land in the extra column
+        sel = sel[..., :nb]
         assert (sel.sum(-1) == count[None]).all(), "wrong count"
         worst_sel = torch.where(sel, m, math.inf).amin(-1)
         visible = torch.arange(nb, device=dev)[None, None, :] <= local[None, :, None]
