@@ -30,5 +30,11 @@ echo "tests: rc=$rc_tests, $(( $(date +%s) - t0 )) s, $(tail -n 1 "$LOG/tests.lo
 $PY -m msa.bench --save "$LOG" "$@" 2> "$LOG/bench_progress.log" | tee "$LOG/bench.txt"
 rc_bench=${PIPESTATUS[0]}
 echo "bench: rc=$rc_bench" | tee -a "$LOG/summary.txt"
+if [ "${MSA_SANITIZE:-0}" = 1 ]; then
+  for tool in memcheck racecheck; do
+    compute-sanitizer --tool $tool --error-exitcode 3 $PY scripts/sanitize_case.py > "$LOG/sanitize_$tool.log" 2>&1
+    echo "sanitizer $tool: rc=$? $(tail -n 1 "$LOG/sanitize_$tool.log")" | tee -a "$LOG/summary.txt"
+  done
+fi
 cat "$LOG/summary.txt"
 [ $rc_tests -eq 0 ] && [ $rc_bench -eq 0 ]

@@ -1,12 +1,13 @@
 // Index top-k (SPEC 2), portable sm80 path: scores on tensor cores (mma.sync), causal max-pool per
-// block, streaming exp-free top-k in registers. No score matrix ever reaches global memory.
+// block, streaming exp-free top-k. No score matrix ever reaches global memory.
 //
-// A CTA owns 64 query rows: TM = 64 / Hr tokens x the Hr = Hi / Hki index heads that share one index
+// A CTA owns 128 query rows: TM = 128 / Hr tokens x the Hr = Hi / Hki index heads that share one index
 // key head (so one K tile feeds all of them). Every block before a row's own block is fully visible,
 // and the own block is forced in, so the CTA scores blocks [0, local block of its last token) with no
 // causal mask at all; a row skips the blocks at or past its own (only in tiles that straddle blocks).
-// Each row keeps its best k-1 earlier blocks spread over the 4 lanes of its quad (8 slots a lane);
-// a block enters when it beats the row's current worst (ties keep the lower block).
+// Each row keeps its best k-1 earlier blocks in shared memory and only its threshold in registers:
+// after the first k-1 blocks an insertion is rare (about k ln(blocks / k) per row), so the list costs
+// almost nothing; a block enters when it beats the row's current worst (ties keep the lower block).
 #pragma once
 #include <cuda_runtime.h>
 
@@ -19,97 +20,64 @@ constexpr float kPosInf = __builtin_huge_valf();
 constexpr float kNegInf = -__builtin_huge_valf();
 
 struct IndexTopkShape {
-  static constexpr int kThreads = 128;  // 4 warps x 16 rows
-  static constexpr int kRows = 64;
+  static constexpr int kWarps = 8;      // 8 warps x 16 rows share every K tile (halves L2 traffic vs 64)
+  static constexpr int kThreads = kWarps * 32;
+  static constexpr int kRows = kWarps * 16;
   static constexpr int kKeys = 64;      // keys per pipelined sub-tile (a block is 1 or 2 of them)
-  static constexpr int kSlots = 8;      // list slots per lane; 4 lanes x 8 >= topk - 1 (topk <= 32)
+  static constexpr int kSlots = 32;     // list slots per row in shared memory (>= topk - 1)
   template <int D, typename T>
-  static constexpr int smem_bytes() {   // Q tile + two K stages; the Q area is reused for the output
-    return 3 * kRows * D * int(sizeof(T));
-  }
+  static constexpr int q_bytes() { return kRows * D * int(sizeof(T)); }
+  template <int D, typename T>
+  static constexpr int k_bytes() { return 2 * kKeys * D * int(sizeof(T)); }
+  static constexpr int list_bytes() { return kRows * kSlots * 8; }
+  template <int D, typename T>
+  static constexpr int smem_bytes() { return q_bytes<D, T>() + k_bytes<D, T>() + list_bytes(); }
 };
 
-// One row's streaming top list. Entries order: higher score first, equal scores -> lower block first.
-// The "worst" entry is the minimum of that order: lowest score, then highest block.
-struct TopList {
-  float score[IndexTopkShape::kSlots];
-  int block[IndexTopkShape::kSlots];
-  float thr;  // the worst active score of the row (quad-wide); +inf when the list has no slot
-
-  __device__ __forceinline__ void init(int lane, int slots) {
-#pragma unroll
+// Streaming top list of one row, in shared memory; only the row's threshold (its worst kept score, or
+// -inf while slots are free, +inf when there are none) lives in registers. Order: higher score first,
+// equal scores -> lower block first; the "worst" entry is the lowest score, then the highest block.
+// Blocks are offered in ascending order, so a block enters only when it beats the worst strictly.
+struct SmemTopList {
+  float* score;
+  int* block;
+  __device__ __forceinline__ void init(int slots) {
     for (int j = 0; j < IndexTopkShape::kSlots; ++j) {
-      const bool active = j * 4 + (lane & 3) < slots;
-      score[j] = active ? kNegInf : kPosInf;  // -inf / +inf
-      block[j] = active ? -1 : -2;
+      score[j] = j < slots ? kNegInf : kPosInf;
+      block[j] = j < slots ? -1 : -2;
     }
-    refresh_thr();
   }
-
-  __device__ __forceinline__ void refresh_thr() {
-    float m = score[0];
-#pragma unroll
-    for (int j = 1; j < IndexTopkShape::kSlots; ++j) m = fminf(m, score[j]);
-    m = fminf(m, __shfl_xor_sync(0xffffffffu, m, 1));
-    m = fminf(m, __shfl_xor_sync(0xffffffffu, m, 2));
-    thr = m;
-  }
-
-  // All 32 lanes call this together; (s, b, allowed) are uniform within each quad.
-  __device__ __forceinline__ void offer(float s, int b, bool allowed, int lane) {
+  // Replaces the worst entry by (s, b) and returns the new threshold. One thread per row.
+  __device__ __forceinline__ float insert(float s, int b) {
     int wj = 0;
-    float ws = score[0];
-    int wb = block[0];
-#pragma unroll
-    for (int j = 1; j < IndexTopkShape::kSlots; ++j) {
-      if (score[j] < ws || (score[j] == ws && block[j] > wb)) {
-        wj = j;
-        ws = score[j];
-        wb = block[j];
-      }
-    }
-    int owner = lane;
-#pragma unroll
-    for (int off = 1; off <= 2; off <<= 1) {  // quad-wide worst: (score asc, block desc, lane asc)
-      const float os = __shfl_xor_sync(0xffffffffu, ws, off);
-      const int ob = __shfl_xor_sync(0xffffffffu, wb, off);
-      const int ol = __shfl_xor_sync(0xffffffffu, owner, off);
-      if (os < ws || (os == ws && (ob > wb || (ob == wb && ol < owner)))) {
-        ws = os;
-        wb = ob;
-        owner = ol;
-      }
-    }
-    if (allowed && s > thr && owner == lane) {
-#pragma unroll
-      for (int j = 0; j < IndexTopkShape::kSlots; ++j) {
-        if (j == wj) {
-          score[j] = s;
-          block[j] = b;
-        }
-      }
-    }
-    refresh_thr();
+    for (int j = 1; j < IndexTopkShape::kSlots; ++j)
+      if (score[j] < score[wj] || (score[j] == score[wj] && block[j] > block[wj])) wj = j;
+    score[wj] = s;
+    block[wj] = b;
+    float m = score[0];
+    for (int j = 1; j < IndexTopkShape::kSlots; ++j) m = fminf(m, score[j]);
+    return m;
   }
 };
 
 template <typename T, int D>
-__global__ void __launch_bounds__(IndexTopkShape::kThreads, 3) index_topk_kernel(IndexTopkParams p) {
+__global__ void __launch_bounds__(IndexTopkShape::kThreads, 2) index_topk_kernel(IndexTopkParams p) {
   using S = IndexTopkShape;
   using Tile = SwizzledTile<D>;
   constexpr int kChunks = Tile::kChunks;
   extern __shared__ __align__(128) unsigned char smem_raw[];
   T* sQ = reinterpret_cast<T*>(smem_raw);
-  T* sK = sQ + S::kRows * D;
+  T* sK = reinterpret_cast<T*>(smem_raw + S::q_bytes<D, T>());
+  float* sScore = reinterpret_cast<float*>(smem_raw + S::q_bytes<D, T>() + S::k_bytes<D, T>());
+  int* sBlock = reinterpret_cast<int*>(sScore + S::kRows * S::kSlots);
 
   // blockIdx.x enumerates (tile, sequence) with the longest tiles (last in the sequence) first.
-  const int seq = blockIdx.x % p.num_seqs;
-  const int tiles_max = (p.max_seqlen + (S::kRows / (p.num_heads / p.num_key_heads)) - 1) /
-                        (S::kRows / (p.num_heads / p.num_key_heads));
-  const int tile = tiles_max - 1 - int(blockIdx.x / p.num_seqs);
-  const int kh = blockIdx.y;
   const int hr = p.num_heads / p.num_key_heads;
   const int tm = S::kRows / hr;
+  const int tiles_max = (p.max_seqlen + tm - 1) / tm;
+  const int seq = blockIdx.x % p.num_seqs;
+  const int tile = tiles_max - 1 - int(blockIdx.x / p.num_seqs);
+  const int kh = blockIdx.y;
   const int seq_start = p.cu_seqlens[seq];
   const int n = p.cu_seqlens[seq + 1] - seq_start;
   const int tok0 = tile * tm;
@@ -144,6 +112,7 @@ __global__ void __launch_bounds__(IndexTopkShape::kThreads, 3) index_topk_kernel
   };
   if (total > 0) load_k(0, 0);
   cp_async_commit();
+  if (tid < S::kRows) SmemTopList{sScore + tid * S::kSlots, sBlock + tid * S::kSlots}.init(p.topk - 1);
   cp_async_wait<1>();
   __syncthreads();
 
@@ -152,14 +121,13 @@ __global__ void __launch_bounds__(IndexTopkShape::kThreads, 3) index_topk_kernel
   for (int ks = 0; ks < D / 16; ++ks)
     ldmatrix_x4(a[ks], sQ + Tile::offset(warp * 16 + (lane % 16), ks * 2 + lane / 16));
 
-  const int row_lo = warp * 16 + lane / 4;
-  int local[2];
-#pragma unroll
-  for (int i = 0; i < 2; ++i) local[i] = (tok0 + (row_lo + 8 * i) / hr) / p.block_size;
-  TopList list[2];
-  list[0].init(lane, p.topk - 1);
-  list[1].init(lane, p.topk - 1);
+  // Lane t = 0 of each quad keeps the list of row g, lane t = 1 that of row g + 8 (SPEC 2 order).
+  const int my_row = warp * 16 + lane / 4 + 8 * (lane & 1);
+  const int my_local = (tok0 + my_row / hr) / p.block_size;
+  SmemTopList list{sScore + my_row * S::kSlots, sBlock + my_row * S::kSlots};
+  float thr[2] = {p.topk > 1 ? kNegInf : kPosInf, p.topk > 1 ? kNegInf : kPosInf};
   float bmax[2] = {kNegInf, kNegInf};
+  const bool positive = p.scale >= 0.f;  // S = scale * <q, k>: max of S is scale * (max or min) of <q, k>
 
   for (int it = 0; it < total; ++it) {
     if (it + 1 < total) load_k(it + 1, (it + 1) & 1);
@@ -183,41 +151,45 @@ __global__ void __launch_bounds__(IndexTopkShape::kThreads, 3) index_topk_kernel
       }
     }
     __syncthreads();  // the stage read here is refilled by the next iteration's load
-    float m0 = kNegInf, m1 = kNegInf;
+    float m0 = positive ? kNegInf : kPosInf, m1 = m0;
 #pragma unroll
-    for (int n8 = 0; n8 < 8; ++n8) {  // SPEC 2: S = index_scale * <q, k>, then the max
-      m0 = fmaxf(m0, fmaxf(p.scale * c[n8][0], p.scale * c[n8][1]));
-      m1 = fmaxf(m1, fmaxf(p.scale * c[n8][2], p.scale * c[n8][3]));
+    for (int n8 = 0; n8 < 8; ++n8) {
+      if (positive) {
+        m0 = fmaxf(m0, fmaxf(c[n8][0], c[n8][1]));
+        m1 = fmaxf(m1, fmaxf(c[n8][2], c[n8][3]));
+      } else {
+        m0 = fminf(m0, fminf(c[n8][0], c[n8][1]));
+        m1 = fminf(m1, fminf(c[n8][2], c[n8][3]));
+      }
     }
-    m0 = fmaxf(m0, __shfl_xor_sync(0xffffffffu, m0, 1));
-    m0 = fmaxf(m0, __shfl_xor_sync(0xffffffffu, m0, 2));
-    m1 = fmaxf(m1, __shfl_xor_sync(0xffffffffu, m1, 1));
-    m1 = fmaxf(m1, __shfl_xor_sync(0xffffffffu, m1, 2));
-    bmax[0] = fmaxf(bmax[0], m0);
-    bmax[1] = fmaxf(bmax[1], m1);
+#pragma unroll
+    for (int off = 1; off <= 2; off <<= 1) {
+      const float o0 = __shfl_xor_sync(0xffffffffu, m0, off), o1 = __shfl_xor_sync(0xffffffffu, m1, off);
+      m0 = positive ? fmaxf(m0, o0) : fminf(m0, o0);
+      m1 = positive ? fmaxf(m1, o1) : fminf(m1, o1);
+    }
+    bmax[0] = fmaxf(bmax[0], p.scale * m0);
+    bmax[1] = fmaxf(bmax[1], p.scale * m1);
     if (it % sub == sub - 1) {
       const int b = it / sub;
-      list[0].offer(bmax[0], b, b < local[0], lane);
-      list[1].offer(bmax[1], b, b < local[1], lane);
+      const bool hi = lane & 1;  // selects, not a runtime index: keeps the arrays in registers
+      const float s = hi ? bmax[1] : bmax[0];
+      float t = hi ? thr[1] : thr[0];
+      if ((lane & 2) == 0 && b < my_local && s > t) t = list.insert(s, b);
+      thr[0] = __shfl_sync(0xffffffffu, t, lane & ~3);
+      thr[1] = __shfl_sync(0xffffffffu, t, (lane & ~3) | 1);
       bmax[0] = bmax[1] = kNegInf;
     }
   }
 
-  // Output: gather each row's slots, sort ascending, append the local block, pad with -1.
-  cp_async_wait<0>();
-  __syncthreads();
-  int* sOut = reinterpret_cast<int*>(smem_raw);  // kRows x 32 ints over the Q area
-#pragma unroll
-  for (int i = 0; i < 2; ++i)
-#pragma unroll
-    for (int j = 0; j < S::kSlots; ++j) sOut[(row_lo + 8 * i) * 32 + j * 4 + (lane & 3)] = list[i].block[j];
+  // Output: each row's list sorted ascending, then the local block, then -1 padding.
   __syncthreads();
   if (tid < rows_used) {
     const int tok = tok0 + tid / hr;
     if (tok < n) {
-      int* v = sOut + tid * 32;
+      int* v = sBlock + tid * S::kSlots;
       int cnt = 0;
-      for (int j = 0; j < 32; ++j) {
+      for (int j = 0; j < S::kSlots; ++j) {
         const int x = v[j];
         if (x >= 0) v[cnt++] = x;
       }

@@ -1,0 +1,15 @@
+"""One small case of every compiled kernel, for `compute-sanitizer --tool memcheck|racecheck`."""
+import torch
+
+import msa
+
+torch.manual_seed(0)
+for dtype, di, bs, topk, lengths in [(torch.bfloat16, 128, 128, 16, [700, 129, 1]), (torch.float16, 64, 64, 3, [300])]:
+    T = sum(lengths)
+    cu = torch.tensor([0] + torch.tensor(lengths).cumsum(0).tolist(), dtype=torch.int32, device="cuda")
+    qi = torch.randn(T, 4, di, dtype=dtype, device="cuda")
+    ki = torch.randn(T, 1, di, dtype=dtype, device="cuda")
+    idx = msa.select_blocks(qi, ki, topk=topk, block_size=bs, cu_seqlens=cu, max_seqlen=max(lengths))
+    offsets, rows, block_offsets = torch.ops.msa.reverse_index(idx, cu, max(lengths), bs)
+    torch.cuda.synchronize()
+print("sanitize case done")
