@@ -1,7 +1,11 @@
 """One small case of every compiled kernel, for `compute-sanitizer --tool memcheck|racecheck`."""
+import os
+import sys
+
 import torch
 
-import msa
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))  # the in-place build
+import msa  # noqa: E402
 
 torch.manual_seed(0)
 for dtype, di, bs, topk, lengths in [(torch.bfloat16, 128, 128, 16, [700, 129, 1]), (torch.float16, 64, 64, 3, [300])]:

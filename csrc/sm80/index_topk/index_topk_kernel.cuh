@@ -5,9 +5,9 @@
 // key head (so one K tile feeds all of them). Every block before a row's own block is fully visible,
 // and the own block is forced in, so the CTA scores blocks [0, local block of its last token) with no
 // causal mask at all; a row skips the blocks at or past its own (only in tiles that straddle blocks).
-// Each row keeps its best k-1 earlier blocks in shared memory and only its threshold in registers:
-// after the first k-1 blocks an insertion is rare (about k ln(blocks / k) per row), so the list costs
-// almost nothing; a block enters when it beats the row's current worst (ties keep the lower block).
+// Each row keeps its best k-1 earlier blocks in a shared-memory heap and only its threshold in
+// registers: after the first k-1 blocks an insertion is rare (about k ln(blocks / k) per row) and costs
+// one sift-down; a block enters when it beats the row's current worst (ties keep the lower block).
 #pragma once
 #include <cuda_runtime.h>
 
@@ -24,7 +24,7 @@ struct IndexTopkShape {
   static constexpr int kThreads = kWarps * 32;
   static constexpr int kRows = kWarps * 16;
   static constexpr int kKeys = 64;      // keys per pipelined sub-tile (a block is 1 or 2 of them)
-  static constexpr int kSlots = 32;     // list slots per row in shared memory (>= topk - 1)
+  static constexpr int kSlots = 32;     // heap slots per row in shared memory (>= topk - 1)
   template <int D, typename T>
   static constexpr int q_bytes() { return kRows * D * int(sizeof(T)); }
   template <int D, typename T>
@@ -34,29 +34,41 @@ struct IndexTopkShape {
   static constexpr int smem_bytes() { return q_bytes<D, T>() + k_bytes<D, T>() + list_bytes(); }
 };
 
-// Streaming top list of one row, in shared memory; only the row's threshold (its worst kept score, or
-// -inf while slots are free, +inf when there are none) lives in registers. Order: higher score first,
-// equal scores -> lower block first; the "worst" entry is the lowest score, then the highest block.
-// Blocks are offered in ascending order, so a block enters only when it beats the worst strictly.
-struct SmemTopList {
+// Streaming top list of one row: a binary heap in shared memory whose root is the worst kept entry
+// (lowest score, then highest block), so the root's score is the row's threshold and an insertion is
+// one sift-down (depth <= 5). Only the threshold lives in registers. Blocks are offered in ascending
+// order, so a new block enters only when it beats the root strictly (ties keep the lower block).
+struct SmemTopHeap {
   float* score;
   int* block;
-  __device__ __forceinline__ void init(int slots) {
-    for (int j = 0; j < IndexTopkShape::kSlots; ++j) {
-      score[j] = j < slots ? kNegInf : kPosInf;
-      block[j] = j < slots ? -1 : -2;
+  int size;  // topk - 1
+  __device__ __forceinline__ static bool worse(float sa, int ba, float sb, int bb) {
+    return sa < sb || (sa == sb && ba > bb);
+  }
+  __device__ __forceinline__ void init() {
+    for (int j = 0; j < size; ++j) {
+      score[j] = kNegInf;
+      block[j] = -1;
     }
   }
-  // Replaces the worst entry by (s, b) and returns the new threshold. One thread per row.
-  __device__ __forceinline__ float insert(float s, int b) {
-    int wj = 0;
-    for (int j = 1; j < IndexTopkShape::kSlots; ++j)
-      if (score[j] < score[wj] || (score[j] == score[wj] && block[j] > block[wj])) wj = j;
-    score[wj] = s;
-    block[wj] = b;
-    float m = score[0];
-    for (int j = 1; j < IndexTopkShape::kSlots; ++j) m = fminf(m, score[j]);
-    return m;
+  // Replaces the root by (s, b), restores the heap and returns the new threshold. One thread per row.
+  __device__ __forceinline__ float replace_root(float s, int b) {
+    int i = 0;
+    while (true) {
+      const int l = 2 * i + 1, r = l + 1;
+      int w = i;
+      float ws = s;
+      int wb = b;
+      if (l < size && worse(score[l], block[l], ws, wb)) { w = l; ws = score[l]; wb = block[l]; }
+      if (r < size && worse(score[r], block[r], ws, wb)) { w = r; ws = score[r]; wb = block[r]; }
+      if (w == i) break;
+      score[i] = ws;
+      block[i] = wb;
+      i = w;
+    }
+    score[i] = s;
+    block[i] = b;
+    return score[0];
   }
 };
 
@@ -112,7 +124,7 @@ __global__ void __launch_bounds__(IndexTopkShape::kThreads, 2) index_topk_kernel
   };
   if (total > 0) load_k(0, 0);
   cp_async_commit();
-  if (tid < S::kRows) SmemTopList{sScore + tid * S::kSlots, sBlock + tid * S::kSlots}.init(p.topk - 1);
+  if (tid < S::kRows) SmemTopHeap{sScore + tid * S::kSlots, sBlock + tid * S::kSlots, p.topk - 1}.init();
   cp_async_wait<1>();
   __syncthreads();
 
@@ -124,7 +136,7 @@ __global__ void __launch_bounds__(IndexTopkShape::kThreads, 2) index_topk_kernel
   // Lane t = 0 of each quad keeps the list of row g, lane t = 1 that of row g + 8 (SPEC 2 order).
   const int my_row = warp * 16 + lane / 4 + 8 * (lane & 1);
   const int my_local = (tok0 + my_row / hr) / p.block_size;
-  SmemTopList list{sScore + my_row * S::kSlots, sBlock + my_row * S::kSlots};
+  SmemTopHeap heap{sScore + my_row * S::kSlots, sBlock + my_row * S::kSlots, p.topk - 1};
   float thr[2] = {p.topk > 1 ? kNegInf : kPosInf, p.topk > 1 ? kNegInf : kPosInf};
   float bmax[2] = {kNegInf, kNegInf};
   const bool positive = p.scale >= 0.f;  // S = scale * <q, k>: max of S is scale * (max or min) of <q, k>
@@ -175,7 +187,7 @@ __global__ void __launch_bounds__(IndexTopkShape::kThreads, 2) index_topk_kernel
       const bool hi = lane & 1;  // selects, not a runtime index: keeps the arrays in registers
       const float s = hi ? bmax[1] : bmax[0];
       float t = hi ? thr[1] : thr[0];
-      if ((lane & 2) == 0 && b < my_local && s > t) t = list.insert(s, b);
+      if ((lane & 2) == 0 && b < my_local && s > t) t = heap.replace_root(s, b);
       thr[0] = __shfl_sync(0xffffffffu, t, lane & ~3);
       thr[1] = __shfl_sync(0xffffffffu, t, (lane & ~3) | 1);
       bmax[0] = bmax[1] = kNegInf;
@@ -189,7 +201,7 @@ __global__ void __launch_bounds__(IndexTopkShape::kThreads, 2) index_topk_kernel
     if (tok < n) {
       int* v = sBlock + tid * S::kSlots;
       int cnt = 0;
-      for (int j = 0; j < S::kSlots; ++j) {
+      for (int j = 0; j < p.topk - 1; ++j) {
         const int x = v[j];
         if (x >= 0) v[cnt++] = x;
       }
