@@ -120,10 +120,13 @@ def attended_tokens(indices, block_size):
 
 
 def git_commit():
-    if os.environ.get("MSA_COMMIT"):  # set by scripts/gpu_check.sh callers where the tree has no .git
-        return os.environ["MSA_COMMIT"]
+    """The commit under test: git where there is a checkout; on a copied tree without .git, the
+    .msa_commit file that scripts/stamp_commit.sh wrote beside it (carried along with the tree)."""
+    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    if not os.path.isdir(os.path.join(root, ".git")):
+        stamp = os.path.join(root, ".msa_commit")
+        return open(stamp).read().strip() if os.path.exists(stamp) else "unknown"
     try:
-        root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
         out = subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=root, capture_output=True, text=True)
         dirty = subprocess.run(["git", "status", "--porcelain", "--untracked-files=no"], cwd=root,
                                capture_output=True, text=True).stdout.strip()

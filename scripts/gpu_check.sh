@@ -3,7 +3,9 @@
 #   scripts/gpu_check.sh LOGDIR [bench args...]
 # Installs carried wheels (.whl/, e.g. nvidia-cutlass), builds the extension with all cores, runs the
 # whole test suite (GPU tests included; MSA_PYTEST_ARGS narrows it) and the benchmark; logs and the
-# result table land in LOGDIR.
+# result table land in LOGDIR. MSA_SANITIZE=1 adds compute-sanitizer memcheck and racecheck runs of
+# scripts/sanitize_case.py. On a tree copied without .git, run scripts/stamp_commit.sh first (here)
+# and carry .msa_commit with the tree so the stored results name the commit.
 set -uo pipefail
 LOG=${1:?usage: scripts/gpu_check.sh LOGDIR [bench args...]}
 shift
