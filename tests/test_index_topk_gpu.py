@@ -67,3 +67,12 @@ def test_select_blocks_strided_inputs():
     qs = torch.empty(1, 900, 4, 256, dtype=qi.dtype, device="cuda")[..., :128]
     qs.copy_(qi)
     torch.testing.assert_close(msa.select_blocks(qs, ki, topk=4, block_size=128), base, rtol=0, atol=0)
+
+
+def test_select_blocks_many_sequences():
+    """A grid large enough for the 128-row tiles (>= 4 waves of 2 CTAs per SM on an H200: 48 sequences
+    x 32 tiles); the smaller cases above run the 64-row tiles."""
+    lengths = [1024 + 37 * (i % 5) for i in range(48)]
+    _, _, _, qi, ki, cu, mx = make_packed(lengths, (16, 2, 4, 1), 64, 128, dtype=torch.bfloat16, device="cuda",
+                                          seed=21)
+    _check(qi, ki, cu, mx, 16, 128)

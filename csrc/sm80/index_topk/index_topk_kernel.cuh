@@ -19,8 +19,10 @@ namespace msa::sm80 {
 constexpr float kPosInf = __builtin_huge_valf();
 constexpr float kNegInf = -__builtin_huge_valf();
 
+template <int Warps>
 struct IndexTopkShape {
-  static constexpr int kWarps = 8;      // 8 warps x 16 rows share every K tile (halves L2 traffic vs 64)
+  // 8 warps x 16 rows share every K tile (half the L2 traffic of 4); 4 warps when the grid is small.
+  static constexpr int kWarps = Warps;
   static constexpr int kThreads = kWarps * 32;
   static constexpr int kRows = kWarps * 16;
   static constexpr int kKeys = 64;      // keys per pipelined sub-tile (a block is 1 or 2 of them)
@@ -72,15 +74,15 @@ struct SmemTopHeap {
   }
 };
 
-template <typename T, int D>
-__global__ void __launch_bounds__(IndexTopkShape::kThreads, 2) index_topk_kernel(IndexTopkParams p) {
-  using S = IndexTopkShape;
+template <typename T, int D, int Warps>
+__global__ void __launch_bounds__(IndexTopkShape<Warps>::kThreads, 16 / Warps) index_topk_kernel(IndexTopkParams p) {
+  using S = IndexTopkShape<Warps>;
   using Tile = SwizzledTile<D>;
   constexpr int kChunks = Tile::kChunks;
   extern __shared__ __align__(128) unsigned char smem_raw[];
   T* sQ = reinterpret_cast<T*>(smem_raw);
-  T* sK = reinterpret_cast<T*>(smem_raw + S::q_bytes<D, T>());
-  float* sScore = reinterpret_cast<float*>(smem_raw + S::q_bytes<D, T>() + S::k_bytes<D, T>());
+  T* sK = reinterpret_cast<T*>(smem_raw + S::template q_bytes<D, T>());
+  float* sScore = reinterpret_cast<float*>(smem_raw + S::template q_bytes<D, T>() + S::template k_bytes<D, T>());
   int* sBlock = reinterpret_cast<int*>(sScore + S::kRows * S::kSlots);
 
   // blockIdx.x enumerates (tile, sequence) with the longest tiles (last in the sequence) first.
@@ -137,6 +139,7 @@ __global__ void __launch_bounds__(IndexTopkShape::kThreads, 2) index_topk_kernel
   const int my_row = warp * 16 + lane / 4 + 8 * (lane & 1);
   const int my_local = (tok0 + my_row / hr) / p.block_size;
   SmemTopHeap heap{sScore + my_row * S::kSlots, sBlock + my_row * S::kSlots, p.topk - 1};
+  static_assert(S::kSlots >= 31, "heap must hold topk - 1 <= 31 entries");
   float thr[2] = {p.topk > 1 ? kNegInf : kPosInf, p.topk > 1 ? kNegInf : kPosInf};
   float bmax[2] = {kNegInf, kNegInf};
   const bool positive = p.scale >= 0.f;  // S = scale * <q, k>: max of S is scale * (max or min) of <q, k>
@@ -222,18 +225,34 @@ __global__ void __launch_bounds__(IndexTopkShape::kThreads, 2) index_topk_kernel
   }
 }
 
+template <typename T, int D, int Warps>
+cudaError_t launch_index_topk_shape(const IndexTopkParams& p, cudaStream_t stream, int tiles) {
+  using S = IndexTopkShape<Warps>;
+  const dim3 grid(unsigned(tiles) * unsigned(p.num_seqs), unsigned(p.num_key_heads));
+  constexpr int smem = S::template smem_bytes<D, T>();
+  auto kernel = index_topk_kernel<T, D, Warps>;
+  cudaError_t err = cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, smem);
+  if (err != cudaSuccess) return err;
+  kernel<<<grid, S::kThreads, smem, stream>>>(p);
+  return cudaGetLastError();
+}
+
 template <typename T, int D>
 cudaError_t launch_index_topk(const IndexTopkParams& p, cudaStream_t stream) {
   const int hr = p.num_heads / p.num_key_heads;
-  const int tm = IndexTopkShape::kRows / hr;
-  const int tiles = (p.max_seqlen + tm - 1) / tm;
-  const dim3 grid(unsigned(tiles) * unsigned(p.num_seqs), unsigned(p.num_key_heads));
-  constexpr int smem = IndexTopkShape::smem_bytes<D, T>();
-  auto kernel = index_topk_kernel<T, D>;
-  cudaError_t err = cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, smem);
+  // 128-row tiles move half the K bytes per FLOP, but a grid of them under ~4 waves (2 CTAs per
+  // SM) is dominated by its longest tiles: use 64-row tiles there.
+  int device = 0, sms = 0;
+  cudaError_t err = cudaGetDevice(&device);
+  if (err == cudaSuccess) err = cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, device);
   if (err != cudaSuccess) return err;
-  kernel<<<grid, IndexTopkShape::kThreads, smem, stream>>>(p);
-  return cudaGetLastError();
+  const int tm8 = IndexTopkShape<8>::kRows / hr;
+  const int64_t ctas8 = int64_t((p.max_seqlen + tm8 - 1) / tm8) * p.num_seqs * p.num_key_heads;
+  if (ctas8 >= int64_t(4) * 2 * sms || IndexTopkShape<4>::kRows / hr == 0) {
+    return launch_index_topk_shape<T, D, 8>(p, stream, (p.max_seqlen + tm8 - 1) / tm8);
+  }
+  const int tm4 = IndexTopkShape<4>::kRows / hr;
+  return launch_index_topk_shape<T, D, 4>(p, stream, (p.max_seqlen + tm4 - 1) / tm4);
 }
 
 }  // namespace msa::sm80
