@@ -120,19 +120,19 @@ def attended_tokens(indices, block_size):
 
 
 def git_commit():
-    """The commit under test: git where there is a checkout; on a copied tree without .git, the
-    .msa_commit file that scripts/stamp_commit.sh wrote beside it (carried along with the tree)."""
+    """The commit under test, from git; on a copied tree where git cannot answer, from the .msa_commit
+    file that scripts/stamp_commit.sh wrote (carried along with the tree)."""
     root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-    if not os.path.isdir(os.path.join(root, ".git")):
-        stamp = os.path.join(root, ".msa_commit")
-        return open(stamp).read().strip() if os.path.exists(stamp) else "unknown"
     try:
         out = subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=root, capture_output=True, text=True)
-        dirty = subprocess.run(["git", "status", "--porcelain", "--untracked-files=no"], cwd=root,
-                               capture_output=True, text=True).stdout.strip()
-        return out.stdout.strip() + ("+dirty" if dirty else "") if out.returncode == 0 else "unknown"
+        if out.returncode == 0:
+            dirty = subprocess.run(["git", "status", "--porcelain", "--untracked-files=no"], cwd=root,
+                                   capture_output=True, text=True).stdout.strip()
+            return out.stdout.strip() + ("+dirty" if dirty else "")
     except OSError:
-        return "unknown"
+        pass
+    stamp = os.path.join(root, ".msa_commit")
+    return open(stamp).read().strip() if os.path.exists(stamp) else "unknown"
 
 
 def run(args):

@@ -70,7 +70,7 @@ def test_select_blocks_strided_inputs():
 
 
 def test_select_blocks_many_sequences():
-    """A grid large enough for the 128-row tiles (>= 4 waves of 2 CTAs per SM on an H200: 48 sequences
+    """A grid large enough for the 128-row tiles (>= one wave of 2 CTAs per SM on an H200: 48 sequences
     x 32 tiles); the smaller cases above run the 64-row tiles."""
     lengths = [1024 + 37 * (i % 5) for i in range(48)]
     _, _, _, qi, ki, cu, mx = make_packed(lengths, (16, 2, 4, 1), 64, 128, dtype=torch.bfloat16, device="cuda",

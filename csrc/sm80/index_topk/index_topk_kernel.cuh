@@ -240,15 +240,15 @@ cudaError_t launch_index_topk_shape(const IndexTopkParams& p, cudaStream_t strea
 template <typename T, int D>
 cudaError_t launch_index_topk(const IndexTopkParams& p, cudaStream_t stream) {
   const int hr = p.num_heads / p.num_key_heads;
-  // 128-row tiles move half the K bytes per FLOP, but a grid of them under ~4 waves (2 CTAs per
-  // SM) is dominated by its longest tiles: use 64-row tiles there.
+  // 128-row tiles move half the K bytes per FLOP, but a grid of them under one wave (2 CTAs per SM)
+  // is dominated by its longest tiles: use 64-row tiles there (measured: benchmarks/NOTES.md, v4-v5).
   int device = 0, sms = 0;
   cudaError_t err = cudaGetDevice(&device);
   if (err == cudaSuccess) err = cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, device);
   if (err != cudaSuccess) return err;
   const int tm8 = IndexTopkShape<8>::kRows / hr;
   const int64_t ctas8 = int64_t((p.max_seqlen + tm8 - 1) / tm8) * p.num_seqs * p.num_key_heads;
-  if (ctas8 >= int64_t(4) * 2 * sms || IndexTopkShape<4>::kRows / hr == 0) {
+  if (ctas8 >= int64_t(2) * sms || IndexTopkShape<4>::kRows / hr == 0) {
     return launch_index_topk_shape<T, D, 8>(p, stream, (p.max_seqlen + tm8 - 1) / tm8);
   }
   const int tm4 = IndexTopkShape<4>::kRows / hr;
