@@ -126,9 +126,10 @@ def _check_varlen(cu_seqlens, max_seqlen, x):
         _fail("cu_seqlens", "shape (S+1,) with S >= 1", tuple(cu_seqlens.shape))
     if cu_seqlens.device != x.device:
         _fail("cu_seqlens", f"device {x.device} (that of q)", cu_seqlens.device)
-    if isinstance(max_seqlen, bool) or not isinstance(max_seqlen, int) or max_seqlen < 1:
-        _fail("max_seqlen", "an int >= 1", repr(max_seqlen), TypeError if not isinstance(max_seqlen, int) else
-              ValueError)
+    if isinstance(max_seqlen, bool) or not isinstance(max_seqlen, int):
+        _fail("max_seqlen", "an int", repr(max_seqlen), TypeError)
+    if max_seqlen < 1:
+        _fail("max_seqlen", "an int >= 1", max_seqlen)
 
 
 def _msa(q, k, v, q_idx, k_idx, cu_seqlens, max_seqlen, topk, block_size, softmax_scale, index_scale, warmup,

@@ -129,6 +129,12 @@ def test_cu_seqlens_type():
     expect(ValueError, "cu_seqlens", lambda: msa.msa_attention_varlen(q, k, v, qi, ki, cu.view(1, 3), mx))
 
 
+def test_max_seqlen_type_and_range():
+    q, k, v, qi, ki, cu, mx = make_packed([100, 100], HEADS, 64, 64, dtype=torch.bfloat16)
+    expect(TypeError, "max_seqlen", lambda: msa.msa_attention_varlen(q, k, v, qi, ki, cu, 100.0))
+    expect(ValueError, "max_seqlen", lambda: msa.msa_attention_varlen(q, k, v, qi, ki, cu, 0))
+
+
 def test_empty_input():
     kw = good(N=1)
     kw = {n: x[:, :0] for n, x in kw.items()}

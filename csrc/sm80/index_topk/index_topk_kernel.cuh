@@ -1,8 +1,8 @@
 // Index top-k (SPEC 2), portable sm80 path: scores on tensor cores (mma.sync), causal max-pool per
 // block, streaming exp-free top-k. No score matrix ever reaches global memory.
 //
-// A CTA owns 128 query rows: TM = 128 / Hr tokens x the Hr = Hi / Hki index heads that share one index
-// key head (so one K tile feeds all of them). Every block before a row's own block is fully visible,
+// A CTA owns 128 query rows (64 when the grid is under one wave): TM = rows / Hr tokens x the
+// Hr = Hi / Hki index heads that share one index key head (so one K tile feeds all of them). Every block before a row's own block is fully visible,
 // and the own block is forced in, so the CTA scores blocks [0, local block of its last token) with no
 // causal mask at all; a row skips the blocks at or past its own (only in tiles that straddle blocks).
 // Each row keeps its best k-1 earlier blocks in a shared-memory heap and only its threshold in
