@@ -2,9 +2,10 @@
 // block, streaming exp-free top-k. No score matrix ever reaches global memory.
 //
 // A CTA owns 128 query rows (64 when the grid is under one wave): TM = rows / Hr tokens x the
-// Hr = Hi / Hki index heads that share one index key head (so one K tile feeds all of them). Every block before a row's own block is fully visible,
-// and the own block is forced in, so the CTA scores blocks [0, local block of its last token) with no
-// causal mask at all; a row skips the blocks at or past its own (only in tiles that straddle blocks).
+// Hr = Hi / Hki index heads that share one index key head (so one K tile feeds all of them). Every
+// block before a row's own block is fully visible, and the own block is forced in, so the CTA scores
+// blocks [0, local block of its last token) with no causal mask at all; a row skips the blocks at or
+// past its own (only in tiles that straddle blocks).
 // Each row keeps its best k-1 earlier blocks in a shared-memory heap and only its threshold in
 // registers: after the first k-1 blocks an insertion is rare (about k ln(blocks / k) per row) and costs
 // one sift-down; a block enters when it beats the row's current worst (ties keep the lower block).
