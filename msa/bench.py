@@ -20,6 +20,7 @@ import torch
 import torch.nn.functional as F
 
 import msa
+from msa import reference
 
 CONFIG = dict(Hq=16, Hkv=2, Hi=4, Hki=1, D=128, Di=128, block_size=128, topk=16)
 
@@ -112,11 +113,8 @@ def attended_tokens(indices, block_size):
     N = indices.shape[1]
     i = torch.arange(N, device=indices.device)[None, :, None]
     b = indices.long()
-    uniq = torch.ones_like(b, dtype=torch.bool)
-    for j in range(1, b.shape[-1]):
-        uniq[..., j] = ~(b[..., :j] == b[..., j:j + 1]).any(-1)
     n = torch.clamp(i - b * block_size + 1, min=0, max=block_size)
-    return int((n * ((b >= 0) & uniq)).sum())
+    return int((n * ((b >= 0) & reference.first_occurrence(b))).sum())
 
 
 def git_commit():

@@ -65,6 +65,15 @@ def _attended(idx_c: torch.Tensor | None, c0: int, c1: int, n: int, block_size: 
     return tokens & causal
 
 
+def first_occurrence(indices: torch.Tensor) -> torch.Tensor:
+    """Bool mask over the last dim of a selection: False where a slot repeats an earlier slot's block
+    (a repeated block selects nothing more)."""
+    first = torch.ones_like(indices, dtype=torch.bool)
+    for j in range(1, indices.shape[-1]):
+        first[..., j] = ~(indices[..., :j] == indices[..., j:j + 1]).any(-1)
+    return first
+
+
 def _finite(x: torch.Tensor) -> torch.Tensor:
     """lse of an empty row is -inf; subtracting 0 there keeps exp(-inf - lse) = 0 instead of NaN."""
     return torch.where(torch.isinf(x), torch.zeros_like(x), x)
@@ -269,9 +278,7 @@ def reverse_index(indices, cu_seqlens, block_size: int):
     t = torch.arange(T)
     local = (t - torch.tensor(cu)[seq]) // block_size
     idx = indices.long()
-    valid = (idx >= 0) & (idx <= local[None, :, None])
-    for j in range(1, k):  # a repeat of an earlier slot selects nothing more
-        valid[..., j] &= ~(idx[..., :j] == idx[..., j:j + 1]).any(-1)
+    valid = (idx >= 0) & (idx <= local[None, :, None]) & first_occurrence(idx)
     key = torch.arange(Hi)[:, None, None] * max_blocks + block_offsets[seq][None, :, None] + idx
     key = torch.where(valid, key, Hi * max_blocks)
     tok = t[None, :, None].expand(Hi, T, k)

@@ -30,3 +30,10 @@ def packed(x):
 
 def batch_cu(B, N):
     return [N * b for b in range(B + 1)]
+
+
+def poison_allocator(nbytes=1 << 28):
+    """Fill memory the caching allocator will hand out next with 0x7f bytes, so an unwritten output
+    element shows up as garbage instead of a lucky zero."""
+    torch.empty(nbytes, dtype=torch.uint8, device="cuda").fill_(0x7F)
+    torch.cuda.synchronize()

@@ -5,9 +5,8 @@ import pytest
 import torch
 
 import msa
-from helpers import HEADS, make_inputs, make_packed
+from helpers import HEADS, make_inputs, make_packed, poison_allocator
 from topk_check import assert_valid_topk
-from test_reverse_index_gpu import poison_allocator
 
 pytestmark = pytest.mark.gpu
 

@@ -2,17 +2,10 @@
 import pytest
 import torch
 
-from helpers import make_packed
+from helpers import make_packed, poison_allocator
 
 pytestmark = pytest.mark.gpu
 ops = torch.ops.msa
-
-
-def poison_allocator(nbytes=1 << 28):
-    """Fill memory the caching allocator will hand out next with 0x7f bytes, so an unwritten output
-    element shows up as garbage instead of a lucky zero."""
-    torch.empty(nbytes, dtype=torch.uint8, device="cuda").fill_(0x7F)
-    torch.cuda.synchronize()
 
 
 def random_indices(Hi, lengths, topk, block_size, seed, device):
