@@ -23,6 +23,18 @@ struct ReverseIndexParams {
   int num_seqs;
   int block_size;
   int max_blocks;             // total_tokens / block_size + num_seqs: bound on the global blocks
+  // Only the tokens [token_begin, token_end) enter (the sparse kernels work per query chunk); the
+  // positions in rows/keys are then local to the chunk.
+  int token_begin;
+  int token_end;
+  // rows hold entry ids e = (r * T + t) * topk + slot instead of tokens (token and slot follow).
+  bool emit_entries;
+  // Work list (nullable): item_offsets[key] = sum over earlier keys of ceil(count / units_per_item);
+  // item_offsets[num_keys] = number of items. Hot keys are split into items of <= units_per_item.
+  int32_t* item_offsets;
+  int units_per_item;
+  void* scan_temp;
+  size_t scan_temp_bytes;
 };
 
 }  // namespace msa
@@ -45,6 +57,73 @@ struct IndexTopkParams {
   int topk;
   int block_size;
   float scale;                // index_scale
+};
+
+}  // namespace msa
+
+namespace msa {
+
+// The reverse index of one query chunk as the sparse kernels read it (see ReverseIndexParams).
+struct SparseWork {
+  const int32_t* offsets;        // (num_keys + 1) CSR over keys r * max_blocks + global block
+  const int32_t* entries;        // entry ids e = (r * T + t) * topk + slot, grouped by key, ascending
+  const int32_t* item_offsets;   // (num_keys + 1) first item of each key
+  const int32_t* block_offsets;  // (num_seqs + 1) first global block of each sequence
+  int num_keys;
+  int max_blocks;
+  int units_per_item;
+  int max_items;                 // grid size: an upper bound on item_offsets[num_keys]
+};
+
+// Sparse forward (SPEC 3) and the KL terms (SPEC 4), KV-outer. Two passes over the same work items of
+// one query chunk [chunk_begin, chunk_begin + chunk_tokens): the stats pass writes per (entry, head)
+// the running max and sum (log2 domain); after the stats combine has turned them into lse, the output
+// pass writes per (entry, head) the partial output sum_j exp(s_j - lse) v_j and per entry the KL terms
+// sum_j P (ln P - S_idx). An entry's local id is (r * chunk_tokens + t - chunk_begin) * topk + slot.
+struct SparseFwdParams {
+  const void* q;
+  const void* k;
+  const void* v;
+  const void* q_idx;  // nullptr: no index branch (sparse_attention)
+  const void* k_idx;
+  int64_t q_stride_t, q_stride_h, k_stride_t, k_stride_h, v_stride_t, v_stride_h;
+  int64_t qi_stride_t, qi_stride_h, ki_stride_t, ki_stride_h;  // in elements
+  const int32_t* cu_seqlens;
+  SparseWork work;
+  int total_tokens;
+  int num_seqs;
+  int topk;
+  int block_size;
+  int hq, hkv, hi, hki;
+  int di;
+  int chunk_begin;
+  int chunk_tokens;
+  float scale_log2;        // softmax_scale * log2(e)
+  float index_scale;
+  float2* stats;           // (entries, G): (max, sum) of the main logits, log2 domain, sum 0 = none
+  float2* idx_stats;       // (entries): the same for the index logits
+  const float* lse;        // (Hq, T) natural log (output pass input)
+  void* out_part;          // (entries, G, D) input dtype
+  float* kl_part;          // (entries)
+};
+
+// Combines the per-entry results of one chunk: lse (Hq, T) and lse_idx (Hi, T) from the stats;
+// out (T, Hq, D) and the per-row KL (Hi, T) from the output pass.
+struct SparseCombineParams {
+  const float2* stats;
+  const float2* idx_stats;  // nullable
+  const void* out_part;
+  const float* kl_part;     // nullable
+  float* lse;
+  float* lse_idx;
+  void* out;
+  int64_t out_stride_t, out_stride_h;
+  float* kl_rows;           // (Hi, T)
+  int total_tokens;
+  int topk;
+  int hq, hi;
+  int chunk_begin;
+  int chunk_tokens;
 };
 
 }  // namespace msa

@@ -15,5 +15,11 @@ for dtype, di, bs, topk, lengths in [(torch.bfloat16, 128, 128, 16, [700, 129, 1
     ki = torch.randn(T, 1, di, dtype=dtype, device="cuda")
     idx = msa.select_blocks(qi, ki, topk=topk, block_size=bs, cu_seqlens=cu, max_seqlen=max(lengths))
     offsets, rows, block_offsets = torch.ops.msa.reverse_index(idx, cu, max(lengths), bs)
+    for heads in [(8, 2, 4, 1), (8, 4, 2, 1)]:  # Hi >= Hkv and Hi < Hkv (two kv heads per group)
+        q = torch.randn(T, heads[0], 128, dtype=dtype, device="cuda")
+        k, v = (torch.randn(T, heads[1], 128, dtype=dtype, device="cuda") for _ in range(2))
+        qi2, ki2 = qi[:, :heads[2]].contiguous(), ki
+        out, kl, _, lse, lse_idx = torch.ops.msa.msa_fwd(q, k, v, qi2, ki2, cu, max(lengths), topk, bs, 0.088,
+                                                          0.088, False, False)
     torch.cuda.synchronize()
 print("sanitize case done")

@@ -4,17 +4,10 @@
 #include <torch/library.h>
 
 #include "api/checks.h"
+#include "api/ops.h"
 #include "sm80/index_topk/index_topk.h"
 
 namespace msa::api {
-namespace {
-
-// Rows must be 16-byte aligned for cp.async; otherwise work on a contiguous copy.
-at::Tensor aligned_rows(const at::Tensor& x) {
-  const bool ok = x.stride(-1) == 1 && x.stride(0) % 8 == 0 && x.stride(1) % 8 == 0 &&
-                  reinterpret_cast<uintptr_t>(x.data_ptr()) % 16 == 0;
-  return ok ? x : x.contiguous();
-}
 
 at::Tensor select_blocks_cuda(const at::Tensor& q_idx, const at::Tensor& k_idx, const at::Tensor& cu_seqlens,
                               int64_t max_seqlen, int64_t topk, int64_t block_size, double index_scale) {
@@ -71,8 +64,6 @@ at::Tensor select_blocks_cuda(const at::Tensor& q_idx, const at::Tensor& k_idx, 
   TORCH_CHECK(err == cudaSuccess, "msa::select_blocks launch failed: ", cudaGetErrorString(err));
   return indices;
 }
-
-}  // namespace
 
 TORCH_LIBRARY_IMPL(msa, CUDA, m) { m.impl("select_blocks", &select_blocks_cuda); }
 

@@ -54,6 +54,8 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> reverse_index_cuda(const at::Tens
   p.num_seqs = int(num_seqs);
   p.block_size = int(block_size);
   p.max_blocks = int(max_blocks);
+  p.token_begin = 0;
+  p.token_end = int(tokens);
   const cudaError_t err = run_reverse_index(p, c10::cuda::getCurrentCUDAStream());
   TORCH_CHECK(err == cudaSuccess, "msa::reverse_index launch failed: ", cudaGetErrorString(err));
   return {offsets, rows, block_offsets};

@@ -32,6 +32,37 @@ __device__ __forceinline__ void ldmatrix_x4(uint32_t (&r)[4], const void* smem) 
                : "r"(smem_addr(smem)));
 }
 
+// Transposing load: gives B fragments (k pairs along rows) from a row-major [k][n] tile.
+__device__ __forceinline__ void ldmatrix_x4_trans(uint32_t (&r)[4], const void* smem) {
+  asm volatile("ldmatrix.sync.aligned.m8n8.x4.trans.shared.b16 {%0,%1,%2,%3}, [%4];\n"
+               : "=r"(r[0]), "=r"(r[1]), "=r"(r[2]), "=r"(r[3])
+               : "r"(smem_addr(smem)));
+}
+
+// Two fp32 values as one packed 16-bit pair (the A-fragment / store format).
+template <typename T>
+__device__ __forceinline__ uint32_t pack2(float lo, float hi);
+template <>
+__device__ __forceinline__ uint32_t pack2<__nv_bfloat16>(float lo, float hi) {
+  __nv_bfloat162 v = __floats2bfloat162_rn(lo, hi);
+  return *reinterpret_cast<uint32_t*>(&v);
+}
+template <>
+__device__ __forceinline__ uint32_t pack2<__half>(float lo, float hi) {
+  __half2 v = __floats2half2_rn(lo, hi);
+  return *reinterpret_cast<uint32_t*>(&v);
+}
+template <typename T>
+__device__ __forceinline__ float2 unpack2(uint32_t v);
+template <>
+__device__ __forceinline__ float2 unpack2<__nv_bfloat16>(uint32_t v) {
+  return __bfloat1622float2(*reinterpret_cast<__nv_bfloat162*>(&v));
+}
+template <>
+__device__ __forceinline__ float2 unpack2<__half>(uint32_t v) {
+  return __half22float2(*reinterpret_cast<__half2*>(&v));
+}
+
 template <typename T>
 struct MmaOp;
 
@@ -59,6 +90,11 @@ struct MmaOp<__half> {
 
 // Shared tile of R rows x D 16-bit elements, row-major, 16-byte chunks XOR-swizzled by (row % 8) so
 // that ldmatrix's eight row addresses of one column fall in distinct banks.
+// The same swizzle for a width known only at run time (a multiple of 64 elements).
+__device__ __forceinline__ int swizzled_offset(int row, int chunk, int width) {
+  return row * width + ((chunk ^ (row & 7)) * 8);
+}
+
 template <int D>
 struct SwizzledTile {
   static constexpr int kChunks = D / 8;  // 16-byte chunks per row

@@ -2,6 +2,7 @@
 // A stable radix sort of (key, token) pairs in (r, token, slot) order keeps each key's tokens
 // ascending, so the map (and everything that reduces over it) is deterministic.
 #include <cub/device/device_radix_sort.cuh>
+#include <cub/device/device_scan.cuh>
 
 #include "common/cuda_check.h"
 #include "sm80/reverse_index/reverse_index.h"
@@ -21,17 +22,20 @@ __global__ void reverse_index_block_offsets_kernel(const int32_t* cu, int32_t* b
   block_offsets[num_seqs] = acc;
 }
 
-// One thread per (r, t, slot). Entries that select nothing (-1, out of range, causally invisible,
-// or a repeat of an earlier slot of the same row) get the sentinel key and sort to the end.
+// One thread per (r, t, slot) of the tokens [token_begin, token_end). Entries that select nothing
+// (-1, out of range, causally invisible, or a repeat of an earlier slot of the same row) get the
+// sentinel key and sort to the end.
 __global__ void reverse_index_keys_kernel(ReverseIndexParams p) {
-  const int64_t total = int64_t(p.num_heads) * p.total_tokens * p.topk;
+  const int chunk = p.token_end - p.token_begin;
+  const int64_t total = int64_t(p.num_heads) * chunk * p.topk;
   const int32_t sentinel = p.num_heads * p.max_blocks;
-  for (int64_t e = blockIdx.x * int64_t(blockDim.x) + threadIdx.x; e < total;
-       e += int64_t(gridDim.x) * blockDim.x) {
-    const int slot = int(e % p.topk);
-    const int64_t row = e / p.topk;  // r * T + t
-    const int t = int(row % p.total_tokens);
-    const int r = int(row / p.total_tokens);
+  for (int64_t i = blockIdx.x * int64_t(blockDim.x) + threadIdx.x; i < total;
+       i += int64_t(gridDim.x) * blockDim.x) {
+    const int slot = int(i % p.topk);
+    const int64_t local_row = i / p.topk;  // r * chunk + t - token_begin
+    const int t = p.token_begin + int(local_row % chunk);
+    const int r = int(local_row / chunk);
+    const int64_t e = (int64_t(r) * p.total_tokens + t) * p.topk + slot;
     // Sequence of token t: the last s with cu[s] <= t.
     int lo = 0, hi = p.num_seqs - 1;
     while (lo < hi) {
@@ -42,9 +46,16 @@ __global__ void reverse_index_keys_kernel(ReverseIndexParams p) {
     const int local_block = (t - p.cu_seqlens[lo]) / p.block_size;
     bool valid = b >= 0 && b <= local_block;
     for (int j = 0; j < slot && valid; ++j) valid = p.indices[e - slot + j] != b;
-    p.keys_in[e] = valid ? r * p.max_blocks + p.block_offsets[lo] + b : sentinel;
-    p.rows_in[e] = t;
+    p.keys_in[i] = valid ? r * p.max_blocks + p.block_offsets[lo] + b : sentinel;
+    p.rows_in[i] = p.emit_entries ? int32_t(e) : t;
   }
+}
+
+// items[key] = ceil(count(key) / units_per_item), items[num_keys] = 0 (the scan turns it into the total).
+__global__ void reverse_index_items_kernel(const int32_t* offsets, int32_t* items, int num_keys, int per_item) {
+  const int key = blockIdx.x * blockDim.x + threadIdx.x;
+  if (key > num_keys) return;
+  items[key] = key < num_keys ? (offsets[key + 1] - offsets[key] + per_item - 1) / per_item : 0;
 }
 
 // offsets[key] = first position of key in the sorted keys (lower bound); offsets[num_keys] = count.
@@ -68,6 +79,13 @@ int key_bits(int num_keys) {
 
 }  // namespace
 
+size_t reverse_index_scan_bytes(int num_keys) {
+  size_t bytes = 0;
+  cub::DeviceScan::ExclusiveSum(nullptr, bytes, static_cast<int32_t*>(nullptr), static_cast<int32_t*>(nullptr),
+                                num_keys + 1);
+  return bytes;
+}
+
 size_t reverse_index_sort_bytes(int num_entries, int num_keys) {
   size_t bytes = 0;
   cub::DeviceRadixSort::SortPairs(nullptr, bytes, static_cast<int32_t*>(nullptr), static_cast<int32_t*>(nullptr),
@@ -77,7 +95,7 @@ size_t reverse_index_sort_bytes(int num_entries, int num_keys) {
 }
 
 cudaError_t run_reverse_index(const ReverseIndexParams& p, cudaStream_t stream) {
-  const int64_t n = int64_t(p.num_heads) * p.total_tokens * p.topk;
+  const int64_t n = int64_t(p.num_heads) * (p.token_end - p.token_begin) * p.topk;
   const int num_keys = p.num_heads * p.max_blocks;
   reverse_index_block_offsets_kernel<<<1, 1, 0, stream>>>(p.cu_seqlens, p.block_offsets, p.num_seqs, p.block_size);
   MSA_CUDA_TRY(cudaGetLastError());
@@ -91,8 +109,18 @@ cudaError_t run_reverse_index(const ReverseIndexParams& p, cudaStream_t stream) 
                                                  int(n), 0, key_bits(num_keys), stream));
   }
   const int threads = 256;
-  reverse_index_offsets_kernel<<<(num_keys + 1 + threads - 1) / threads, threads, 0, stream>>>(p.keys_out, n,
-                                                                                             p.offsets, num_keys);
+  const int key_blocks = (num_keys + 1 + threads - 1) / threads;
+  reverse_index_offsets_kernel<<<key_blocks, threads, 0, stream>>>(p.keys_out, n, p.offsets, num_keys);
+  MSA_CUDA_TRY(cudaGetLastError());
+  if (p.item_offsets != nullptr) {
+    // Counts per key, then an in-place exclusive scan: item_offsets[num_keys] = number of items.
+    reverse_index_items_kernel<<<key_blocks, threads, 0, stream>>>(p.offsets, p.item_offsets, num_keys,
+                                                                   p.units_per_item);
+    MSA_CUDA_TRY(cudaGetLastError());
+    size_t bytes = p.scan_temp_bytes;
+    MSA_CUDA_TRY(cub::DeviceScan::ExclusiveSum(p.scan_temp, bytes, p.item_offsets, p.item_offsets, num_keys + 1,
+                                               stream));
+  }
   return cudaGetLastError();
 }
 

@@ -7,6 +7,8 @@ namespace msa {
 
 // Bytes of radix-sort workspace for `num_entries` (key, token) pairs.
 size_t reverse_index_sort_bytes(int num_entries, int num_keys);
+// Bytes of scan workspace for the work list over `num_keys` keys.
+size_t reverse_index_scan_bytes(int num_keys);
 // Builds the reverse index on `stream`; no host synchronisation.
 cudaError_t run_reverse_index(const ReverseIndexParams& p, cudaStream_t stream);
 

@@ -1,0 +1,32 @@
+// CUDA implementations that other entry points call directly (msa_fwd runs the selection itself).
+#pragma once
+#include <ATen/ATen.h>
+
+#include <optional>
+#include <tuple>
+
+namespace msa::api {
+
+at::Tensor select_blocks_cuda(const at::Tensor& q_idx, const at::Tensor& k_idx, const at::Tensor& cu_seqlens,
+                              int64_t max_seqlen, int64_t topk, int64_t block_size, double index_scale);
+
+// The sparse forward of SPEC 3 (and, with q_idx/k_idx, the KL terms of SPEC 4) over `indices`.
+struct SparseForward {
+  at::Tensor out;      // (T, Hq, D)
+  at::Tensor lse;      // (Hq, T) fp32
+  at::Tensor lse_idx;  // (Hi, T) fp32, empty without the index branch
+  at::Tensor kl_rows;  // (Hi, T) fp32 per-row KL, empty without the index branch
+};
+SparseForward sparse_forward_cuda(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
+                                  const std::optional<at::Tensor>& q_idx, const std::optional<at::Tensor>& k_idx,
+                                  const at::Tensor& indices, const at::Tensor& cu_seqlens, int64_t max_seqlen,
+                                  int64_t block_size, double softmax_scale, double index_scale);
+
+// Rows must be 16-byte aligned for cp.async; otherwise work on a contiguous copy.
+inline at::Tensor aligned_rows(const at::Tensor& x) {
+  const bool ok = x.stride(-1) == 1 && x.stride(0) % 8 == 0 && x.stride(1) % 8 == 0 &&
+                  reinterpret_cast<uintptr_t>(x.data_ptr()) % 16 == 0;
+  return ok ? x : x.contiguous();
+}
+
+}  // namespace msa::api

@@ -1,0 +1,273 @@
+// msa::sparse_fwd and msa::msa_fwd on CUDA: checks, workspace, the per-chunk pipeline
+//   reverse index -> stats pass -> stats combine (lse, lse_idx) -> output pass -> out / KL combine.
+// Queries are processed in chunks of tokens so the per-entry partials stay within a fixed workspace
+// (kPartialBudget), whatever N is: memory is O(N) overall and bounded per chunk.
+#include <c10/cuda/CUDAGuard.h>
+#include <c10/cuda/CUDAStream.h>
+#include <torch/library.h>
+
+#include <algorithm>
+#include <tuple>
+
+#include "api/checks.h"
+#include "api/ops.h"
+#include "sm80/reverse_index/reverse_index.h"
+#include "sm80/sparse_fwd/sparse_fwd.h"
+
+namespace msa::api {
+namespace {
+
+constexpr int64_t kPartialBudget = int64_t(1) << 30;  // bytes of per-entry partials per chunk
+constexpr int kUnitsPerItem = 64;                     // hot blocks split into items of this many units
+
+#define MSA_LAUNCH_CHECK(expr, what)                                                         \
+  do {                                                                                       \
+    const cudaError_t err_ = (expr);                                                         \
+    TORCH_CHECK(err_ == cudaSuccess, "msa::" what " launch failed: ", cudaGetErrorString(err_)); \
+  } while (0)
+
+template <typename F>
+void dispatch_dtype_dim(at::ScalarType dt, int64_t d, F&& f) {
+  if (dt == at::kBFloat16) {
+    if (d == 64) f.template operator()<__nv_bfloat16, 64>(); else f.template operator()<__nv_bfloat16, 128>();
+  } else {
+    if (d == 64) f.template operator()<__half, 64>(); else f.template operator()<__half, 128>();
+  }
+}
+
+void check_main(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v) {
+  TORCH_CHECK_VALUE(q.is_cuda() && k.device() == q.device() && v.device() == q.device(),
+                    "q, k, v: expected one CUDA device, got ", q.device(), ", ", k.device(), ", ", v.device());
+  TORCH_CHECK_TYPE(q.scalar_type() == at::kBFloat16 || q.scalar_type() == at::kHalf,
+                   "q: expected bfloat16 or float16, got ", q.scalar_type());
+  TORCH_CHECK_TYPE(k.scalar_type() == q.scalar_type() && v.scalar_type() == q.scalar_type(),
+                   "k, v: expected dtype ", q.scalar_type());
+  TORCH_CHECK_VALUE(q.dim() == 3 && k.dim() == 3 && k.sizes() == v.sizes() && k.size(0) == q.size(0) &&
+                        k.size(2) == q.size(2),
+                    "q, k, v: expected (T, Hq, D), (T, Hkv, D), (T, Hkv, D), got ", q.sizes(), ", ", k.sizes(), ", ",
+                    v.sizes());
+  TORCH_CHECK_VALUE(q.size(2) == 64 || q.size(2) == 128, "q: expected head dim 64 or 128, got ", q.size(2));
+  TORCH_CHECK_VALUE(q.size(1) % k.size(1) == 0, "k: expected Hkv dividing Hq = ", q.size(1), ", got ", k.size(1));
+  TORCH_CHECK_VALUE(q.stride(-1) == 1 && k.stride(-1) == 1 && v.stride(-1) == 1,
+                    "q, k, v: expected a contiguous last dim");
+}
+
+}  // namespace
+
+SparseForward sparse_forward_cuda(const at::Tensor& q_in, const at::Tensor& k_in, const at::Tensor& v_in,
+                                  const std::optional<at::Tensor>& q_idx_in, const std::optional<at::Tensor>& k_idx_in,
+                                  const at::Tensor& indices, const at::Tensor& cu_seqlens, int64_t max_seqlen,
+                                  int64_t block_size, double softmax_scale, double index_scale) {
+  check_main(q_in, k_in, v_in);
+  check_cuda_int32(indices, "indices", 3);
+  check_cuda_int32(cu_seqlens, "cu_seqlens", 1);
+  TORCH_CHECK_VALUE(indices.device() == q_in.device() && cu_seqlens.device() == q_in.device(),
+                    "indices, cu_seqlens: expected device ", q_in.device());
+  TORCH_CHECK_VALUE(block_size == 64 || block_size == 128, "block_size: expected 64 or 128, got ", block_size);
+  const int64_t T = q_in.size(0), Hq = q_in.size(1), D = q_in.size(2), Hkv = k_in.size(1);
+  const int64_t Hi = indices.size(0), topk = indices.size(2);
+  TORCH_CHECK_VALUE(indices.size(1) == T && topk >= 1 && topk <= 32, "indices: expected (Hi, ", T,
+                    ", 1..32), got ", indices.sizes());
+  TORCH_CHECK_VALUE(Hi >= 1 && Hq % Hi == 0 && (Hi % Hkv == 0 || Hkv % Hi == 0), "indices: expected Hi dividing Hq = ",
+                    Hq, " with Hi and Hkv = ", Hkv, " dividing one another, got Hi = ", Hi);
+  const int64_t G = Hq / Hi, J = Hkv > Hi ? Hkv / Hi : 1;
+  TORCH_CHECK_VALUE(G / J <= 64, "q: at most 64 query heads per (index group, kv head) on CUDA, got ", G / J);
+  const bool index = q_idx_in.has_value();
+  int64_t Di = 0, Hki = 0;
+  if (index) {
+    const at::Tensor& qi = *q_idx_in;
+    const at::Tensor& ki = *k_idx_in;
+    TORCH_CHECK_TYPE(qi.scalar_type() == q_in.scalar_type() && ki.scalar_type() == q_in.scalar_type(),
+                     "q_idx, k_idx: expected dtype ", q_in.scalar_type());
+    TORCH_CHECK_VALUE(qi.device() == q_in.device() && ki.device() == q_in.device(), "q_idx, k_idx: expected device ",
+                      q_in.device());
+    TORCH_CHECK_VALUE(qi.dim() == 3 && ki.dim() == 3 && qi.size(0) == T && ki.size(0) == T && qi.size(1) == Hi &&
+                          ki.size(2) == qi.size(2),
+                      "q_idx, k_idx: expected (T, Hi, Di), (T, Hki, Di), got ", qi.sizes(), ", ", ki.sizes());
+    Di = qi.size(2);
+    Hki = ki.size(1);
+    TORCH_CHECK_VALUE(Di == 64 || Di == 128, "q_idx: expected head dim 64 or 128, got ", Di);
+    TORCH_CHECK_VALUE(Hi % Hki == 0, "k_idx: expected Hki dividing Hi = ", Hi, ", got ", Hki);
+  }
+  const std::vector<int32_t> cu = check_cu_seqlens(cu_seqlens, T, max_seqlen);
+  const int64_t S = int64_t(cu.size()) - 1;
+
+  c10::cuda::CUDAGuard guard(q_in.device());
+  const cudaStream_t stream = c10::cuda::getCurrentCUDAStream();
+  const at::Tensor q = aligned_rows(q_in), k = aligned_rows(k_in), v = aligned_rows(v_in);
+  at::Tensor qi, ki;
+  if (index) {
+    qi = aligned_rows(*q_idx_in);
+    ki = aligned_rows(*k_idx_in);
+  }
+  auto f32 = q.options().dtype(at::kFloat);
+  auto i32 = q.options().dtype(at::kInt);
+  SparseForward res;
+  res.out = at::empty_like(q_in, at::MemoryFormat::Contiguous);
+  res.lse = at::empty({Hq, T}, f32);
+  res.lse_idx = at::empty({index ? Hi : 0, T}, f32);
+  res.kl_rows = at::empty({index ? Hi : 0, T}, f32);
+  if (T == 0) return res;
+
+  // Chunk of query tokens: its per-entry partials (output rows + stats) fit the budget.
+  const int64_t per_token = Hi * topk * (G * (D * q.element_size() + 8) + 16);
+  const int64_t chunk = std::max<int64_t>(1, std::min<int64_t>(T, kPartialBudget / per_token));
+  const int64_t entries = Hi * chunk * topk;
+  const int64_t max_blocks = T / block_size + S;
+  const int64_t num_keys = Hi * max_blocks;
+  TORCH_CHECK_VALUE(Hi * T * topk < (int64_t(1) << 31) && num_keys < (int64_t(1) << 30),
+                    "q: too many tokens for the int32 reverse index, T = ", T);
+
+  auto block_offsets = at::empty({S + 1}, i32);
+  auto offsets = at::empty({num_keys + 1}, i32);
+  auto item_offsets = at::empty({num_keys + 1}, i32);
+  auto keys = at::empty({2, entries}, i32);
+  auto rows_in = at::empty({entries}, i32);
+  auto sorted = at::empty({entries}, i32);
+  const size_t sort_bytes = reverse_index_sort_bytes(int(entries), int(num_keys));
+  const size_t scan_bytes = reverse_index_scan_bytes(int(num_keys));
+  auto temp = at::empty({int64_t(std::max(sort_bytes, scan_bytes))}, q.options().dtype(at::kByte));
+  auto stats = at::empty({entries * G * 2}, f32);
+  auto idx_stats = at::empty({index ? entries * 2 : 0}, f32);
+  auto kl_part = at::empty({index ? entries : 0}, f32);
+  auto out_part = at::empty({entries * G * D}, q.options());
+
+  ReverseIndexParams rp{};
+  rp.indices = indices.data_ptr<int32_t>();
+  rp.cu_seqlens = cu_seqlens.data_ptr<int32_t>();
+  rp.block_offsets = block_offsets.data_ptr<int32_t>();
+  rp.offsets = offsets.data_ptr<int32_t>();
+  rp.rows = sorted.data_ptr<int32_t>();
+  rp.keys_in = keys[0].data_ptr<int32_t>();
+  rp.keys_out = keys[1].data_ptr<int32_t>();
+  rp.rows_in = rows_in.data_ptr<int32_t>();
+  rp.sort_temp = temp.data_ptr();
+  rp.sort_temp_bytes = sort_bytes;
+  rp.scan_temp = temp.data_ptr();
+  rp.scan_temp_bytes = scan_bytes;
+  rp.num_heads = int(Hi);
+  rp.total_tokens = int(T);
+  rp.topk = int(topk);
+  rp.num_seqs = int(S);
+  rp.block_size = int(block_size);
+  rp.max_blocks = int(max_blocks);
+  rp.emit_entries = true;
+  rp.item_offsets = item_offsets.data_ptr<int32_t>();
+  rp.units_per_item = kUnitsPerItem;
+
+  SparseFwdParams fp{};
+  fp.q = q.data_ptr();
+  fp.k = k.data_ptr();
+  fp.v = v.data_ptr();
+  fp.q_stride_t = q.stride(0);
+  fp.q_stride_h = q.stride(1);
+  fp.k_stride_t = k.stride(0);
+  fp.k_stride_h = k.stride(1);
+  fp.v_stride_t = v.stride(0);
+  fp.v_stride_h = v.stride(1);
+  if (index) {
+    fp.q_idx = qi.data_ptr();
+    fp.k_idx = ki.data_ptr();
+    fp.qi_stride_t = qi.stride(0);
+    fp.qi_stride_h = qi.stride(1);
+    fp.ki_stride_t = ki.stride(0);
+    fp.ki_stride_h = ki.stride(1);
+  }
+  fp.cu_seqlens = cu_seqlens.data_ptr<int32_t>();
+  fp.work.offsets = offsets.data_ptr<int32_t>();
+  fp.work.entries = sorted.data_ptr<int32_t>();
+  fp.work.item_offsets = item_offsets.data_ptr<int32_t>();
+  fp.work.block_offsets = block_offsets.data_ptr<int32_t>();
+  fp.work.num_keys = int(num_keys);
+  fp.work.max_blocks = int(max_blocks);
+  fp.work.units_per_item = kUnitsPerItem;
+  fp.total_tokens = int(T);
+  fp.num_seqs = int(S);
+  fp.topk = int(topk);
+  fp.block_size = int(block_size);
+  fp.hq = int(Hq);
+  fp.hkv = int(Hkv);
+  fp.hi = int(Hi);
+  fp.hki = int(std::max<int64_t>(Hki, 1));
+  fp.di = int(Di);
+  fp.scale_log2 = float(softmax_scale * 1.4426950408889634);
+  fp.index_scale = float(index_scale);
+  fp.stats = reinterpret_cast<float2*>(stats.data_ptr<float>());
+  fp.idx_stats = index ? reinterpret_cast<float2*>(idx_stats.data_ptr<float>()) : nullptr;
+  fp.lse = res.lse.data_ptr<float>();
+  fp.out_part = out_part.data_ptr();
+  fp.kl_part = index ? kl_part.data_ptr<float>() : nullptr;
+
+  SparseCombineParams cp{};
+  cp.stats = fp.stats;
+  cp.idx_stats = fp.idx_stats;
+  cp.out_part = fp.out_part;
+  cp.kl_part = fp.kl_part;
+  cp.lse = res.lse.data_ptr<float>();
+  cp.lse_idx = index ? res.lse_idx.data_ptr<float>() : nullptr;
+  cp.out = res.out.data_ptr();
+  cp.out_stride_t = res.out.stride(0);
+  cp.out_stride_h = res.out.stride(1);
+  cp.kl_rows = index ? res.kl_rows.data_ptr<float>() : nullptr;
+  cp.total_tokens = int(T);
+  cp.topk = int(topk);
+  cp.hq = int(Hq);
+  cp.hi = int(Hi);
+
+  for (int64_t t0 = 0; t0 < T; t0 += chunk) {
+    const int64_t tc = std::min(chunk, T - t0);
+    const int64_t n = Hi * tc * topk;
+    rp.token_begin = int(t0);
+    rp.token_end = int(t0 + tc);
+    MSA_LAUNCH_CHECK(run_reverse_index(rp, stream), "sparse_fwd (reverse index)");
+    // Slots that select nothing are never written: their stats stay (0, 0), "no keys".
+    MSA_LAUNCH_CHECK(cudaMemsetAsync(stats.data_ptr(), 0, size_t(n * G) * sizeof(float2), stream), "sparse_fwd");
+    if (index) {
+      MSA_LAUNCH_CHECK(cudaMemsetAsync(idx_stats.data_ptr(), 0, size_t(n) * sizeof(float2), stream), "sparse_fwd");
+    }
+    fp.chunk_begin = cp.chunk_begin = int(t0);
+    fp.chunk_tokens = cp.chunk_tokens = int(tc);
+    fp.work.max_items = int(n / kUnitsPerItem + num_keys);
+    dispatch_dtype_dim(q.scalar_type(), D, [&]<typename T_, int D_>() {
+      MSA_LAUNCH_CHECK((sm80::launch_sparse_fwd<T_, D_>(fp, false, stream)), "sparse_fwd (stats pass)");
+      MSA_LAUNCH_CHECK(sm80::launch_sparse_combine_stats(cp, stream), "sparse_fwd (stats combine)");
+      MSA_LAUNCH_CHECK((sm80::launch_sparse_fwd<T_, D_>(fp, true, stream)), "sparse_fwd (output pass)");
+      MSA_LAUNCH_CHECK((sm80::launch_sparse_combine_out<T_, D_>(cp, stream)), "sparse_fwd (output combine)");
+      MSA_LAUNCH_CHECK(sm80::launch_sparse_combine_kl(cp, stream), "sparse_fwd (kl combine)");
+    });
+  }
+  return res;
+}
+
+namespace {
+
+std::tuple<at::Tensor, at::Tensor> sparse_fwd_cuda(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
+                                                   const at::Tensor& indices, const at::Tensor& cu_seqlens,
+                                                   int64_t max_seqlen, int64_t block_size, double softmax_scale) {
+  SparseForward r = sparse_forward_cuda(q, k, v, std::nullopt, std::nullopt, indices, cu_seqlens, max_seqlen,
+                                        block_size, softmax_scale, 0.0);
+  return {r.out, r.lse};
+}
+
+std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tensor> msa_fwd_cuda(
+    const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, const at::Tensor& q_idx, const at::Tensor& k_idx,
+    const at::Tensor& cu_seqlens, int64_t max_seqlen, int64_t topk, int64_t block_size, double softmax_scale,
+    double index_scale, bool warmup, bool return_indices) {
+  TORCH_CHECK_NOT_IMPLEMENTED(!warmup, "msa: warmup=True has no CUDA kernel in this build yet (README.md)");
+  (void)return_indices;
+  at::Tensor indices = select_blocks_cuda(q_idx, k_idx, cu_seqlens, max_seqlen, topk, block_size, index_scale);
+  SparseForward r = sparse_forward_cuda(q, k, v, q_idx, k_idx, indices, cu_seqlens, max_seqlen, block_size,
+                                        softmax_scale, index_scale);
+  // SPEC 4: kl = sum over rows / rows, rows = T * Hi (a fixed-order reduction: deterministic).
+  at::Tensor kl = r.kl_rows.sum() / double(r.kl_rows.numel());
+  return {r.out, kl, indices, r.lse, r.lse_idx};
+}
+
+}  // namespace
+
+TORCH_LIBRARY_IMPL(msa, CUDA, m) {
+  m.impl("sparse_fwd", &sparse_fwd_cuda);
+  m.impl("msa_fwd", &msa_fwd_cuda);
+}
+
+}  // namespace msa::api

@@ -1,0 +1,76 @@
+// The stats and KL combines of the sparse forward (see sparse_combine.cuh for the math).
+#include "sm80/sparse_fwd/sparse_fwd.h"
+
+namespace msa::sm80 {
+namespace {
+
+__device__ __forceinline__ float combine_lse(const float2* st, int64_t first, int64_t stride, int count) {
+  float m = -__builtin_huge_valf();
+  for (int s = 0; s < count; ++s) {
+    const float2 x = st[first + s * stride];
+    if (x.y > 0.f) m = fmaxf(m, x.x);
+  }
+  float l = 0.f;
+  for (int s = 0; s < count; ++s) {
+    const float2 x = st[first + s * stride];
+    if (x.y > 0.f) l += x.y * exp2f(x.x - m);
+  }
+  return l > 0.f ? (m + log2f(l)) * 0.6931471805599453f : -__builtin_huge_valf();
+}
+
+// One thread per (head, token) of the chunk, then per (index head, token).
+__global__ void sparse_combine_stats_kernel(SparseCombineParams p) {
+  const int G = p.hq / p.hi;
+  const int64_t main_rows = int64_t(p.hq) * p.chunk_tokens;
+  const int64_t rows = main_rows + (p.idx_stats ? int64_t(p.hi) * p.chunk_tokens : 0);
+  const int64_t i = blockIdx.x * int64_t(blockDim.x) + threadIdx.x;
+  if (i >= rows) return;
+  if (i < main_rows) {
+    const int h = int(i / p.chunk_tokens), tl = int(i % p.chunk_tokens);
+    const int64_t e0 = (int64_t(h / G) * p.chunk_tokens + tl) * p.topk;
+    p.lse[int64_t(h) * p.total_tokens + p.chunk_begin + tl] = combine_lse(p.stats, e0 * G + h % G, G, p.topk);
+  } else {
+    const int64_t k = i - main_rows;
+    const int r = int(k / p.chunk_tokens), tl = int(k % p.chunk_tokens);
+    const int64_t e0 = (int64_t(r) * p.chunk_tokens + tl) * p.topk;
+    p.lse_idx[int64_t(r) * p.total_tokens + p.chunk_begin + tl] = combine_lse(p.idx_stats, e0, 1, p.topk);
+  }
+}
+
+// One thread per (index head, token) of the chunk.
+__global__ void sparse_combine_kl_kernel(SparseCombineParams p) {
+  const int64_t i = blockIdx.x * int64_t(blockDim.x) + threadIdx.x;
+  if (i >= int64_t(p.hi) * p.chunk_tokens) return;
+  const int r = int(i / p.chunk_tokens), tl = int(i % p.chunk_tokens);
+  const int64_t e0 = (int64_t(r) * p.chunk_tokens + tl) * p.topk;
+  float acc = 0.f;
+  bool any = false;
+  for (int s = 0; s < p.topk; ++s) {
+    if (p.idx_stats[e0 + s].y > 0.f) {
+      acc += p.kl_part[e0 + s];
+      any = true;
+    }
+  }
+  const int64_t row = int64_t(r) * p.total_tokens + p.chunk_begin + tl;
+  p.kl_rows[row] = any ? acc + p.lse_idx[row] : 0.f;
+}
+
+unsigned blocks_for(int64_t threads) { return unsigned((threads + 255) / 256); }
+
+}  // namespace
+
+cudaError_t launch_sparse_combine_stats(const SparseCombineParams& p, cudaStream_t stream) {
+  const int64_t rows = int64_t(p.hq + (p.idx_stats ? p.hi : 0)) * p.chunk_tokens;
+  if (rows == 0) return cudaSuccess;
+  sparse_combine_stats_kernel<<<blocks_for(rows), 256, 0, stream>>>(p);
+  return cudaGetLastError();
+}
+
+cudaError_t launch_sparse_combine_kl(const SparseCombineParams& p, cudaStream_t stream) {
+  const int64_t rows = int64_t(p.hi) * p.chunk_tokens;
+  if (rows == 0 || p.kl_part == nullptr) return cudaSuccess;
+  sparse_combine_kl_kernel<<<blocks_for(rows), 256, 0, stream>>>(p);
+  return cudaGetLastError();
+}
+
+}  // namespace msa::sm80

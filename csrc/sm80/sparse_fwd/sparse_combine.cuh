@@ -1,0 +1,53 @@
+// Combine of the sparse forward's per-entry results (one query chunk), in slot order: deterministic.
+//   stats: lse[h, t] = ln 2 * (M + log2 sum_s l_s 2^(m_s - M)) over the row's valid slots (l_s > 0),
+//          the same for lse_idx; a row with no valid slot gets -inf.
+//   out:   out[t, h] = sum_s partial_s (the partials already carry exp(s - lse)).
+//   kl:    kl_row[r, t] = sum_s kl_part_s + lse_idx[r, t]   (SPEC 4 with sum_j P_j = 1).
+#pragma once
+#include <cuda_runtime.h>
+
+#include "common/mma_sm80.h"
+#include "params.h"
+
+namespace msa::sm80 {
+
+// One warp per (token, head); lane holds D / 32 consecutive elements.
+template <typename T, int D>
+__global__ void sparse_combine_out_kernel(SparseCombineParams p) {
+  constexpr int kPer = D / 32;  // 2 or 4 elements: one 4- or 8-byte load per slot
+  const int G = p.hq / p.hi;
+  const int64_t wid = (blockIdx.x * int64_t(blockDim.x) + threadIdx.x) / 32;
+  const int lane = threadIdx.x % 32;
+  if (wid >= int64_t(p.chunk_tokens) * p.hq) return;
+  const int tl = int(wid / p.hq), h = int(wid % p.hq);
+  const int64_t e0 = (int64_t(h / G) * p.chunk_tokens + tl) * p.topk;
+  const T* part = static_cast<const T*>(p.out_part);
+  float acc[kPer];
+#pragma unroll
+  for (int x = 0; x < kPer; ++x) acc[x] = 0.f;
+  for (int s = 0; s < p.topk; ++s) {
+    const int64_t row = (e0 + s) * G + h % G;
+    if (p.stats[row].y <= 0.f) continue;  // slot selects nothing: its partial was never written
+    const uint32_t* src = reinterpret_cast<const uint32_t*>(part + row * D + lane * kPer);
+#pragma unroll
+    for (int x = 0; x < kPer / 2; ++x) {
+      const float2 f = unpack2<T>(src[x]);
+      acc[2 * x] += f.x;
+      acc[2 * x + 1] += f.y;
+    }
+  }
+  T* out = static_cast<T*>(p.out) + int64_t(p.chunk_begin + tl) * p.out_stride_t + int64_t(h) * p.out_stride_h;
+  uint32_t* dst = reinterpret_cast<uint32_t*>(out + lane * kPer);
+#pragma unroll
+  for (int x = 0; x < kPer / 2; ++x) dst[x] = pack2<T>(acc[2 * x], acc[2 * x + 1]);
+}
+
+template <typename T, int D>
+cudaError_t launch_sparse_combine_out(const SparseCombineParams& p, cudaStream_t stream) {
+  const int64_t threads = int64_t(p.chunk_tokens) * p.hq * 32;
+  if (threads == 0) return cudaSuccess;
+  sparse_combine_out_kernel<T, D><<<unsigned((threads + 255) / 256), 256, 0, stream>>>(p);
+  return cudaGetLastError();
+}
+
+}  // namespace msa::sm80

@@ -1,0 +1,18 @@
+#pragma once
+#include <cuda_bf16.h>
+#include <cuda_fp16.h>
+#include <cuda_runtime_api.h>
+
+#include "params.h"
+
+namespace msa::sm80 {
+
+// One explicit instantiation per (dtype, D) in csrc/instantiations/ (scripts/gen_instantiations.py).
+template <typename T, int D>
+cudaError_t launch_sparse_fwd(const SparseFwdParams& p, bool out_pass, cudaStream_t stream);
+template <typename T, int D>
+cudaError_t launch_sparse_combine_out(const SparseCombineParams& p, cudaStream_t stream);
+cudaError_t launch_sparse_combine_stats(const SparseCombineParams& p, cudaStream_t stream);
+cudaError_t launch_sparse_combine_kl(const SparseCombineParams& p, cudaStream_t stream);
+
+}  // namespace msa::sm80

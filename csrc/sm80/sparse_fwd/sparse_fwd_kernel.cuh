@@ -1,0 +1,397 @@
+// Sparse forward (SPEC 3) with the KL terms (SPEC 4), portable sm80 path, KV-outer.
+//
+// A work item is one kv block of one index group (a key of the reverse index) and up to
+// units_per_item of the units that selected it; a unit is (token, group) and holds the group's
+// G = Hq / Hi query heads, split over J = max(1, Hkv / Hi) kv heads of Gu = G / J heads each. The
+// CTA keeps the block's K (and V, and the index key block) in shared memory and streams tiles of
+// gathered units through it: R = Gu * U main rows (<= 64, four warps of 16) and U index rows.
+//
+// Two passes over the same items (kOut = false, then true):
+//  - stats pass: per (entry, head) the max and the sum of exp of the block's logits (log2 domain),
+//    and the same for the index logits; a combine turns them into lse and lse_idx;
+//  - output pass: P = exp(s - lse) with the final lse, the partial output P V per (entry, head), and
+//    per entry sum_j Pm_j (ln Pm_j - S_idx_j), Pm = the group's mean of P (needs all G heads: they
+//    meet in shared memory). The combine sums the partials in slot order: deterministic.
+// Only the unit's own block needs the causal mask; keys past the sequence end are masked too.
+#pragma once
+#include <cuda_runtime.h>
+
+#include "common/mma_sm80.h"
+#include "params.h"
+
+namespace msa::sm80 {
+
+struct SparseFwdShape {
+  static constexpr int kThreads = 128;  // four warps, 16 main rows each
+  static constexpr int kKeys = 128;     // MMA columns: one block (block_size 64 uses the first half)
+  static constexpr int kMaxRows = 64;
+  static constexpr int kMaxUnits = 32;
+  static constexpr int kMaxDi = 128;
+  template <typename T, int D, bool kOut>
+  struct Smem {  // byte offsets
+    static constexpr int k = 0;
+    static constexpr int v = k + kKeys * D * int(sizeof(T));
+    static constexpr int ki = v + (kOut ? kKeys * D * int(sizeof(T)) : 0);
+    static constexpr int q = ki + kKeys * kMaxDi * int(sizeof(T));
+    static constexpr int qi = q + kMaxRows * D * int(sizeof(T));
+    static constexpr int si = qi + kMaxUnits * kMaxDi * int(sizeof(T));
+    static constexpr int p = si + kMaxUnits * kKeys * 4;
+    static constexpr int psum = p + (kOut ? kMaxRows * kKeys * 4 : 0);
+    static constexpr int lse = psum + (kOut ? kMaxUnits * kKeys * 4 : 0);
+    static constexpr int unit = lse + kMaxRows * 4;
+    static constexpr int bytes = unit + 2 * kMaxUnits * 4;
+  };
+};
+
+constexpr float kLog2e = 1.4426950408889634f;
+constexpr float kFwdNegInf = -__builtin_huge_valf();
+
+// Rows per tile for Gu heads per unit: 64 (32 units at most), 32 when Gu = 1.
+__host__ __device__ inline int sparse_rows_per_tile(int gu) { return gu >= 2 ? 64 : 32; }
+
+template <typename T, int D, bool kOut>
+__global__ void __launch_bounds__(SparseFwdShape::kThreads) sparse_fwd_kernel(SparseFwdParams p) {
+  using Sh = SparseFwdShape;
+  using L = typename Sh::template Smem<T, D, kOut>;
+  using Tile = SwizzledTile<D>;
+  constexpr int kChunks = Tile::kChunks;
+  extern __shared__ __align__(128) unsigned char smem[];
+  T* sK = reinterpret_cast<T*>(smem + L::k);
+  T* sV = reinterpret_cast<T*>(smem + L::v);
+  T* sKi = reinterpret_cast<T*>(smem + L::ki);
+  T* sQ = reinterpret_cast<T*>(smem + L::q);
+  T* sQi = reinterpret_cast<T*>(smem + L::qi);
+  float* sSi = reinterpret_cast<float*>(smem + L::si);
+  float* sP = reinterpret_cast<float*>(smem + L::p);
+  float* sPsum = reinterpret_cast<float*>(smem + L::psum);
+  float* sLse = reinterpret_cast<float*>(smem + L::lse);
+  int* sEntry = reinterpret_cast<int*>(smem + L::unit);
+  int* sTok = sEntry + Sh::kMaxUnits;
+
+  const SparseWork& w = p.work;
+  const int item = blockIdx.x;
+  if (item >= w.item_offsets[w.num_keys]) return;
+  // The item's key: the last key whose first item is <= item (keys without items share offsets).
+  int lo = 0, hi = w.num_keys - 1;
+  while (lo < hi) {
+    const int mid = (lo + hi + 1) >> 1;
+    if (w.item_offsets[mid] <= item) lo = mid; else hi = mid - 1;
+  }
+  const int key = lo;
+  const int u_begin = w.offsets[key] + (item - w.item_offsets[key]) * w.units_per_item;
+  const int u_end = min(u_begin + w.units_per_item, w.offsets[key + 1]);
+  const int r = key / w.max_blocks, gb = key % w.max_blocks;
+  lo = 0;
+  hi = p.num_seqs - 1;
+  while (lo < hi) {
+    const int mid = (lo + hi + 1) >> 1;
+    if (w.block_offsets[mid] <= gb) lo = mid; else hi = mid - 1;
+  }
+  const int seq_start = p.cu_seqlens[lo];
+  const int seq_len = p.cu_seqlens[lo + 1] - seq_start;
+  const int key0 = (gb - w.block_offsets[lo]) * p.block_size;  // block's first key, sequence-local
+  const int blen = min(p.block_size, seq_len - key0);
+  const int nk8 = p.block_size / 8;  // live n8 column tiles
+
+  const int G = p.hq / p.hi;
+  const int J = p.hkv > p.hi ? p.hkv / p.hi : 1;
+  const int Gu = G / J;
+  const int R = sparse_rows_per_tile(Gu);
+  const int U = min(R / Gu, Sh::kMaxUnits);
+  const bool index = p.q_idx != nullptr;
+  const int di = p.di, di_chunks = p.di / 8;
+
+  const int tid = threadIdx.x, warp = tid / 32, lane = tid % 32;
+  const int g = lane / 4, tq = lane % 4;
+  const T* Q = static_cast<const T*>(p.q);
+  const T* K = static_cast<const T*>(p.k);
+  const T* V = static_cast<const T*>(p.v);
+  const T* QI = static_cast<const T*>(p.q_idx);
+  const T* KI = static_cast<const T*>(p.k_idx);
+
+  auto local_entry = [&](int e) {  // global entry id -> chunk-local id
+    const int slot = e % p.topk;
+    const int t = (e / p.topk) % p.total_tokens;
+    return (int64_t(r) * p.chunk_tokens + (t - p.chunk_begin)) * p.topk + slot;
+  };
+  // Last visible key (block-relative) for a unit, -1 when the unit slot is empty.
+  auto key_limit = [&](int u, int nu) {
+    return u < nu ? min(blen - 1, sTok[u] - seq_start - key0) : -1;
+  };
+
+  bool first = true;
+  for (int ub = u_begin; ub < u_end; ub += U) {
+    const int nu = min(U, u_end - ub);
+    __syncthreads();  // the previous tile is done with the unit table and the tiles
+    if (tid < Sh::kMaxUnits) {
+      int e = -1, t = 0;
+      if (tid < nu) {
+        e = w.entries[ub + tid];
+        t = (e / p.topk) % p.total_tokens;
+      }
+      sEntry[tid] = e;
+      sTok[tid] = t;
+    }
+    __syncthreads();
+    if (index) {
+      const int kih = r / (p.hi / p.hki);
+      if (first) {
+        const T* src = KI + int64_t(seq_start + key0) * p.ki_stride_t + int64_t(kih) * p.ki_stride_h;
+        for (int i = tid; i < Sh::kKeys * di_chunks; i += Sh::kThreads) {
+          const int row = i / di_chunks, c = i % di_chunks;
+          const bool ok = row < blen;
+          cp_async_16(sKi + swizzled_offset(row, c, di), src + int64_t(ok ? row : 0) * p.ki_stride_t + c * 8, ok);
+        }
+      }
+      for (int i = tid; i < Sh::kMaxUnits * di_chunks; i += Sh::kThreads) {
+        const int u = i / di_chunks, c = i % di_chunks;
+        const bool ok = u < nu;
+        const T* src = QI + int64_t(ok ? sTok[u] : 0) * p.qi_stride_t + int64_t(r) * p.qi_stride_h + c * 8;
+        cp_async_16(sQi + swizzled_offset(u, c, di), src, ok);
+      }
+    }
+    for (int j = 0; j < J; ++j) {
+      const int h0 = r * G + j * Gu;          // first query head of this pass
+      const int kvh = h0 / (p.hq / p.hkv);
+      if (first || J > 1) {
+        const T* ks = K + int64_t(seq_start + key0) * p.k_stride_t + int64_t(kvh) * p.k_stride_h;
+        const T* vs = V + int64_t(seq_start + key0) * p.v_stride_t + int64_t(kvh) * p.v_stride_h;
+        for (int i = tid; i < Sh::kKeys * kChunks; i += Sh::kThreads) {
+          const int row = i / kChunks, c = i % kChunks;
+          const bool ok = row < blen;
+          const int rr = ok ? row : 0;
+          cp_async_16(sK + Tile::offset(row, c), ks + int64_t(rr) * p.k_stride_t + c * 8, ok);
+          if constexpr (kOut) cp_async_16(sV + Tile::offset(row, c), vs + int64_t(rr) * p.v_stride_t + c * 8, ok);
+        }
+      }
+      first = false;
+      for (int i = tid; i < R * kChunks; i += Sh::kThreads) {
+        const int row = i / kChunks, c = i % kChunks;
+        const int u = row / Gu;
+        const bool ok = u < nu && u < U;
+        const T* src = Q + int64_t(ok ? sTok[u] : 0) * p.q_stride_t + int64_t(h0 + row % Gu) * p.q_stride_h + c * 8;
+        cp_async_16(sQ + Tile::offset(row, c), src, ok);
+      }
+      if constexpr (kOut) {
+        for (int row = tid; row < R; row += Sh::kThreads) {
+          const int u = row / Gu;
+          sLse[row] = (u < nu && u < U) ? p.lse[int64_t(h0 + row % Gu) * p.total_tokens + sTok[u]] * kLog2e : 0.f;
+        }
+      }
+      cp_async_commit();
+      cp_async_wait<0>();
+      __syncthreads();
+
+      // Index logits of the tile's units (once per tile): warp w takes keys [32w, 32w + 32).
+      if (index && j == 0 && warp * 32 < p.block_size) {
+        for (int mt = 0; mt * 16 < nu; ++mt) {
+          float ci[4][4];
+#pragma unroll
+          for (int n = 0; n < 4; ++n)
+#pragma unroll
+            for (int e = 0; e < 4; ++e) ci[n][e] = 0.f;
+          for (int ks = 0; ks < di / 16; ++ks) {
+            uint32_t a[4];
+            ldmatrix_x4(a, sQi + swizzled_offset(mt * 16 + lane % 16, ks * 2 + lane / 16, di));
+#pragma unroll
+            for (int np = 0; np < 2; ++np) {
+              uint32_t b[4];
+              ldmatrix_x4(b, sKi + swizzled_offset(warp * 32 + np * 16 + (lane % 8) + (lane / 16) * 8,
+                                                    ks * 2 + (lane / 8) % 2, di));
+              MmaOp<T>::run(ci[2 * np], a, b[0], b[1]);
+              MmaOp<T>::run(ci[2 * np + 1], a, b[2], b[3]);
+            }
+          }
+#pragma unroll
+          for (int n = 0; n < 4; ++n) {
+            const int col = warp * 32 + n * 8 + 2 * tq;
+            const int row = mt * 16 + g;
+            sSi[row * Sh::kKeys + col] = ci[n][0] * p.index_scale;
+            sSi[row * Sh::kKeys + col + 1] = ci[n][1] * p.index_scale;
+            sSi[(row + 8) * Sh::kKeys + col] = ci[n][2] * p.index_scale;
+            sSi[(row + 8) * Sh::kKeys + col + 1] = ci[n][3] * p.index_scale;
+          }
+        }
+      }
+
+      // Main logits: warp w takes rows [16w, 16w + 16) against all keys.
+      if (warp * 16 < R) {
+        float c[16][4];
+#pragma unroll
+        for (int n = 0; n < 16; ++n)
+#pragma unroll
+          for (int e = 0; e < 4; ++e) c[n][e] = 0.f;
+#pragma unroll
+        for (int ks = 0; ks < D / 16; ++ks) {
+          uint32_t a[4];
+          ldmatrix_x4(a, sQ + Tile::offset(warp * 16 + lane % 16, ks * 2 + lane / 16));
+#pragma unroll
+          for (int np = 0; np < 8; ++np) {
+            if (2 * np < nk8) {
+              uint32_t b[4];
+              ldmatrix_x4(b, sK + Tile::offset(np * 16 + (lane % 8) + (lane / 16) * 8, ks * 2 + (lane / 8) % 2));
+              MmaOp<T>::run(c[2 * np], a, b[0], b[1]);
+              MmaOp<T>::run(c[2 * np + 1], a, b[2], b[3]);
+            }
+          }
+        }
+        const int row0 = warp * 16 + g, row1 = row0 + 8;
+        const int u0 = row0 / Gu, u1 = row1 / Gu;
+        const int lim0 = u0 < U ? key_limit(u0, nu) : -1;
+        const int lim1 = u1 < U ? key_limit(u1, nu) : -1;
+#pragma unroll
+        for (int n = 0; n < 16; ++n) {
+          const int col = n * 8 + 2 * tq;
+          c[n][0] = col <= lim0 ? c[n][0] * p.scale_log2 : kFwdNegInf;
+          c[n][1] = col + 1 <= lim0 ? c[n][1] * p.scale_log2 : kFwdNegInf;
+          c[n][2] = col <= lim1 ? c[n][2] * p.scale_log2 : kFwdNegInf;
+          c[n][3] = col + 1 <= lim1 ? c[n][3] * p.scale_log2 : kFwdNegInf;
+        }
+        if constexpr (!kOut) {
+          float m0 = kFwdNegInf, m1 = kFwdNegInf;
+#pragma unroll
+          for (int n = 0; n < 16; ++n) {
+            m0 = fmaxf(m0, fmaxf(c[n][0], c[n][1]));
+            m1 = fmaxf(m1, fmaxf(c[n][2], c[n][3]));
+          }
+#pragma unroll
+          for (int off = 1; off <= 2; off <<= 1) {
+            m0 = fmaxf(m0, __shfl_xor_sync(0xffffffffu, m0, off));
+            m1 = fmaxf(m1, __shfl_xor_sync(0xffffffffu, m1, off));
+          }
+          const float b0 = m0 == kFwdNegInf ? 0.f : m0, b1 = m1 == kFwdNegInf ? 0.f : m1;
+          float l0 = 0.f, l1 = 0.f;
+#pragma unroll
+          for (int n = 0; n < 16; ++n) {
+            l0 += exp2f(c[n][0] - b0) + exp2f(c[n][1] - b0);
+            l1 += exp2f(c[n][2] - b1) + exp2f(c[n][3] - b1);
+          }
+#pragma unroll
+          for (int off = 1; off <= 2; off <<= 1) {
+            l0 += __shfl_xor_sync(0xffffffffu, l0, off);
+            l1 += __shfl_xor_sync(0xffffffffu, l1, off);
+          }
+          if (tq == 0) {
+            if (lim0 >= 0) p.stats[local_entry(sEntry[u0]) * G + j * Gu + row0 % Gu] = make_float2(m0, l0);
+            if (lim1 >= 0) p.stats[local_entry(sEntry[u1]) * G + j * Gu + row1 % Gu] = make_float2(m1, l1);
+          }
+        } else {
+          const float e0 = sLse[row0], e1 = sLse[row1];
+#pragma unroll
+          for (int n = 0; n < 16; ++n) {
+            c[n][0] = exp2f(c[n][0] - e0);
+            c[n][1] = exp2f(c[n][1] - e0);
+            c[n][2] = exp2f(c[n][2] - e1);
+            c[n][3] = exp2f(c[n][3] - e1);
+          }
+          if (index) {
+#pragma unroll
+            for (int n = 0; n < 16; ++n) {
+              const int col = n * 8 + 2 * tq;
+              *reinterpret_cast<float2*>(sP + row0 * Sh::kKeys + col) = make_float2(c[n][0], c[n][1]);
+              *reinterpret_cast<float2*>(sP + row1 * Sh::kKeys + col) = make_float2(c[n][2], c[n][3]);
+            }
+          }
+          float o[D / 8][4];
+#pragma unroll
+          for (int n = 0; n < D / 8; ++n)
+#pragma unroll
+            for (int e = 0; e < 4; ++e) o[n][e] = 0.f;
+#pragma unroll
+          for (int kk = 0; kk < 8; ++kk) {  // 16 keys per step
+            if (2 * kk < nk8) {
+              uint32_t a[4];
+              a[0] = pack2<T>(c[2 * kk][0], c[2 * kk][1]);
+              a[1] = pack2<T>(c[2 * kk][2], c[2 * kk][3]);
+              a[2] = pack2<T>(c[2 * kk + 1][0], c[2 * kk + 1][1]);
+              a[3] = pack2<T>(c[2 * kk + 1][2], c[2 * kk + 1][3]);
+#pragma unroll
+              for (int dp = 0; dp < D / 16; ++dp) {
+                uint32_t b[4];
+                ldmatrix_x4_trans(b, sV + Tile::offset(kk * 16 + (lane % 8) + ((lane / 8) % 2) * 8, dp * 2 + lane / 16));
+                MmaOp<T>::run(o[2 * dp], a, b[0], b[1]);
+                MmaOp<T>::run(o[2 * dp + 1], a, b[2], b[3]);
+              }
+            }
+          }
+          T* part = static_cast<T*>(p.out_part);
+          if (lim0 >= 0) {
+            uint32_t* dst = reinterpret_cast<uint32_t*>(part + (local_entry(sEntry[u0]) * G + j * Gu + row0 % Gu) * D);
+#pragma unroll
+            for (int n = 0; n < D / 8; ++n) dst[n * 4 + tq] = pack2<T>(o[n][0], o[n][1]);
+          }
+          if (lim1 >= 0) {
+            uint32_t* dst = reinterpret_cast<uint32_t*>(part + (local_entry(sEntry[u1]) * G + j * Gu + row1 % Gu) * D);
+#pragma unroll
+            for (int n = 0; n < D / 8; ++n) dst[n * 4 + tq] = pack2<T>(o[n][2], o[n][3]);
+          }
+        }
+      }
+      __syncthreads();
+      if constexpr (kOut) {
+        if (index && J > 1) {  // the group's heads meet here: sum this pass's heads per (unit, key)
+          for (int i = tid; i < U * Sh::kKeys; i += Sh::kThreads) {
+            const int u = i / Sh::kKeys, col = i % Sh::kKeys;
+            float s = 0.f;
+            for (int hh = 0; hh < Gu; ++hh) s += sP[(u * Gu + hh) * Sh::kKeys + col];
+            sPsum[i] = j == 0 ? s : sPsum[i] + s;
+          }
+          __syncthreads();
+        }
+      }
+    }
+
+    // Per unit (warp w takes units w, w + 4, ...; lane takes keys lane + 32 i): index stats or KL terms.
+    if (index) {
+      for (int u = warp; u < nu; u += Sh::kThreads / 32) {
+        const int lim = key_limit(u, nu);
+        const float* si = sSi + u * Sh::kKeys;
+        if constexpr (!kOut) {
+          float m = kFwdNegInf;
+          for (int col = lane; col <= lim; col += 32) m = fmaxf(m, si[col] * kLog2e);
+#pragma unroll
+          for (int off = 16; off >= 1; off >>= 1) m = fmaxf(m, __shfl_xor_sync(0xffffffffu, m, off));
+          float l = 0.f;
+          for (int col = lane; col <= lim; col += 32) l += exp2f(si[col] * kLog2e - m);
+#pragma unroll
+          for (int off = 16; off >= 1; off >>= 1) l += __shfl_xor_sync(0xffffffffu, l, off);
+          if (lane == 0) p.idx_stats[local_entry(sEntry[u])] = make_float2(m, l);
+        } else {
+          const float inv_g = 1.f / float(G);
+          float acc = 0.f;
+          for (int col = lane; col <= lim; col += 32) {
+            float s = 0.f;
+            if (J > 1) {
+              s = sPsum[u * Sh::kKeys + col];
+            } else {
+              for (int hh = 0; hh < Gu; ++hh) s += sP[(u * Gu + hh) * Sh::kKeys + col];
+            }
+            const float pm = s * inv_g;
+            if (pm > 0.f) acc += pm * (__logf(pm) - si[col]);
+          }
+#pragma unroll
+          for (int off = 16; off >= 1; off >>= 1) acc += __shfl_xor_sync(0xffffffffu, acc, off);
+          if (lane == 0) p.kl_part[local_entry(sEntry[u])] = acc;
+        }
+      }
+    }
+  }
+}
+
+template <typename T, int D, bool kOut>
+cudaError_t launch_sparse_fwd_pass(const SparseFwdParams& p, cudaStream_t stream) {
+  if (p.work.max_items == 0) return cudaSuccess;
+  constexpr int smem = SparseFwdShape::Smem<T, D, kOut>::bytes;
+  auto kernel = sparse_fwd_kernel<T, D, kOut>;
+  cudaError_t err = cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, smem);
+  if (err != cudaSuccess) return err;
+  kernel<<<p.work.max_items, SparseFwdShape::kThreads, smem, stream>>>(p);
+  return cudaGetLastError();
+}
+
+template <typename T, int D>
+cudaError_t launch_sparse_fwd(const SparseFwdParams& p, bool out_pass, cudaStream_t stream) {
+  return out_pass ? launch_sparse_fwd_pass<T, D, true>(p, stream) : launch_sparse_fwd_pass<T, D, false>(p, stream);
+}
+
+}  // namespace msa::sm80

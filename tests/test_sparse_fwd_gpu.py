@@ -1,0 +1,97 @@
+"""The CUDA sparse forward and KL (msa_fwd, sparse_fwd) against the float64 reference on the GPU."""
+import math
+
+import pytest
+import torch
+
+import msa
+from attention_check import assert_close_style, assert_lse_close, low_precision, run_ref
+from helpers import HEADS, make_inputs, make_packed, poison_allocator
+from msa import reference as ref
+
+pytestmark = pytest.mark.gpu
+ops = torch.ops.msa
+
+
+def _fwd_case(q, k, v, qi, ki, cu, mx, topk, bs):
+    dtype = q.dtype
+    scale, iscale = 1 / math.sqrt(q.shape[-1]), 1 / math.sqrt(qi.shape[-1])
+    poison_allocator()
+    out, kl, idx, lse, lse_idx = ops.msa_fwd(q, k, v, qi, ki, cu, mx, topk, bs, scale, iscale, False, True)
+    # The oracle attends to the kernel's own selection (checked against SPEC 2 in test_index_topk_gpu).
+    exact_out, exact_lse = run_ref(ref.sparse_fwd, q, k, v, idx, cu, bs, scale)
+    exact_kl, exact_lse_idx = run_ref(ref.index_kl, q, k, exact_lse, qi, ki, idx, cu, bs, scale, iscale)
+    with low_precision():
+        lowp_out, _ = run_ref(ref.sparse_fwd, q, k, v, idx, cu, bs, scale, dtype=dtype)
+    assert_close_style("out", out, exact_out, lowp_out, dtype)
+    assert_lse_close("lse", lse, exact_lse)
+    assert_lse_close("lse_idx", lse_idx, exact_lse_idx)
+    assert kl.dtype == torch.float32 and kl.dim() == 0
+    assert abs(kl.item() - exact_kl.item()) <= 1e-3 * abs(exact_kl.item()) + 1e-5, (kl.item(), exact_kl.item())
+    again = ops.msa_fwd(q, k, v, qi, ki, cu, mx, topk, bs, scale, iscale, False, True)
+    for name, a, b in zip(("out", "kl", "indices", "lse", "lse_idx"), (out, kl, idx, lse, lse_idx), again):
+        assert torch.equal(a, b), f"{name} differs between two runs"
+
+
+CASES = [  # (B, N, D, Di, block_size, topk): every class of the foundation list, rotated over HEADS
+    (2, 1, 64, 64, 128, 16), (2, 100, 128, 64, 64, 3), (1, 128, 64, 128, 128, 1), (2, 129, 128, 128, 64, 16),
+    (1, 300, 64, 64, 64, 32), (2, 700, 128, 128, 128, 3), (2, 2048, 128, 128, 128, 16),
+    (1, 2048, 64, 64, 64, 16), (1, 8192, 128, 128, 128, 16),
+]
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+@pytest.mark.parametrize("case", range(len(CASES)))
+def test_msa_fwd_batched(case, dtype):
+    B, N, D, Di, bs, topk = CASES[case]
+    heads = HEADS[case % len(HEADS)]
+    q, k, v, qi, ki = make_inputs(B, N, heads, D, Di, dtype=dtype, device="cuda", seed=case)
+    flat = [x.reshape(B * N, *x.shape[2:]) for x in (q, k, v, qi, ki)]
+    cu = torch.arange(0, (B + 1) * N, N, dtype=torch.int32, device="cuda")
+    _fwd_case(*flat, cu, N, topk, bs)
+
+
+@pytest.mark.parametrize("heads", HEADS + [(16, 2, 4, 1), (12, 4, 4, 1), (8, 8, 2, 1)])
+def test_msa_fwd_varlen(heads):
+    q, k, v, qi, ki, cu, mx = make_packed([1000, 1, 129, 0, 2500], heads, 128, 64, dtype=torch.bfloat16,
+                                          device="cuda", seed=sum(heads))
+    _fwd_case(q, k, v, qi, ki, cu, mx, 5, 128)
+
+
+def test_msa_attention_api_matches_op():
+    q, k, v, qi, ki = make_inputs(2, 600, (8, 2, 4, 1), 64, 64, dtype=torch.bfloat16, device="cuda", seed=3)
+    out, kl, idx = msa.msa_attention(q, k, v, qi, ki, topk=4, block_size=64, return_indices=True)
+    flat = [x.reshape(1200, *x.shape[2:]) for x in (q, k, v, qi, ki)]
+    cu = torch.tensor([0, 600, 1200], dtype=torch.int32, device="cuda")
+    o2, kl2, idx2, _, _ = ops.msa_fwd(*flat, cu, 600, 4, 64, 0.125, 0.125, False, True)
+    assert torch.equal(out.reshape(1200, 8, 64), o2) and torch.equal(kl, kl2)
+    assert torch.equal(idx, idx2.view(4, 2, 600, 4).permute(1, 0, 2, 3))
+
+
+def _random_indices(Hi, lengths, topk, bs, seed):
+    """Hand-made selections: random blocks (some past the token's own), repeats and -1 gaps."""
+    g = torch.Generator().manual_seed(seed)
+    rows = []
+    for n in lengths:
+        nb = -(-n // bs)
+        rnd = torch.randint(-1, nb + 1, (Hi, n, topk), generator=g)
+        rnd[..., 1] = rnd[..., 0]  # a repeat
+        rows.append(rnd)
+    return torch.cat(rows, dim=1).to(torch.int32).cuda()
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+@pytest.mark.parametrize("heads", HEADS)
+def test_sparse_attention_hand_made_indices(heads, dtype):
+    lengths = [700, 64, 1]
+    q, k, v, qi, _, cu, mx = make_packed(lengths, heads, 64, 64, dtype=dtype, device="cuda", seed=7)
+    idx = _random_indices(heads[2], lengths, 4, 64, seed=sum(heads))
+    poison_allocator()
+    out, lse = msa.sparse_attention(q, k, v, idx, block_size=64, return_lse=True, cu_seqlens=cu, max_seqlen=mx)
+    exact_out, exact_lse = run_ref(ref.sparse_fwd, q, k, v, idx, cu, 64, 0.125)
+    with low_precision():
+        lowp_out, _ = run_ref(ref.sparse_fwd, q, k, v, idx, cu, 64, 0.125, dtype=dtype)
+    assert_close_style("out", out, exact_out, lowp_out, dtype)
+    assert_lse_close("lse", lse, exact_lse)
+    assert torch.isinf(lse).any(), "the case should contain rows that attend to nothing"
+    assert (out[torch.isinf(lse).T] == 0).all()
