@@ -105,6 +105,29 @@ struct SparseFwdParams {
   const float* lse;        // (Hq, T) natural log (output pass input)
   void* out_part;          // (entries, G, D) input dtype
   float* kl_part;          // (entries)
+  // Output pass, optional: the KL's index gradient for d_kl = 1 (SPEC 4) without its constant factor
+  // index_scale / rows: dsi = Pidx - Pm per (entry, key), and dq_idx accumulated over the entries.
+  const float* lse_idx;    // (Hi, T) natural log
+  void* dsi_part;          // (entries, 128) input dtype; nullptr: no index gradient
+  float* dqi_accum;        // (T, Hi, Di) fp32
+};
+
+// dk_idx of the KL for d_kl = 1 (unscaled), per key of one chunk: sum over the key's entries of
+// dsi[entry, key j] * q_idx[token], added to dki_accum[block token j, index key head].
+struct IndexDkParams {
+  const void* q_idx;
+  int64_t qi_stride_t, qi_stride_h;
+  const void* dsi_part;
+  const int32_t* cu_seqlens;
+  SparseWork work;          // whole keys: offsets / entries / block_offsets
+  float* dki_accum;         // (T, Hki, Di) fp32
+  int total_tokens;
+  int num_seqs;
+  int topk;
+  int block_size;
+  int hi, hki, di;
+  int chunk_begin;
+  int chunk_tokens;
 };
 
 // Combines the per-entry results of one chunk: lse (Hq, T) and lse_idx (Hi, T) from the stats;
@@ -124,6 +147,47 @@ struct SparseCombineParams {
   int hq, hi;
   int chunk_begin;
   int chunk_tokens;
+};
+
+}  // namespace msa
+
+namespace msa {
+
+// Sparse backward of the main branch (SPEC 3): dq, dk, dv accumulate in fp32 buffers (contiguous
+// (T, Hq, D) and (T, Hkv, D)); the reverse index gives, per key, the tokens that selected the block.
+struct SparseBwdParams {
+  const void* q;
+  const void* k;
+  const void* v;
+  const void* dout;
+  int64_t q_stride_t, q_stride_h, k_stride_t, k_stride_h, v_stride_t, v_stride_h, do_stride_t, do_stride_h;
+  const float* lse;    // (Hq, T) natural log
+  const float* delta;  // (Hq, T) rowsum(dO * O)
+  const int32_t* cu_seqlens;
+  const int32_t* offsets;        // (Hi * max_blocks + 1)
+  const int32_t* tokens;         // tokens per key, ascending
+  const int32_t* block_offsets;  // (num_seqs + 1)
+  float* dq_accum;
+  float* dk_accum;
+  float* dv_accum;
+  int total_tokens;
+  int num_seqs;
+  int block_size;
+  int max_blocks;
+  int hq, hkv, hi;
+  float scale;       // softmax_scale
+  float scale_log2;  // softmax_scale * log2(e)
+};
+
+// delta[h, t] = sum_d dout[t, h, d] * out[t, h, d] (the backward's preprocess).
+struct BwdDeltaParams {
+  const void* out;
+  const void* dout;
+  int64_t o_stride_t, o_stride_h, do_stride_t, do_stride_h;
+  float* delta;
+  int total_tokens;
+  int hq;
+  int d;
 };
 
 }  // namespace msa

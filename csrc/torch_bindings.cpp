@@ -14,16 +14,20 @@ TORCH_LIBRARY(msa, m) {
         "Tensor cu_seqlens, int max_seqlen, int block_size, float softmax_scale) -> (Tensor dq, Tensor dk, "
         "Tensor dv)");
   // SPEC 2-5 in one op: selection, sparse (or warmup dense) attention, exact KL value, index LSE.
-  // indices is (Hi, T, topk); in warmup mode it is (Hi, T, 0) unless return_indices.
+  // indices is (Hi, T, topk); in warmup mode it is (Hi, T, 0) unless return_indices. With index_grad
+  // the pass that computes kl also yields its gradient for d_kl = 1 (SPEC 4: kl is linear in d_kl):
+  // kl_dq_idx (T, Hi, Di) and kl_dk_idx (T, Hki, Di) in fp32; without, both are empty (0,).
   m.def("msa_fwd(Tensor q, Tensor k, Tensor v, Tensor q_idx, Tensor k_idx, Tensor cu_seqlens, "
         "int max_seqlen, int topk, int block_size, float softmax_scale, float index_scale, bool warmup, "
-        "bool return_indices) -> (Tensor out, Tensor kl, Tensor indices, Tensor lse, Tensor lse_idx)");
-  // SPEC 4 gradients: dout -> dq, dk, dv; dkl -> dq_idx, dk_idx (from dkl/rows * (Pidx - P)).
-  // A missing dout or dkl skips that part (its gradients are returned as zeros).
+        "bool return_indices, bool index_grad) -> (Tensor out, Tensor kl, Tensor indices, Tensor lse, "
+        "Tensor lse_idx, Tensor kl_dq_idx, Tensor kl_dk_idx)");
+  // SPEC 4 gradients: dout -> dq, dk, dv; dkl -> dq_idx, dk_idx (dkl times the forward's kl_dq_idx /
+  // kl_dk_idx when given, else from dkl/rows * (Pidx - P) again). A missing dout or dkl skips that part
+  // (its gradients are returned as zeros).
   m.def("msa_bwd(Tensor? dout, Tensor? dkl, Tensor q, Tensor k, Tensor v, Tensor out, Tensor lse, "
-        "Tensor q_idx, Tensor k_idx, Tensor lse_idx, Tensor indices, Tensor cu_seqlens, int max_seqlen, "
-        "int block_size, float softmax_scale, float index_scale, bool warmup) -> (Tensor dq, Tensor dk, "
-        "Tensor dv, Tensor dq_idx, Tensor dk_idx)");
+        "Tensor q_idx, Tensor k_idx, Tensor lse_idx, Tensor indices, Tensor kl_dq_idx, Tensor kl_dk_idx, "
+        "Tensor cu_seqlens, int max_seqlen, int block_size, float softmax_scale, float index_scale, "
+        "bool warmup) -> (Tensor dq, Tensor dk, Tensor dv, Tensor dq_idx, Tensor dk_idx)");
   // Reverse index: CSR over keys (index head r, global kv block) of the tokens that selected the block,
   // tokens ascending. Keys number Hi * (T // block_size + S) (an upper bound on the blocks, known
   // without reading cu_seqlens); block_offsets[s] is the first global block of sequence s.

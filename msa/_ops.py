@@ -70,23 +70,34 @@ def _sparse_bwd_cpu(dout, q, k, v, out, lse, indices, cu_seqlens, max_seqlen, bl
 
 @torch.library.register_kernel("msa::msa_fwd", "cpu")
 def _msa_fwd_cpu(q, k, v, q_idx, k_idx, cu_seqlens, max_seqlen, topk, block_size, softmax_scale, index_scale,
-                 warmup, return_indices):
+                 warmup, return_indices, index_grad):
     _check_cu(cu_seqlens, q.shape[0], max_seqlen)
-    return ref.msa_fwd(q, k, v, q_idx, k_idx, cu_seqlens, topk, block_size, softmax_scale, index_scale, warmup,
-                       return_indices)
+    out, kl, indices, lse, lse_idx = ref.msa_fwd(q, k, v, q_idx, k_idx, cu_seqlens, topk, block_size, softmax_scale,
+                                                 index_scale, warmup, return_indices)
+    acc = ref.acc_dtype(q.dtype)
+    if index_grad:  # d kl / d (q_idx, k_idx) for d_kl = 1 (SPEC 4), in the accumulation dtype
+        attend = None if warmup else indices
+        g_q, g_k = ref.index_kl_bwd(torch.ones((), dtype=acc), q, k, lse, q_idx, k_idx, lse_idx, attend, cu_seqlens,
+                                    block_size, softmax_scale, index_scale, out_dtype=acc)
+    else:
+        g_q, g_k = torch.empty(0, dtype=acc), torch.empty(0, dtype=acc)
+    return out, kl, indices, lse, lse_idx, g_q, g_k
 
 
 @torch.library.register_kernel("msa::msa_bwd", "cpu")
-def _msa_bwd_cpu(dout, dkl, q, k, v, out, lse, q_idx, k_idx, lse_idx, indices, cu_seqlens, max_seqlen,
-                 block_size, softmax_scale, index_scale, warmup):
+def _msa_bwd_cpu(dout, dkl, q, k, v, out, lse, q_idx, k_idx, lse_idx, indices, kl_dq_idx, kl_dk_idx, cu_seqlens,
+                 max_seqlen, block_size, softmax_scale, index_scale, warmup):
     _check_cu(cu_seqlens, q.shape[0], max_seqlen)
     attend = None if warmup else indices
     if dout is None:
         dq, dk, dv = torch.zeros_like(q), torch.zeros_like(k), torch.zeros_like(v)
     else:
         dq, dk, dv = ref.sparse_bwd(dout, q, k, v, lse, attend, cu_seqlens, block_size, softmax_scale)
-    if dkl is None or float(dkl) == 0.0:
+    if dkl is None:
         dq_idx, dk_idx = torch.zeros_like(q_idx), torch.zeros_like(k_idx)
+    elif kl_dq_idx.shape == q_idx.shape and kl_dk_idx.shape == k_idx.shape:
+        s = dkl.to(kl_dq_idx.dtype)
+        dq_idx, dk_idx = (kl_dq_idx * s).to(q_idx.dtype), (kl_dk_idx * s).to(k_idx.dtype)
     else:
         dq_idx, dk_idx = ref.index_kl_bwd(dkl, q, k, lse, q_idx, k_idx, lse_idx, attend, cu_seqlens, block_size,
                                           softmax_scale, index_scale)
@@ -123,16 +134,19 @@ def _sparse_bwd_fake(dout, q, k, v, out, lse, indices, cu_seqlens, max_seqlen, b
 
 @torch.library.register_fake("msa::msa_fwd")
 def _msa_fwd_fake(q, k, v, q_idx, k_idx, cu_seqlens, max_seqlen, topk, block_size, softmax_scale, index_scale,
-                  warmup, return_indices):
+                  warmup, return_indices, index_grad):
     T, Hi = q_idx.shape[0], q_idx.shape[1]
     slots = 0 if (warmup and not return_indices) else topk
-    return (torch.empty_like(q), q.new_empty((), dtype=ref.acc_dtype(q.dtype)),
-            q.new_empty(Hi, T, slots, dtype=torch.int32), _lse_like(q, q.shape[1]), _lse_like(q, Hi))
+    acc = ref.acc_dtype(q.dtype)
+    g_q = q_idx.new_empty(q_idx.shape if index_grad else (0,), dtype=acc)
+    g_k = k_idx.new_empty(k_idx.shape if index_grad else (0,), dtype=acc)
+    return (torch.empty_like(q), q.new_empty((), dtype=acc), q.new_empty(Hi, T, slots, dtype=torch.int32),
+            _lse_like(q, q.shape[1]), _lse_like(q, Hi), g_q, g_k)
 
 
 @torch.library.register_fake("msa::msa_bwd")
-def _msa_bwd_fake(dout, dkl, q, k, v, out, lse, q_idx, k_idx, lse_idx, indices, cu_seqlens, max_seqlen,
-                  block_size, softmax_scale, index_scale, warmup):
+def _msa_bwd_fake(dout, dkl, q, k, v, out, lse, q_idx, k_idx, lse_idx, indices, kl_dq_idx, kl_dk_idx, cu_seqlens,
+                  max_seqlen, block_size, softmax_scale, index_scale, warmup):
     return tuple(torch.empty_like(x) for x in (q, k, v, q_idx, k_idx))
 
 
@@ -148,16 +162,16 @@ def _reverse_index_fake(indices, cu_seqlens, max_seqlen, block_size):
 # Autograd (SPEC 4): out -> q, k, v only; kl -> q_idx, k_idx only, the teacher P detached
 # ----------------------------------------------------------------------------------------------
 def _msa_setup(ctx, inputs, output):
-    q, k, v, q_idx, k_idx, cu_seqlens, max_seqlen, topk, block_size, scale, iscale, warmup, _ = inputs
-    out, kl, indices, lse, lse_idx = output
-    ctx.save_for_backward(q, k, v, out, lse, q_idx, k_idx, lse_idx, indices, cu_seqlens)
+    q, k, v, q_idx, k_idx, cu_seqlens, max_seqlen, topk, block_size, scale, iscale, warmup, _, _ = inputs
+    out, kl, indices, lse, lse_idx, kl_dq_idx, kl_dk_idx = output
+    ctx.save_for_backward(q, k, v, out, lse, q_idx, k_idx, lse_idx, indices, kl_dq_idx, kl_dk_idx, cu_seqlens)
     ctx.args = (max_seqlen, block_size, scale, iscale, warmup)
-    ctx.mark_non_differentiable(indices, lse, lse_idx)
+    ctx.mark_non_differentiable(indices, lse, lse_idx, kl_dq_idx, kl_dk_idx)
     ctx.set_materialize_grads(False)
 
 
-def _msa_backward(ctx, dout, dkl, _dindices, _dlse, _dlse_idx):
-    q, k, v, out, lse, q_idx, k_idx, lse_idx, indices, cu_seqlens = ctx.saved_tensors
+def _msa_backward(ctx, dout, dkl, _dindices, _dlse, _dlse_idx, _dg_q, _dg_k):
+    q, k, v, out, lse, q_idx, k_idx, lse_idx, indices, kl_dq_idx, kl_dk_idx, cu_seqlens = ctx.saved_tensors
     max_seqlen, block_size, scale, iscale, warmup = ctx.args
     need = ctx.needs_input_grad
     if not any(need[:3]):
@@ -165,13 +179,13 @@ def _msa_backward(ctx, dout, dkl, _dindices, _dlse, _dlse_idx):
     if not any(need[3:5]):
         dkl = None
     if dout is None and dkl is None:
-        return (None,) * 13
+        return (None,) * 14
     dq, dk, dv, dq_idx, dk_idx = ops.msa_bwd(
-        dout, dkl, q, k, v, out, lse, q_idx, k_idx, lse_idx, indices, cu_seqlens, max_seqlen, block_size, scale,
-        iscale, warmup)
+        dout, dkl, q, k, v, out, lse, q_idx, k_idx, lse_idx, indices, kl_dq_idx, kl_dk_idx, cu_seqlens, max_seqlen,
+        block_size, scale, iscale, warmup)
     main = (dq, dk, dv) if dout is not None else (None, None, None)
     index = (dq_idx, dk_idx) if dkl is not None else (None, None)
-    return (*main, *index) + (None,) * 8
+    return (*main, *index) + (None,) * 9
 
 
 torch.library.register_autograd("msa::msa_fwd", _msa_backward, setup_context=_msa_setup)

@@ -175,7 +175,7 @@ def run(args):
                 progress(f"[{step}/{steps}] N={N}: sparse fwd (given the selection)")
                 cu = torch.tensor([0, N], dtype=torch.int32, device=device)
                 flat = [[x.detach()[0] for x in s[:3]] for s in sets]
-                row["sparse_fwd"] = timer(lambda q, k, v: sparse_fwd(q, k, v, idx, cu, N), flat)
+                row["sparse_fwd"] = timer(lambda q, k, v: sparse_fwd(q, k, v, idx[0], cu, N), flat)
                 row["sparse_fwd_tflops"] = 1.5 * 4 * c["D"] * att / row["sparse_fwd"] / 1e9
         if on_gpu and msa.has_cuda_kernel("select_blocks"):
             progress(f"[{step}/{steps}] N={N}: index top-k")

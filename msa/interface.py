@@ -137,8 +137,10 @@ def _msa(q, k, v, q_idx, k_idx, cu_seqlens, max_seqlen, topk, block_size, softma
     _require_kernel("msa_fwd", q)
     scale = _scale("softmax_scale", softmax_scale, q.shape[-1])
     iscale = _scale("index_scale", index_scale, q_idx.shape[-1])
+    # The KL's index gradient is computed with the KL itself when autograd will ask for it (SPEC 4).
+    index_grad = torch.is_grad_enabled() and (q_idx.requires_grad or k_idx.requires_grad)
     return ops.msa_fwd(q, k, v, q_idx, k_idx, cu_seqlens, max_seqlen, topk, block_size, scale, iscale,
-                       bool(warmup), bool(return_indices))
+                       bool(warmup), bool(return_indices), index_grad)
 
 
 def msa_attention(q, k, v, q_idx, k_idx, *, topk=16, block_size=128, softmax_scale=None, index_scale=None,
@@ -162,8 +164,8 @@ def msa_attention(q, k, v, q_idx, k_idx, *, topk=16, block_size=128, softmax_sca
     _check_msa_inputs(q, k, v, q_idx, k_idx, 4, topk, block_size)
     B, N = q.shape[:2]
     flat = [x.reshape(B * N, *x.shape[2:]) for x in (q, k, v, q_idx, k_idx)]
-    out, kl, indices, _, _ = _msa(*flat, _batch_cu(q, B, N), N, topk, block_size, softmax_scale, index_scale,
-                                  warmup, return_indices)
+    out, kl, indices = _msa(*flat, _batch_cu(q, B, N), N, topk, block_size, softmax_scale, index_scale, warmup,
+                            return_indices)[:3]
     out = out.view(B, N, *out.shape[1:])
     if not return_indices:
         return out, kl
@@ -182,8 +184,8 @@ def msa_attention_varlen(q, k, v, q_idx, k_idx, cu_seqlens, max_seqlen, *, topk=
     """
     _check_msa_inputs(q, k, v, q_idx, k_idx, 3, topk, block_size)
     _check_varlen(cu_seqlens, max_seqlen, q)
-    out, kl, indices, _, _ = _msa(q, k, v, q_idx, k_idx, cu_seqlens, max_seqlen, topk, block_size, softmax_scale,
-                                  index_scale, warmup, return_indices)
+    out, kl, indices = _msa(q, k, v, q_idx, k_idx, cu_seqlens, max_seqlen, topk, block_size, softmax_scale,
+                            index_scale, warmup, return_indices)[:3]
     return (out, kl, indices) if return_indices else (out, kl)
 
 

@@ -220,8 +220,9 @@ def index_kl(q, k, lse, q_idx, k_idx, indices, cu_seqlens, block_size: int, soft
 
 
 def index_kl_bwd(dkl, q, k, lse, q_idx, k_idx, lse_idx, indices, cu_seqlens, block_size: int,
-                 softmax_scale: float, index_scale: float):
-    """dq_idx, dk_idx from dS_idx = dkl / rows * (Pidx - P) on the attended set (SPEC 4)."""
+                 softmax_scale: float, index_scale: float, out_dtype=None):
+    """dq_idx, dk_idx from dS_idx = dkl / rows * (Pidx - P) on the attended set (SPEC 4), in q_idx's
+    dtype or `out_dtype`."""
     T, Hq, _ = q.shape
     Hi, Di = q_idx.shape[1], q_idx.shape[2]
     Hki = k_idx.shape[1]
@@ -243,7 +244,7 @@ def index_kl_bwd(dkl, q, k, lse, q_idx, k_idx, lse_idx, indices, cu_seqlens, blo
             dq_idx[rows] = index_scale * torch.einsum("hcn,nhd->chd", ds, kis)
             dk_h += index_scale * torch.einsum("hcn,chd->nhd", ds, q_idx[rows].to(acc))
         dk_idx[s0:s1] = dk_h.view(n, Hki, Hi // Hki, Di).sum(2)
-    return dq_idx.to(q_idx.dtype), dk_idx.to(k_idx.dtype)
+    return dq_idx.to(out_dtype or q_idx.dtype), dk_idx.to(out_dtype or k_idx.dtype)
 
 
 # ----------------------------------------------------------------------------------------------

@@ -11,6 +11,8 @@ KERNELS = {
     "sparse_fwd": (["sm80/sparse_fwd/sparse_fwd_kernel.cuh", "sm80/sparse_fwd/sparse_combine.cuh"],
                    [("launch_sparse_fwd", "const SparseFwdParams&, bool"),
                     ("launch_sparse_combine_out", "const SparseCombineParams&")], (64, 128)),
+    "sparse_bwd": (["sm80/sparse_bwd/sparse_bwd_kernel.cuh"], [("launch_sparse_bwd", "const SparseBwdParams&")],
+                   (64, 128)),
 }
 
 

@@ -19,7 +19,9 @@ for dtype, di, bs, topk, lengths in [(torch.bfloat16, 128, 128, 16, [700, 129, 1
         q = torch.randn(T, heads[0], 128, dtype=dtype, device="cuda")
         k, v = (torch.randn(T, heads[1], 128, dtype=dtype, device="cuda") for _ in range(2))
         qi2, ki2 = qi[:, :heads[2]].contiguous(), ki
-        out, kl, _, lse, lse_idx = torch.ops.msa.msa_fwd(q, k, v, qi2, ki2, cu, max(lengths), topk, bs, 0.088,
-                                                          0.088, False, False)
+        out, kl, idx2, lse, lse_idx, g_q, g_k = torch.ops.msa.msa_fwd(q, k, v, qi2, ki2, cu, max(lengths), topk, bs,
+                                                                       0.088, 0.088, False, False, True)
+        torch.ops.msa.msa_bwd(torch.randn_like(out), torch.tensor(1.0, device="cuda"), q, k, v, out, lse, qi2, ki2,
+                              lse_idx, idx2, g_q, g_k, cu, max(lengths), bs, 0.088, 0.088, False)
     torch.cuda.synchronize()
 print("sanitize case done")

@@ -52,8 +52,8 @@ def test_sparse_attention_gradcheck():
     assert gradcheck(lambda q, k, v: msa.sparse_attention(q, k, v, idx, block_size=64), (q, k, v), fast_mode=True)
 
 
-@pytest.mark.parametrize("warmup", [False, True])
-def test_full_gradcheck_tiny(warmup):
+@pytest.mark.parametrize("warmup,index_grad", [(False, False), (True, False), (False, True), (True, True)])
+def test_full_gradcheck_tiny(warmup, index_grad):
     """Every Jacobian entry (slow mode) on a tiny problem, through the op and its registered autograd:
     4-token blocks, head dims 8 (the op itself takes any size; the public API restricts them)."""
     g = torch.Generator().manual_seed(5)
@@ -63,7 +63,7 @@ def test_full_gradcheck_tiny(warmup):
     cu = torch.tensor([0, 9, 14], dtype=torch.int32)
 
     def f(q, k, v, qi, ki):
-        out, kl, _, _, _ = ops.msa_fwd(q, k, v, qi, ki, cu, 9, 2, 4, 0.3, 0.4, warmup, False)
+        out, kl = ops.msa_fwd(q, k, v, qi, ki, cu, 9, 2, 4, 0.3, 0.4, warmup, False, index_grad)[:2]
         return out, kl
     assert gradcheck(lambda q, k, v: f(q, k, v, qi.detach(), ki.detach())[0], (q, k, v))
     assert gradcheck(lambda qi, ki: f(q.detach(), k.detach(), v.detach(), qi, ki)[1], (qi, ki))

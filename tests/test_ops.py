@@ -14,20 +14,35 @@ def _packed(dtype=torch.float32, requires_grad=True, lengths=(70, 30)):
     return q, k, v, qi, ki, cu, mx
 
 
-@pytest.mark.parametrize("warmup,ret", [(False, False), (True, False), (True, True)])
-def test_opcheck_msa_fwd(warmup, ret):
+@pytest.mark.parametrize("warmup,ret,grad", [(False, False, True), (False, False, False), (True, False, True),
+                                              (True, True, False)])
+def test_opcheck_msa_fwd(warmup, ret, grad):
     q, k, v, qi, ki, cu, mx = _packed()
-    torch.library.opcheck(ops.msa_fwd, (q, k, v, qi, ki, cu, mx, 2, 64, 0.125, 0.125, warmup, ret))
+    torch.library.opcheck(ops.msa_fwd, (q, k, v, qi, ki, cu, mx, 2, 64, 0.125, 0.125, warmup, ret, grad))
 
 
-def test_opcheck_msa_bwd():
+@pytest.mark.parametrize("grad", [False, True])
+def test_opcheck_msa_bwd(grad):
     q, k, v, qi, ki, cu, mx = _packed(requires_grad=False)
-    out, kl, idx, lse, lse_idx = ops.msa_fwd(q, k, v, qi, ki, cu, mx, 2, 64, 0.125, 0.125, False, False)
+    out, kl, idx, lse, lse_idx, g_q, g_k = ops.msa_fwd(q, k, v, qi, ki, cu, mx, 2, 64, 0.125, 0.125, False, False,
+                                                        grad)
     dout = torch.randn_like(out)
     dkl = torch.tensor(1.5)
     for d_out, d_kl in ((dout, dkl), (None, dkl), (dout, None)):
-        torch.library.opcheck(ops.msa_bwd, (d_out, d_kl, q, k, v, out, lse, qi, ki, lse_idx, idx, cu, mx, 64, 0.125,
-                                            0.125, False))
+        torch.library.opcheck(ops.msa_bwd, (d_out, d_kl, q, k, v, out, lse, qi, ki, lse_idx, idx, g_q, g_k, cu, mx,
+                                            64, 0.125, 0.125, False))
+
+
+def test_forward_index_grad_matches_backward():
+    """kl_dq_idx / kl_dk_idx of the forward equal the backward's recomputation for d_kl = 1."""
+    q, k, v, qi, ki, cu, mx = _packed(dtype=torch.float64, requires_grad=False)
+    out, kl, idx, lse, lse_idx, g_q, g_k = ops.msa_fwd(q, k, v, qi, ki, cu, mx, 2, 64, 0.125, 0.125, False, False,
+                                                        True)
+    none = torch.empty(0, dtype=torch.float64)
+    *_, dq_idx, dk_idx = ops.msa_bwd(None, torch.tensor(1.0, dtype=torch.float64), q, k, v, out, lse, qi, ki,
+                                     lse_idx, idx, none, none, cu, mx, 64, 0.125, 0.125, False)
+    torch.testing.assert_close(g_q, dq_idx)
+    torch.testing.assert_close(g_k, dk_idx)
 
 
 def test_opcheck_select_sparse_reverse():

@@ -17,7 +17,8 @@ def _fwd_case(q, k, v, qi, ki, cu, mx, topk, bs):
     dtype = q.dtype
     scale, iscale = 1 / math.sqrt(q.shape[-1]), 1 / math.sqrt(qi.shape[-1])
     poison_allocator()
-    out, kl, idx, lse, lse_idx = ops.msa_fwd(q, k, v, qi, ki, cu, mx, topk, bs, scale, iscale, False, True)
+    out, kl, idx, lse, lse_idx = ops.msa_fwd(q, k, v, qi, ki, cu, mx, topk, bs, scale, iscale, False, True,
+                                             False)[:5]
     # The oracle attends to the kernel's own selection (checked against SPEC 2 in test_index_topk_gpu).
     exact_out, exact_lse = run_ref(ref.sparse_fwd, q, k, v, idx, cu, bs, scale)
     exact_kl, exact_lse_idx = run_ref(ref.index_kl, q, k, exact_lse, qi, ki, idx, cu, bs, scale, iscale)
@@ -28,7 +29,7 @@ def _fwd_case(q, k, v, qi, ki, cu, mx, topk, bs):
     assert_lse_close("lse_idx", lse_idx, exact_lse_idx)
     assert kl.dtype == torch.float32 and kl.dim() == 0
     assert abs(kl.item() - exact_kl.item()) <= 1e-3 * abs(exact_kl.item()) + 1e-5, (kl.item(), exact_kl.item())
-    again = ops.msa_fwd(q, k, v, qi, ki, cu, mx, topk, bs, scale, iscale, False, True)
+    again = ops.msa_fwd(q, k, v, qi, ki, cu, mx, topk, bs, scale, iscale, False, True, False)[:5]
     for name, a, b in zip(("out", "kl", "indices", "lse", "lse_idx"), (out, kl, idx, lse, lse_idx), again):
         assert torch.equal(a, b), f"{name} differs between two runs"
 
@@ -63,7 +64,7 @@ def test_msa_attention_api_matches_op():
     out, kl, idx = msa.msa_attention(q, k, v, qi, ki, topk=4, block_size=64, return_indices=True)
     flat = [x.reshape(1200, *x.shape[2:]) for x in (q, k, v, qi, ki)]
     cu = torch.tensor([0, 600, 1200], dtype=torch.int32, device="cuda")
-    o2, kl2, idx2, _, _ = ops.msa_fwd(*flat, cu, 600, 4, 64, 0.125, 0.125, False, True)
+    o2, kl2, idx2 = ops.msa_fwd(*flat, cu, 600, 4, 64, 0.125, 0.125, False, True, False)[:3]
     assert torch.equal(out.reshape(1200, 8, 64), o2) and torch.equal(kl, kl2)
     assert torch.equal(idx, idx2.view(4, 2, 600, 4).permute(1, 0, 2, 3))
 

@@ -16,11 +16,23 @@ struct SparseForward {
   at::Tensor lse;      // (Hq, T) fp32
   at::Tensor lse_idx;  // (Hi, T) fp32, empty without the index branch
   at::Tensor kl_rows;  // (Hi, T) fp32 per-row KL, empty without the index branch
+  at::Tensor kl_dq_idx;  // (T, Hi, Di) fp32 d kl / d q_idx, with index_grad only
+  at::Tensor kl_dk_idx;  // (T, Hki, Di) fp32 d kl / d k_idx, with index_grad only
 };
 SparseForward sparse_forward_cuda(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
                                   const std::optional<at::Tensor>& q_idx, const std::optional<at::Tensor>& k_idx,
                                   const at::Tensor& indices, const at::Tensor& cu_seqlens, int64_t max_seqlen,
-                                  int64_t block_size, double softmax_scale, double index_scale);
+                                  int64_t block_size, double softmax_scale, double index_scale, bool index_grad);
+
+// The main branch's gradients (SPEC 3) from the forward's lse.
+std::tuple<at::Tensor, at::Tensor, at::Tensor> sparse_backward_cuda(
+    const at::Tensor& dout, const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, const at::Tensor& out,
+    const at::Tensor& lse, const at::Tensor& indices, const at::Tensor& cu_seqlens, int64_t max_seqlen,
+    int64_t block_size, double softmax_scale);
+
+std::tuple<at::Tensor, at::Tensor, at::Tensor> reverse_index_cuda(const at::Tensor& indices,
+                                                                  const at::Tensor& cu_seqlens,
+                                                                  int64_t max_seqlen, int64_t block_size);
 
 // Rows must be 16-byte aligned for cp.async; otherwise work on a contiguous copy.
 inline at::Tensor aligned_rows(const at::Tensor& x) {

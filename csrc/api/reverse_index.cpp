@@ -6,10 +6,10 @@
 #include <tuple>
 
 #include "api/checks.h"
+#include "api/ops.h"
 #include "sm80/reverse_index/reverse_index.h"
 
 namespace msa::api {
-namespace {
 
 std::tuple<at::Tensor, at::Tensor, at::Tensor> reverse_index_cuda(const at::Tensor& indices,
                                                                   const at::Tensor& cu_seqlens,
@@ -60,8 +60,6 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> reverse_index_cuda(const at::Tens
   TORCH_CHECK(err == cudaSuccess, "msa::reverse_index launch failed: ", cudaGetErrorString(err));
   return {offsets, rows, block_offsets};
 }
-
-}  // namespace
 
 TORCH_LIBRARY_IMPL(msa, CUDA, m) { m.impl("reverse_index", &reverse_index_cuda); }
 

@@ -57,7 +57,7 @@ void check_main(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v) {
 SparseForward sparse_forward_cuda(const at::Tensor& q_in, const at::Tensor& k_in, const at::Tensor& v_in,
                                   const std::optional<at::Tensor>& q_idx_in, const std::optional<at::Tensor>& k_idx_in,
                                   const at::Tensor& indices, const at::Tensor& cu_seqlens, int64_t max_seqlen,
-                                  int64_t block_size, double softmax_scale, double index_scale) {
+                                  int64_t block_size, double softmax_scale, double index_scale, bool index_grad) {
   check_main(q_in, k_in, v_in);
   check_cuda_int32(indices, "indices", 3);
   check_cuda_int32(cu_seqlens, "cu_seqlens", 1);
@@ -107,6 +107,11 @@ SparseForward sparse_forward_cuda(const at::Tensor& q_in, const at::Tensor& k_in
   res.lse = at::empty({Hq, T}, f32);
   res.lse_idx = at::empty({index ? Hi : 0, T}, f32);
   res.kl_rows = at::empty({index ? Hi : 0, T}, f32);
+  const bool grad = index && index_grad;
+  if (grad) {
+    res.kl_dq_idx = at::zeros({T, Hi, Di}, f32);
+    res.kl_dk_idx = at::zeros({T, Hki, Di}, f32);
+  }
   if (T == 0) return res;
 
   // Chunk of query tokens: its per-entry partials (output rows + stats) fit the budget.
@@ -131,6 +136,7 @@ SparseForward sparse_forward_cuda(const at::Tensor& q_in, const at::Tensor& k_in
   auto idx_stats = at::empty({index ? entries * 2 : 0}, f32);
   auto kl_part = at::empty({index ? entries : 0}, f32);
   auto out_part = at::empty({entries * G * D}, q.options());
+  auto dsi_part = at::empty({grad ? entries * 128 : 0}, q.options());
 
   ReverseIndexParams rp{};
   rp.indices = indices.data_ptr<int32_t>();
@@ -197,6 +203,27 @@ SparseForward sparse_forward_cuda(const at::Tensor& q_in, const at::Tensor& k_in
   fp.lse = res.lse.data_ptr<float>();
   fp.out_part = out_part.data_ptr();
   fp.kl_part = index ? kl_part.data_ptr<float>() : nullptr;
+  fp.lse_idx = index ? res.lse_idx.data_ptr<float>() : nullptr;
+  fp.dsi_part = grad ? dsi_part.data_ptr() : nullptr;
+  fp.dqi_accum = grad ? res.kl_dq_idx.data_ptr<float>() : nullptr;
+
+  IndexDkParams dp{};
+  if (grad) {
+    dp.q_idx = qi.data_ptr();
+    dp.qi_stride_t = qi.stride(0);
+    dp.qi_stride_h = qi.stride(1);
+    dp.dsi_part = dsi_part.data_ptr();
+    dp.cu_seqlens = fp.cu_seqlens;
+    dp.work = fp.work;
+    dp.dki_accum = res.kl_dk_idx.data_ptr<float>();
+    dp.total_tokens = int(T);
+    dp.num_seqs = int(S);
+    dp.topk = int(topk);
+    dp.block_size = int(block_size);
+    dp.hi = int(Hi);
+    dp.hki = int(Hki);
+    dp.di = int(Di);
+  }
 
   SparseCombineParams cp{};
   cp.stats = fp.stats;
@@ -235,6 +262,16 @@ SparseForward sparse_forward_cuda(const at::Tensor& q_in, const at::Tensor& k_in
       MSA_LAUNCH_CHECK((sm80::launch_sparse_combine_out<T_, D_>(cp, stream)), "sparse_fwd (output combine)");
       MSA_LAUNCH_CHECK(sm80::launch_sparse_combine_kl(cp, stream), "sparse_fwd (kl combine)");
     });
+    if (grad) {
+      dp.chunk_begin = int(t0);
+      dp.chunk_tokens = int(tc);
+      MSA_LAUNCH_CHECK(sm80::launch_index_dk(dp, q.scalar_type() == at::kBFloat16, stream), "msa_fwd (index dk)");
+    }
+  }
+  if (grad) {  // SPEC 4: d kl / d S_idx = (Pidx - P) / rows; S_idx = index_scale * q_idx . k_idx
+    const double c = index_scale / double(T * Hi);
+    res.kl_dq_idx.mul_(c);
+    res.kl_dk_idx.mul_(c);
   }
   return res;
 }
@@ -245,22 +282,23 @@ std::tuple<at::Tensor, at::Tensor> sparse_fwd_cuda(const at::Tensor& q, const at
                                                    const at::Tensor& indices, const at::Tensor& cu_seqlens,
                                                    int64_t max_seqlen, int64_t block_size, double softmax_scale) {
   SparseForward r = sparse_forward_cuda(q, k, v, std::nullopt, std::nullopt, indices, cu_seqlens, max_seqlen,
-                                        block_size, softmax_scale, 0.0);
+                                        block_size, softmax_scale, 0.0, false);
   return {r.out, r.lse};
 }
 
-std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tensor> msa_fwd_cuda(
+std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tensor> msa_fwd_cuda(
     const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, const at::Tensor& q_idx, const at::Tensor& k_idx,
     const at::Tensor& cu_seqlens, int64_t max_seqlen, int64_t topk, int64_t block_size, double softmax_scale,
-    double index_scale, bool warmup, bool return_indices) {
+    double index_scale, bool warmup, bool return_indices, bool index_grad) {
   TORCH_CHECK_NOT_IMPLEMENTED(!warmup, "msa: warmup=True has no CUDA kernel in this build yet (README.md)");
   (void)return_indices;
   at::Tensor indices = select_blocks_cuda(q_idx, k_idx, cu_seqlens, max_seqlen, topk, block_size, index_scale);
   SparseForward r = sparse_forward_cuda(q, k, v, q_idx, k_idx, indices, cu_seqlens, max_seqlen, block_size,
-                                        softmax_scale, index_scale);
+                                        softmax_scale, index_scale, index_grad);
   // SPEC 4: kl = sum over rows / rows, rows = T * Hi (a fixed-order reduction: deterministic).
   at::Tensor kl = r.kl_rows.sum() / double(r.kl_rows.numel());
-  return {r.out, kl, indices, r.lse, r.lse_idx};
+  auto none = [&] { return at::empty({0}, q.options().dtype(at::kFloat)); };  // distinct: outputs must not alias
+  return {r.out, kl, indices, r.lse, r.lse_idx, index_grad ? r.kl_dq_idx : none(), index_grad ? r.kl_dk_idx : none()};
 }
 
 }  // namespace

@@ -14,5 +14,6 @@ template <typename T, int D>
 cudaError_t launch_sparse_combine_out(const SparseCombineParams& p, cudaStream_t stream);
 cudaError_t launch_sparse_combine_stats(const SparseCombineParams& p, cudaStream_t stream);
 cudaError_t launch_sparse_combine_kl(const SparseCombineParams& p, cudaStream_t stream);
+cudaError_t launch_index_dk(const IndexDkParams& p, bool bf16, cudaStream_t stream);
 
 }  // namespace msa::sm80

@@ -37,7 +37,8 @@ struct SparseFwdShape {
     static constexpr int si = qi + kMaxUnits * kMaxDi * int(sizeof(T));
     static constexpr int p = si + kMaxUnits * kKeys * 4;
     static constexpr int psum = p + (kOut ? kMaxRows * kKeys * 4 : 0);
-    static constexpr int lse = psum + (kOut ? kMaxUnits * kKeys * 4 : 0);
+    static constexpr int dsi = psum + (kOut ? kMaxUnits * kKeys * 4 : 0);
+    static constexpr int lse = dsi + (kOut ? kMaxUnits * kKeys * int(sizeof(T)) : 0);
     static constexpr int unit = lse + kMaxRows * 4;
     static constexpr int bytes = unit + 2 * kMaxUnits * 4;
   };
@@ -64,6 +65,7 @@ __global__ void __launch_bounds__(SparseFwdShape::kThreads) sparse_fwd_kernel(Sp
   float* sSi = reinterpret_cast<float*>(smem + L::si);
   float* sP = reinterpret_cast<float*>(smem + L::p);
   float* sPsum = reinterpret_cast<float*>(smem + L::psum);
+  T* sDsi = reinterpret_cast<T*>(smem + L::dsi);
   float* sLse = reinterpret_cast<float*>(smem + L::lse);
   int* sEntry = reinterpret_cast<int*>(smem + L::unit);
   int* sTok = sEntry + Sh::kMaxUnits;
@@ -358,20 +360,77 @@ __global__ void __launch_bounds__(SparseFwdShape::kThreads) sparse_fwd_kernel(Sp
           if (lane == 0) p.idx_stats[local_entry(sEntry[u])] = make_float2(m, l);
         } else {
           const float inv_g = 1.f / float(G);
+          const bool grad = p.dsi_part != nullptr;
+          const float lse_idx2 = grad ? p.lse_idx[int64_t(r) * p.total_tokens + sTok[u]] * kLog2e : 0.f;
+          const int64_t el = local_entry(sEntry[u]);
           float acc = 0.f;
-          for (int col = lane; col <= lim; col += 32) {
-            float s = 0.f;
-            if (J > 1) {
-              s = sPsum[u * Sh::kKeys + col];
-            } else {
-              for (int hh = 0; hh < Gu; ++hh) s += sP[(u * Gu + hh) * Sh::kKeys + col];
+          for (int col = lane; col < (grad ? Sh::kKeys : lim + 1); col += 32) {
+            float pm = 0.f, dsi = 0.f;
+            if (col <= lim) {
+              float s = 0.f;
+              if (J > 1) {
+                s = sPsum[u * Sh::kKeys + col];
+              } else {
+                for (int hh = 0; hh < Gu; ++hh) s += sP[(u * Gu + hh) * Sh::kKeys + col];
+              }
+              pm = s * inv_g;
+              if (pm > 0.f) acc += pm * (__logf(pm) - si[col]);
+              dsi = exp2f(si[col] * kLog2e - lse_idx2) - pm;  // SPEC 4: Pidx - P (times d_kl / rows later)
             }
-            const float pm = s * inv_g;
-            if (pm > 0.f) acc += pm * (__logf(pm) - si[col]);
+            if (grad) {
+              const T x = T(dsi);
+              sDsi[SwizzledTile<Sh::kKeys>::offset(u, col / 8) + col % 8] = x;
+              static_cast<T*>(p.dsi_part)[el * Sh::kKeys + col] = x;
+            }
           }
 #pragma unroll
           for (int off = 16; off >= 1; off >>= 1) acc += __shfl_xor_sync(0xffffffffu, acc, off);
-          if (lane == 0) p.kl_part[local_entry(sEntry[u])] = acc;
+          if (lane == 0) p.kl_part[el] = acc;
+        }
+      }
+      if constexpr (kOut) {
+        if (p.dsi_part != nullptr) {
+          // dq_idx of the tile's units: dsi (units x keys) K_idx (keys x Di); warp w takes Di / 4 columns.
+          __syncthreads();
+          const int ncols = di / 4;  // 32 or 16
+          for (int mt = 0; mt * 16 < nu; ++mt) {
+            float dq[4][4];
+#pragma unroll
+            for (int n = 0; n < 4; ++n)
+#pragma unroll
+              for (int e = 0; e < 4; ++e) dq[n][e] = 0.f;
+            for (int kk = 0; kk * 16 < p.block_size; ++kk) {
+              uint32_t a[4];
+              ldmatrix_x4(a, sDsi + SwizzledTile<Sh::kKeys>::offset(mt * 16 + lane % 16, kk * 2 + lane / 16));
+#pragma unroll
+              for (int np = 0; np < 2; ++np) {
+                if (np * 16 < ncols) {
+                  uint32_t b[4];
+                  ldmatrix_x4_trans(b, sKi + swizzled_offset(kk * 16 + (lane % 8) + ((lane / 8) % 2) * 8,
+                                                             (warp * ncols) / 8 + np * 2 + lane / 16, di));
+                  MmaOp<T>::run(dq[2 * np], a, b[0], b[1]);
+                  MmaOp<T>::run(dq[2 * np + 1], a, b[2], b[3]);
+                }
+              }
+            }
+            const int u0 = mt * 16 + g, u1 = u0 + 8;
+#pragma unroll
+            for (int n = 0; n < 4; ++n) {
+              if (n * 8 < ncols) {
+                const int col = warp * ncols + n * 8 + 2 * tq;
+                if (u0 < nu) {
+                  float* d = p.dqi_accum + (int64_t(sTok[u0]) * p.hi + r) * di + col;
+                  atomicAdd(d, dq[n][0]);
+                  atomicAdd(d + 1, dq[n][1]);
+                }
+                if (u1 < nu) {
+                  float* d = p.dqi_accum + (int64_t(sTok[u1]) * p.hi + r) * di + col;
+                  atomicAdd(d, dq[n][2]);
+                  atomicAdd(d + 1, dq[n][3]);
+                }
+              }
+            }
+          }
         }
       }
     }

@@ -1,0 +1,160 @@
+// msa::sparse_bwd and msa::msa_bwd on CUDA:
+//   delta = rowsum(dO O) -> reverse index (tokens per key) -> sparse_bwd kernel into fp32 dq/dk/dv
+//   accumulators -> cast. The KL's index gradients are the forward's kl_dq_idx / kl_dk_idx times d_kl.
+#include <c10/cuda/CUDAGuard.h>
+#include <c10/cuda/CUDAStream.h>
+#include <torch/library.h>
+
+#include <optional>
+#include <tuple>
+
+#include "api/checks.h"
+#include "api/ops.h"
+#include "sm80/sparse_bwd/sparse_bwd.h"
+
+namespace msa::api {
+
+std::tuple<at::Tensor, at::Tensor, at::Tensor> sparse_backward_cuda(
+    const at::Tensor& dout_in, const at::Tensor& q_in, const at::Tensor& k_in, const at::Tensor& v_in,
+    const at::Tensor& out_in, const at::Tensor& lse, const at::Tensor& indices, const at::Tensor& cu_seqlens,
+    int64_t max_seqlen, int64_t block_size, double softmax_scale) {
+  TORCH_CHECK_VALUE(q_in.is_cuda() && dout_in.device() == q_in.device() && out_in.device() == q_in.device() &&
+                        lse.device() == q_in.device(),
+                    "dout, out, lse: expected the device of q, ", q_in.device());
+  TORCH_CHECK_VALUE(dout_in.sizes() == q_in.sizes() && out_in.sizes() == q_in.sizes(),
+                    "dout, out: expected the shape of q ", q_in.sizes(), ", got ", dout_in.sizes(), " and ",
+                    out_in.sizes());
+  TORCH_CHECK_TYPE(dout_in.scalar_type() == q_in.scalar_type() && out_in.scalar_type() == q_in.scalar_type(),
+                   "dout, out: expected dtype ", q_in.scalar_type());
+  const int64_t T = q_in.size(0), Hq = q_in.size(1), D = q_in.size(2), Hkv = k_in.size(1);
+  TORCH_CHECK_VALUE(D == 64 || D == 128, "q: expected head dim 64 or 128, got ", D);
+  TORCH_CHECK_VALUE(lse.scalar_type() == at::kFloat && lse.dim() == 2 && lse.size(0) == Hq && lse.size(1) == T,
+                    "lse: expected float32 (", Hq, ", ", T, "), got ", lse.scalar_type(), " ", lse.sizes());
+  check_cuda_int32(indices, "indices", 3);
+  const int64_t Hi = indices.size(0);
+  TORCH_CHECK_VALUE(indices.size(1) == T && Hq % Hi == 0 && (Hi % Hkv == 0 || Hkv % Hi == 0),
+                    "indices: expected (Hi, ", T, ", topk) with Hi dividing Hq = ", Hq, ", got ", indices.sizes());
+  TORCH_CHECK_VALUE((Hq / Hi) / (Hkv > Hi ? Hkv / Hi : 1) <= 64,
+                    "q: at most 64 query heads per (index group, kv head) on CUDA");
+
+  c10::cuda::CUDAGuard guard(q_in.device());
+  const cudaStream_t stream = c10::cuda::getCurrentCUDAStream();
+  auto [offsets, tokens, block_offsets] = reverse_index_cuda(indices, cu_seqlens, max_seqlen, block_size);
+  const int64_t S = cu_seqlens.size(0) - 1;
+  const at::Tensor q = aligned_rows(q_in), k = aligned_rows(k_in), v = aligned_rows(v_in);
+  const at::Tensor dout = aligned_rows(dout_in), out = aligned_rows(out_in);
+  const at::Tensor lse_c = lse.contiguous();
+  auto f32 = q.options().dtype(at::kFloat);
+  auto delta = at::empty({Hq, T}, f32);
+  auto dq = at::zeros({T, Hq, D}, f32);
+  auto dk = at::zeros({T, Hkv, D}, f32);
+  auto dv = at::zeros({T, Hkv, D}, f32);
+  if (T > 0) {
+    BwdDeltaParams dp{};
+    dp.out = out.data_ptr();
+    dp.dout = dout.data_ptr();
+    dp.o_stride_t = out.stride(0);
+    dp.o_stride_h = out.stride(1);
+    dp.do_stride_t = dout.stride(0);
+    dp.do_stride_h = dout.stride(1);
+    dp.delta = delta.data_ptr<float>();
+    dp.total_tokens = int(T);
+    dp.hq = int(Hq);
+    dp.d = int(D);
+    const bool bf16 = q.scalar_type() == at::kBFloat16;
+    cudaError_t err = sm80::launch_bwd_delta(dp, bf16, stream);
+    TORCH_CHECK(err == cudaSuccess, "msa::sparse_bwd (delta) launch failed: ", cudaGetErrorString(err));
+
+    SparseBwdParams p{};
+    p.q = q.data_ptr();
+    p.k = k.data_ptr();
+    p.v = v.data_ptr();
+    p.dout = dout.data_ptr();
+    p.q_stride_t = q.stride(0);
+    p.q_stride_h = q.stride(1);
+    p.k_stride_t = k.stride(0);
+    p.k_stride_h = k.stride(1);
+    p.v_stride_t = v.stride(0);
+    p.v_stride_h = v.stride(1);
+    p.do_stride_t = dout.stride(0);
+    p.do_stride_h = dout.stride(1);
+    p.lse = lse_c.data_ptr<float>();
+    p.delta = delta.data_ptr<float>();
+    p.cu_seqlens = cu_seqlens.data_ptr<int32_t>();
+    p.offsets = offsets.data_ptr<int32_t>();
+    p.tokens = tokens.data_ptr<int32_t>();
+    p.block_offsets = block_offsets.data_ptr<int32_t>();
+    p.dq_accum = dq.data_ptr<float>();
+    p.dk_accum = dk.data_ptr<float>();
+    p.dv_accum = dv.data_ptr<float>();
+    p.total_tokens = int(T);
+    p.num_seqs = int(S);
+    p.block_size = int(block_size);
+    p.max_blocks = int(T / block_size + S);
+    p.hq = int(Hq);
+    p.hkv = int(Hkv);
+    p.hi = int(Hi);
+    p.scale = float(softmax_scale);
+    p.scale_log2 = float(softmax_scale * 1.4426950408889634);
+    if (bf16)
+      err = D == 64 ? sm80::launch_sparse_bwd<__nv_bfloat16, 64>(p, stream)
+                    : sm80::launch_sparse_bwd<__nv_bfloat16, 128>(p, stream);
+    else
+      err = D == 64 ? sm80::launch_sparse_bwd<__half, 64>(p, stream) : sm80::launch_sparse_bwd<__half, 128>(p, stream);
+    TORCH_CHECK(err == cudaSuccess, "msa::sparse_bwd launch failed: ", cudaGetErrorString(err));
+  }
+  return {dq.to(q.scalar_type()), dk.to(q.scalar_type()), dv.to(q.scalar_type())};
+}
+
+namespace {
+
+std::tuple<at::Tensor, at::Tensor, at::Tensor> sparse_bwd_cuda(const at::Tensor& dout, const at::Tensor& q,
+                                                               const at::Tensor& k, const at::Tensor& v,
+                                                               const at::Tensor& out, const at::Tensor& lse,
+                                                               const at::Tensor& indices, const at::Tensor& cu_seqlens,
+                                                               int64_t max_seqlen, int64_t block_size,
+                                                               double softmax_scale) {
+  return sparse_backward_cuda(dout, q, k, v, out, lse, indices, cu_seqlens, max_seqlen, block_size, softmax_scale);
+}
+
+std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tensor> msa_bwd_cuda(
+    const std::optional<at::Tensor>& dout, const std::optional<at::Tensor>& dkl, const at::Tensor& q,
+    const at::Tensor& k, const at::Tensor& v, const at::Tensor& out, const at::Tensor& lse, const at::Tensor& q_idx,
+    const at::Tensor& k_idx, const at::Tensor& lse_idx, const at::Tensor& indices, const at::Tensor& kl_dq_idx,
+    const at::Tensor& kl_dk_idx, const at::Tensor& cu_seqlens, int64_t max_seqlen, int64_t block_size,
+    double softmax_scale, double index_scale, bool warmup) {
+  TORCH_CHECK_NOT_IMPLEMENTED(!warmup, "msa: warmup=True has no CUDA kernel in this build yet (README.md)");
+  (void)lse_idx;
+  (void)index_scale;
+  at::Tensor dq, dk, dv, dq_idx, dk_idx;
+  if (dout.has_value()) {
+    std::tie(dq, dk, dv) = sparse_backward_cuda(*dout, q, k, v, out, lse, indices, cu_seqlens, max_seqlen,
+                                                block_size, softmax_scale);
+  } else {
+    dq = at::zeros_like(q);
+    dk = at::zeros_like(k);
+    dv = at::zeros_like(v);
+  }
+  if (dkl.has_value()) {
+    // SPEC 4: the KL's gradient is linear in d_kl; the forward computed it for d_kl = 1.
+    TORCH_CHECK_VALUE(kl_dq_idx.sizes() == q_idx.sizes() && kl_dk_idx.sizes() == k_idx.sizes(),
+                      "kl_dq_idx, kl_dk_idx: expected the forward's index gradients (msa_fwd with index_grad=True), "
+                      "got shapes ", kl_dq_idx.sizes(), " and ", kl_dk_idx.sizes());
+    const at::Tensor s = dkl->to(at::kFloat);
+    dq_idx = (kl_dq_idx * s).to(q_idx.scalar_type());
+    dk_idx = (kl_dk_idx * s).to(k_idx.scalar_type());
+  } else {
+    dq_idx = at::zeros_like(q_idx);
+    dk_idx = at::zeros_like(k_idx);
+  }
+  return {dq, dk, dv, dq_idx, dk_idx};
+}
+
+}  // namespace
+
+TORCH_LIBRARY_IMPL(msa, CUDA, m) {
+  m.impl("sparse_bwd", &sparse_bwd_cuda);
+  m.impl("msa_bwd", &msa_bwd_cuda);
+}
+
+}  // namespace msa::api

@@ -1,0 +1,16 @@
+#pragma once
+#include <cuda_bf16.h>
+#include <cuda_fp16.h>
+#include <cuda_runtime_api.h>
+
+#include "params.h"
+
+namespace msa::sm80 {
+
+// One explicit instantiation per (dtype, D) in csrc/instantiations/ (scripts/gen_instantiations.py).
+template <typename T, int D>
+cudaError_t launch_sparse_bwd(const SparseBwdParams& p, cudaStream_t stream);
+// delta = rowsum(dout * out) per (head, token); bf16 or fp16 by `bf16`.
+cudaError_t launch_bwd_delta(const BwdDeltaParams& p, bool bf16, cudaStream_t stream);
+
+}  // namespace msa::sm80

@@ -1,0 +1,288 @@
+// Sparse backward of the main branch (SPEC 3), portable sm80 path, KV-outer.
+//
+// A CTA owns one key of the reverse index (index group r, kv block) and every unit that selected it,
+// for each of the group's kv heads in turn; dK and dV of the block stay in registers for the whole
+// key (warp w owns keys [16w, 16w + 16)), so each block's gradient leaves the CTA once. Hot keys come
+// first in the grid (block-major order). Per tile of R = 64 gathered rows:
+//   row phase  (warp: 16 rows x 64 keys): S = Q K^T, P = exp(S - lse), dP = dO V^T,
+//              dS = P (dP - delta); P and dS go to shared memory in the input dtype;
+//   key phase  (warp: 16 keys): dV += P^T dO, dK += dS^T Q   (transposed ldmatrix reads);
+//   dQ         (warp: 16 rows x 64 of D): dQ = dS K, added to the fp32 dq accumulator.
+// The per-row softmax statistics come from the forward (lse) and a preprocess (delta = rowsum(dO O)).
+#pragma once
+#include <cuda_runtime.h>
+
+#include "common/mma_sm80.h"
+#include "params.h"
+
+namespace msa::sm80 {
+
+struct SparseBwdShape {
+  static constexpr int kThreads = 256;
+  static constexpr int kKeys = 128;
+  static constexpr int kRows = 64;
+  template <typename T, int D>
+  struct Smem {
+    static constexpr int k = 0;
+    static constexpr int v = k + kKeys * D * int(sizeof(T));
+    static constexpr int q = v + kKeys * D * int(sizeof(T));
+    static constexpr int dout = q + kRows * D * int(sizeof(T));
+    static constexpr int p = dout + kRows * D * int(sizeof(T));
+    static constexpr int ds = p + kRows * kKeys * int(sizeof(T));
+    static constexpr int lse = ds + kRows * kKeys * int(sizeof(T));
+    static constexpr int delta = lse + kRows * 4;
+    static constexpr int tok = delta + kRows * 4;
+    static constexpr int bytes = tok + kRows * 4;
+  };
+};
+
+constexpr float kLog2eB = 1.4426950408889634f;
+
+__device__ __forceinline__ void atomic_add2(float* dst, float a, float b) {
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
+  atomicAdd(reinterpret_cast<float2*>(dst), make_float2(a, b));
+#else
+  atomicAdd(dst, a);
+  atomicAdd(dst + 1, b);
+#endif
+}
+
+template <typename T, int D>
+__global__ void __launch_bounds__(SparseBwdShape::kThreads, 1) sparse_bwd_kernel(SparseBwdParams p) {
+  using Sh = SparseBwdShape;
+  using L = typename Sh::template Smem<T, D>;
+  using Tile = SwizzledTile<D>;
+  using KTile = SwizzledTile<Sh::kKeys>;  // P and dS tiles: rows x 128 keys
+  constexpr int kChunks = Tile::kChunks;
+  extern __shared__ __align__(128) unsigned char smem[];
+  T* sK = reinterpret_cast<T*>(smem + L::k);
+  T* sV = reinterpret_cast<T*>(smem + L::v);
+  T* sQ = reinterpret_cast<T*>(smem + L::q);
+  T* sdO = reinterpret_cast<T*>(smem + L::dout);
+  T* sP = reinterpret_cast<T*>(smem + L::p);
+  T* sdS = reinterpret_cast<T*>(smem + L::ds);
+  float* sLse = reinterpret_cast<float*>(smem + L::lse);
+  float* sDelta = reinterpret_cast<float*>(smem + L::delta);
+  int* sTok = reinterpret_cast<int*>(smem + L::tok);
+
+  // Block-major order: every group's block 0 first (the hottest keys), then block 1, ...
+  const int r = blockIdx.x % p.hi, gb = blockIdx.x / p.hi;
+  const int key = r * p.max_blocks + gb;
+  const int u_begin = p.offsets[key], u_end = p.offsets[key + 1];
+  if (u_begin == u_end) return;
+  int lo = 0, hi = p.num_seqs - 1;
+  while (lo < hi) {
+    const int mid = (lo + hi + 1) >> 1;
+    if (p.block_offsets[mid] <= gb) lo = mid; else hi = mid - 1;
+  }
+  const int seq_start = p.cu_seqlens[lo];
+  const int seq_len = p.cu_seqlens[lo + 1] - seq_start;
+  const int key0 = (gb - p.block_offsets[lo]) * p.block_size;
+  const int blen = min(p.block_size, seq_len - key0);
+
+  const int G = p.hq / p.hi;
+  const int J = p.hkv > p.hi ? p.hkv / p.hi : 1;
+  const int Gu = G / J;
+  const int U = Sh::kRows / Gu;  // units per tile (Gu <= 64)
+
+  const int tid = threadIdx.x, warp = tid / 32, lane = tid % 32;
+  const int g = lane / 4, tq = lane % 4;
+  const int rw = warp % 4, half = warp / 4;  // row phase / dQ: 16-row slab, half of the keys / of D
+  const T* Q = static_cast<const T*>(p.q);
+  const T* K = static_cast<const T*>(p.k);
+  const T* V = static_cast<const T*>(p.v);
+  const T* dO = static_cast<const T*>(p.dout);
+
+  for (int j = 0; j < J; ++j) {
+    const int h0 = r * G + j * Gu;
+    const int kvh = h0 / (p.hq / p.hkv);
+    float dk[D / 8][4], dv[D / 8][4];
+#pragma unroll
+    for (int n = 0; n < D / 8; ++n)
+#pragma unroll
+      for (int e = 0; e < 4; ++e) dk[n][e] = dv[n][e] = 0.f;
+
+    __syncthreads();  // the previous kv head is done with the K/V tiles
+    {
+      const T* ks = K + int64_t(seq_start + key0) * p.k_stride_t + int64_t(kvh) * p.k_stride_h;
+      const T* vs = V + int64_t(seq_start + key0) * p.v_stride_t + int64_t(kvh) * p.v_stride_h;
+      for (int i = tid; i < Sh::kKeys * kChunks; i += Sh::kThreads) {
+        const int row = i / kChunks, c = i % kChunks;
+        const bool ok = row < blen;
+        const int rr = ok ? row : 0;
+        cp_async_16(sK + Tile::offset(row, c), ks + int64_t(rr) * p.k_stride_t + c * 8, ok);
+        cp_async_16(sV + Tile::offset(row, c), vs + int64_t(rr) * p.v_stride_t + c * 8, ok);
+      }
+    }
+    for (int ub = u_begin; ub < u_end; ub += U) {
+      const int nu = min(U, u_end - ub);
+      __syncthreads();  // the previous tile is done with Q, dO, P, dS and the row table
+      for (int row = tid; row < Sh::kRows; row += Sh::kThreads) {
+        const int u = row / Gu;
+        const bool ok = u < nu;
+        const int t = ok ? p.tokens[ub + u] : -1;
+        const int h = h0 + row % Gu;
+        sTok[row] = t;
+        sLse[row] = ok ? p.lse[int64_t(h) * p.total_tokens + t] * kLog2eB : 0.f;
+        sDelta[row] = ok ? p.delta[int64_t(h) * p.total_tokens + t] : 0.f;
+      }
+      __syncthreads();
+      for (int i = tid; i < Sh::kRows * kChunks; i += Sh::kThreads) {
+        const int row = i / kChunks, c = i % kChunks;
+        const int t = sTok[row];
+        const bool ok = t >= 0;
+        const int h = h0 + row % Gu;
+        cp_async_16(sQ + Tile::offset(row, c), Q + int64_t(ok ? t : 0) * p.q_stride_t + int64_t(h) * p.q_stride_h + c * 8,
+                    ok);
+        cp_async_16(sdO + Tile::offset(row, c),
+                    dO + int64_t(ok ? t : 0) * p.do_stride_t + int64_t(h) * p.do_stride_h + c * 8, ok);
+      }
+      cp_async_commit();
+      cp_async_wait<0>();
+      __syncthreads();
+
+      // Row phase: rows [16 rw, +16), keys [64 half, +64) in two steps of 32 (registers: dK and dV
+      // already hold 128 per thread).
+      const int row0 = rw * 16 + g, row1 = row0 + 8;
+      const int tr0 = sTok[row0], tr1 = sTok[row1];
+      const int lim0 = tr0 >= 0 ? min(blen - 1, tr0 - seq_start - key0) : -1;
+      const int lim1 = tr1 >= 0 ? min(blen - 1, tr1 - seq_start - key0) : -1;
+#pragma unroll 1
+      for (int kq = 0; kq < 2; ++kq) {
+        const int kbase = half * 64 + kq * 32;
+        if (kbase >= p.block_size) break;
+        float s[4][4], dp[4][4];
+#pragma unroll
+        for (int n = 0; n < 4; ++n)
+#pragma unroll
+          for (int e = 0; e < 4; ++e) s[n][e] = dp[n][e] = 0.f;
+#pragma unroll 1
+        for (int ks = 0; ks < D / 16; ++ks) {
+          uint32_t aq[4], ad[4];
+          ldmatrix_x4(aq, sQ + Tile::offset(rw * 16 + lane % 16, ks * 2 + lane / 16));
+          ldmatrix_x4(ad, sdO + Tile::offset(rw * 16 + lane % 16, ks * 2 + lane / 16));
+#pragma unroll
+          for (int np = 0; np < 2; ++np) {
+            const int krow = kbase + np * 16 + (lane % 8) + (lane / 16) * 8;
+            uint32_t b[4];
+            ldmatrix_x4(b, sK + Tile::offset(krow, ks * 2 + (lane / 8) % 2));
+            MmaOp<T>::run(s[2 * np], aq, b[0], b[1]);
+            MmaOp<T>::run(s[2 * np + 1], aq, b[2], b[3]);
+            ldmatrix_x4(b, sV + Tile::offset(krow, ks * 2 + (lane / 8) % 2));
+            MmaOp<T>::run(dp[2 * np], ad, b[0], b[1]);
+            MmaOp<T>::run(dp[2 * np + 1], ad, b[2], b[3]);
+          }
+        }
+        const float e0 = sLse[row0], e1 = sLse[row1], d0 = sDelta[row0], d1 = sDelta[row1];
+#pragma unroll
+        for (int n = 0; n < 4; ++n) {
+          const int col = kbase + n * 8 + 2 * tq;
+          const float p00 = col <= lim0 ? exp2f(s[n][0] * p.scale_log2 - e0) : 0.f;
+          const float p01 = col + 1 <= lim0 ? exp2f(s[n][1] * p.scale_log2 - e0) : 0.f;
+          const float p10 = col <= lim1 ? exp2f(s[n][2] * p.scale_log2 - e1) : 0.f;
+          const float p11 = col + 1 <= lim1 ? exp2f(s[n][3] * p.scale_log2 - e1) : 0.f;
+          const int c8 = col / 8;
+          *reinterpret_cast<uint32_t*>(sP + KTile::offset(row0, c8) + 2 * tq) = pack2<T>(p00, p01);
+          *reinterpret_cast<uint32_t*>(sP + KTile::offset(row1, c8) + 2 * tq) = pack2<T>(p10, p11);
+          *reinterpret_cast<uint32_t*>(sdS + KTile::offset(row0, c8) + 2 * tq) =
+              pack2<T>(p00 * (dp[n][0] - d0), p01 * (dp[n][1] - d0));
+          *reinterpret_cast<uint32_t*>(sdS + KTile::offset(row1, c8) + 2 * tq) =
+              pack2<T>(p10 * (dp[n][2] - d1), p11 * (dp[n][3] - d1));
+        }
+      }
+      __syncthreads();
+
+      // Key phase: keys [16 warp, +16): dV += P^T dO, dK += dS^T Q over the tile's rows.
+      if (warp * 16 < p.block_size) {
+#pragma unroll 1
+        for (int kr = 0; kr < Sh::kRows / 16; ++kr) {  // 16 rows per MMA k-step
+          uint32_t ap[4], as[4];
+          // A = P^T (m = keys, k = rows) from the [row][key] tile: transposed 8x8 loads.
+          const int arow = kr * 16 + (lane % 8) + ((lane / 16) * 8);
+          const int acol = warp * 2 + (lane / 8) % 2;
+          ldmatrix_x4_trans(ap, sP + KTile::offset(arow, acol));
+          ldmatrix_x4_trans(as, sdS + KTile::offset(arow, acol));
+#pragma unroll
+          for (int dpair = 0; dpair < D / 16; ++dpair) {
+            uint32_t b[4];
+            const int brow = kr * 16 + (lane % 8) + ((lane / 8) % 2) * 8;
+            ldmatrix_x4_trans(b, sdO + Tile::offset(brow, dpair * 2 + lane / 16));
+            MmaOp<T>::run(dv[2 * dpair], ap, b[0], b[1]);
+            MmaOp<T>::run(dv[2 * dpair + 1], ap, b[2], b[3]);
+            ldmatrix_x4_trans(b, sQ + Tile::offset(brow, dpair * 2 + lane / 16));
+            MmaOp<T>::run(dk[2 * dpair], as, b[0], b[1]);
+            MmaOp<T>::run(dk[2 * dpair + 1], as, b[2], b[3]);
+          }
+        }
+      }
+
+      // dQ: rows [16 rw, +16), D columns [D/2 half, +D/2) in steps of D/4: dQ = scale * dS K.
+      constexpr int kQuarter = D / 4;
+#pragma unroll 1
+      for (int dh = 0; dh < 2; ++dh) {
+        const int c0 = half * (D / 2) + dh * kQuarter;
+        float dq[kQuarter / 8][4];
+#pragma unroll
+        for (int n = 0; n < kQuarter / 8; ++n)
+#pragma unroll
+          for (int e = 0; e < 4; ++e) dq[n][e] = 0.f;
+#pragma unroll 1
+        for (int kk = 0; kk * 16 < p.block_size; ++kk) {
+          uint32_t a[4];
+          ldmatrix_x4(a, sdS + KTile::offset(rw * 16 + lane % 16, kk * 2 + lane / 16));
+#pragma unroll
+          for (int dpair = 0; dpair < kQuarter / 16; ++dpair) {
+            uint32_t b[4];
+            ldmatrix_x4_trans(b, sK + Tile::offset(kk * 16 + (lane % 8) + ((lane / 8) % 2) * 8,
+                                                   c0 / 8 + dpair * 2 + lane / 16));
+            MmaOp<T>::run(dq[2 * dpair], a, b[0], b[1]);
+            MmaOp<T>::run(dq[2 * dpair + 1], a, b[2], b[3]);
+          }
+        }
+#pragma unroll
+        for (int n = 0; n < kQuarter / 8; ++n) {
+          const int col = c0 + n * 8 + 2 * tq;
+          if (tr0 >= 0)
+            atomic_add2(p.dq_accum + (int64_t(tr0) * p.hq + h0 + row0 % Gu) * D + col, dq[n][0] * p.scale,
+                        dq[n][1] * p.scale);
+          if (tr1 >= 0)
+            atomic_add2(p.dq_accum + (int64_t(tr1) * p.hq + h0 + row1 % Gu) * D + col, dq[n][2] * p.scale,
+                        dq[n][3] * p.scale);
+        }
+      }
+    }
+
+    // The block's dK (scaled) and dV for this kv head; other groups on the same kv head add theirs.
+    if (warp * 16 < p.block_size) {
+      const int k0 = warp * 16 + g, k1 = k0 + 8;
+#pragma unroll
+      for (int n = 0; n < D / 8; ++n) {
+        const int col = n * 8 + 2 * tq;
+        if (k0 < blen) {
+          const int64_t o = (int64_t(seq_start + key0 + k0) * p.hkv + kvh) * D + col;
+          atomic_add2(p.dk_accum + o, dk[n][0] * p.scale, dk[n][1] * p.scale);
+          atomic_add2(p.dv_accum + o, dv[n][0], dv[n][1]);
+        }
+        if (k1 < blen) {
+          const int64_t o = (int64_t(seq_start + key0 + k1) * p.hkv + kvh) * D + col;
+          atomic_add2(p.dk_accum + o, dk[n][2] * p.scale, dk[n][3] * p.scale);
+          atomic_add2(p.dv_accum + o, dv[n][2], dv[n][3]);
+        }
+      }
+    }
+  }
+}
+
+template <typename T, int D>
+cudaError_t launch_sparse_bwd(const SparseBwdParams& p, cudaStream_t stream) {
+  const int64_t grid = int64_t(p.hi) * p.max_blocks;
+  if (grid == 0) return cudaSuccess;
+  constexpr int smem = SparseBwdShape::Smem<T, D>::bytes;
+  auto kernel = sparse_bwd_kernel<T, D>;
+  cudaError_t err = cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, smem);
+  if (err != cudaSuccess) return err;
+  kernel<<<unsigned(grid), SparseBwdShape::kThreads, smem, stream>>>(p);
+  return cudaGetLastError();
+}
+
+}  // namespace msa::sm80

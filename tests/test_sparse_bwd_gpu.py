@@ -1,0 +1,102 @@
+"""The CUDA backward (msa_bwd, sparse_bwd): all five gradients against the float64 reference on the GPU."""
+import math
+
+import pytest
+import torch
+
+import msa
+from attention_check import assert_close_style, low_precision, run_ref
+from helpers import HEADS, make_inputs, make_packed, poison_allocator
+from msa import reference as ref
+
+pytestmark = pytest.mark.gpu
+
+
+def _grads(q, k, v, qi, ki, cu, mx, topk, bs, seed):
+    """msa_attention_varlen's five gradients for random dout and d_kl, with its selection and lse."""
+    leaves = [x.detach().requires_grad_(True) for x in (q, k, v, qi, ki)]
+    poison_allocator()
+    out, kl, idx = msa.msa_attention_varlen(*leaves, cu, mx, topk=topk, block_size=bs, return_indices=True)
+    g = torch.Generator(device="cpu").manual_seed(seed)
+    dout = torch.randn(out.shape, generator=g).to(out)
+    dkl = torch.tensor(0.5 + seed % 3, device=q.device)
+    grads = torch.autograd.grad((out, kl), leaves, (dout, dkl))
+    return grads, dout, dkl, idx
+
+
+def _check_grads(q, k, v, qi, ki, cu, mx, topk, bs, seed):
+    dtype = q.dtype
+    scale, iscale = 1 / math.sqrt(q.shape[-1]), 1 / math.sqrt(qi.shape[-1])
+    grads, dout, dkl, idx = _grads(q, k, v, qi, ki, cu, mx, topk, bs, seed)
+    _, lse = run_ref(ref.sparse_fwd, q, k, v, idx, cu, bs, scale)
+    exact = run_ref(ref.sparse_bwd, dout, q, k, v, lse, idx, cu, bs, scale)
+    _, lse_idx = run_ref(ref.index_kl, q, k, lse, qi, ki, idx, cu, bs, scale, iscale)
+    exact += run_ref(ref.index_kl_bwd, dkl, q, k, lse, qi, ki, lse_idx, idx, cu, bs, scale, iscale)
+    with low_precision():
+        _, lse_l = run_ref(ref.sparse_fwd, q, k, v, idx, cu, bs, scale, dtype=dtype)
+        lowp = run_ref(ref.sparse_bwd, dout, q, k, v, lse_l, idx, cu, bs, scale, dtype=dtype)
+        _, lse_idx_l = run_ref(ref.index_kl, q, k, lse_l, qi, ki, idx, cu, bs, scale, iscale, dtype=dtype)
+        lowp += run_ref(ref.index_kl_bwd, dkl, q, k, lse_l, qi, ki, lse_idx_l, idx, cu, bs, scale, iscale,
+                        dtype=dtype)
+    for name, got, e, lp in zip(("dq", "dk", "dv", "dq_idx", "dk_idx"), grads, exact, lowp):
+        assert got.dtype == dtype and got.shape == e.shape
+        assert_close_style(name, got, e, lp, dtype)
+
+
+CASES = [  # (B, N, D, Di, block_size, topk)
+    (2, 1, 64, 64, 128, 16), (2, 100, 128, 64, 64, 3), (1, 129, 128, 128, 64, 16), (1, 300, 64, 64, 64, 32),
+    (2, 700, 128, 128, 128, 3), (2, 2048, 128, 128, 128, 16), (1, 8192, 128, 128, 128, 16),
+]
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+@pytest.mark.parametrize("case", range(len(CASES)))
+def test_msa_bwd_batched(case, dtype):
+    B, N, D, Di, bs, topk = CASES[case]
+    heads = HEADS[case % len(HEADS)]
+    x = make_inputs(B, N, heads, D, Di, dtype=dtype, device="cuda", seed=case)
+    flat = [t.reshape(B * N, *t.shape[2:]) for t in x]
+    cu = torch.arange(0, (B + 1) * N, N, dtype=torch.int32, device="cuda")
+    _check_grads(*flat, cu, N, topk, bs, seed=case)
+
+
+@pytest.mark.parametrize("heads", HEADS + [(16, 2, 4, 1), (12, 4, 4, 1), (8, 8, 2, 1)])
+def test_msa_bwd_varlen(heads):
+    q, k, v, qi, ki, cu, mx = make_packed([1000, 1, 129, 0, 2500], heads, 128, 64, dtype=torch.bfloat16,
+                                          device="cuda", seed=sum(heads))
+    _check_grads(q, k, v, qi, ki, cu, mx, 5, 128, seed=sum(heads))
+
+
+def test_backward_parts_skip():
+    """Only out's gradient, only kl's gradient: the other inputs get none, the given ones match."""
+    q, k, v, qi, ki = [t.requires_grad_(True) for t in
+                       make_inputs(1, 500, (8, 2, 4, 1), 64, 64, dtype=torch.bfloat16, device="cuda", seed=9)]
+    out, kl = msa.msa_attention(q, k, v, qi, ki, topk=3, block_size=64)
+    g = torch.autograd.grad(out.float().square().sum(), (q, k, v, qi, ki), allow_unused=True)
+    assert all(x is not None for x in g[:3]) and g[3] is None and g[4] is None
+    out, kl = msa.msa_attention(q, k, v, qi, ki, topk=3, block_size=64)
+    g = torch.autograd.grad(kl, (q, k, v, qi, ki), allow_unused=True)
+    assert all(x is None for x in g[:3]) and g[3].abs().sum() > 0 and g[4].abs().sum() > 0
+    with torch.no_grad():  # no index gradient is computed without autograd
+        assert torch.ops.msa.msa_fwd(q.reshape(500, 8, 64), k.reshape(500, 2, 64), v.reshape(500, 2, 64),
+                                     qi.reshape(500, 4, 64), ki.reshape(500, 1, 64),
+                                     torch.tensor([0, 500], dtype=torch.int32, device="cuda"), 500, 3, 64, 0.125,
+                                     0.125, False, False, False)[5].numel() == 0
+
+
+@pytest.mark.parametrize("heads", HEADS)
+def test_sparse_attention_backward(heads):
+    lengths = [700, 64, 1]
+    q, k, v, _, _, cu, mx = make_packed(lengths, heads, 64, 64, dtype=torch.bfloat16, device="cuda", seed=4)
+    g = torch.Generator().manual_seed(1)
+    idx = torch.cat([torch.randint(-1, -(-n // 64) + 1, (heads[2], n, 4), generator=g) for n in lengths], 1)
+    idx = idx.to(torch.int32).cuda()
+    leaves = [x.detach().requires_grad_(True) for x in (q, k, v)]
+    out, lse = msa.sparse_attention(*leaves, idx, block_size=64, return_lse=True, cu_seqlens=cu, max_seqlen=mx)
+    dout = torch.randn_like(out)
+    grads = torch.autograd.grad(out, leaves, dout)
+    exact = run_ref(ref.sparse_bwd, dout, q, k, v, lse.double(), idx, cu, 64, 0.125)
+    with low_precision():
+        lowp = run_ref(ref.sparse_bwd, dout, q, k, v, lse, idx, cu, 64, 0.125, dtype=torch.bfloat16)
+    for name, got, e, lp in zip(("dq", "dk", "dv"), grads, exact, lowp):
+        assert_close_style(name, got, e, lp, torch.bfloat16)
