@@ -126,6 +126,8 @@ def git_commit():
     """The commit under test, from git; on a copied tree where git cannot answer, from the .msa_commit
     file that scripts/stamp_commit.sh wrote (carried along with the tree)."""
     root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    if os.environ.get("MSA_COMMIT"):  # set by scripts/gpu_check.sh from the carried .msa_commit
+        return os.environ["MSA_COMMIT"]
     try:
         out = subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=root, capture_output=True, text=True)
         if out.returncode == 0:

@@ -43,12 +43,13 @@ def max_err(a, b):
     return (a.double() - b.double()).abs().max().item() if a.numel() else 0.0
 
 
-def assert_close_style(name, got, exact, lowp, dtype):
+def assert_close_style(name, got, exact, lowp, dtype, unit=1.0):
     """err(got) <= 2 * err(same-precision torch) + atol, with both errors against the exact result;
-    atol is relative to the largest exact magnitude (the KL's gradients are ~1/rows)."""
+    atol scales with max(largest exact magnitude, unit): `unit` is the quantity's natural size (1 for
+    outputs and main gradients, d_kl / rows for the KL's gradients)."""
     assert torch.isfinite(got).all(), f"{name}: non-finite values (unwritten output?)"
     err, base = max_err(got, exact), max_err(lowp, exact)
-    scale = max(exact.abs().max().item(), 1e-30) if exact.numel() else 1.0
+    scale = max(exact.abs().max().item() if exact.numel() else 0.0, unit)
     bound = 2 * base + ATOL[dtype] * scale
     assert err <= bound, f"{name}: max error {err:.3g} > 2 * {base:.3g} + {ATOL[dtype]:g} * {scale:.3g}"
     return err, base

@@ -38,9 +38,10 @@ def _check_grads(q, k, v, qi, ki, cu, mx, topk, bs, seed):
         _, lse_idx_l = run_ref(ref.index_kl, q, k, lse_l, qi, ki, idx, cu, bs, scale, iscale, dtype=dtype)
         lowp += run_ref(ref.index_kl_bwd, dkl, q, k, lse_l, qi, ki, lse_idx_l, idx, cu, bs, scale, iscale,
                         dtype=dtype)
+    kl_unit = abs(dkl.item()) / (q.shape[0] * qi.shape[1])  # d_kl / rows
     for name, got, e, lp in zip(("dq", "dk", "dv", "dq_idx", "dk_idx"), grads, exact, lowp):
         assert got.dtype == dtype and got.shape == e.shape
-        assert_close_style(name, got, e, lp, dtype)
+        assert_close_style(name, got, e, lp, dtype, unit=kl_unit if name.endswith("_idx") else 1.0)
 
 
 CASES = [  # (B, N, D, Di, block_size, topk)
