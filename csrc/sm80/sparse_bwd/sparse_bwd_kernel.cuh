@@ -25,27 +25,18 @@ struct SparseBwdShape {
   struct Smem {
     static constexpr int k = 0;
     static constexpr int v = k + kKeys * D * int(sizeof(T));
-    static constexpr int q = v + kKeys * D * int(sizeof(T));
-    static constexpr int dout = q + kRows * D * int(sizeof(T));
-    static constexpr int p = dout + kRows * D * int(sizeof(T));
+    static constexpr int q = v + kKeys * D * int(sizeof(T));           // two stages
+    static constexpr int dout = q + 2 * kRows * D * int(sizeof(T));    // two stages
+    static constexpr int p = dout + 2 * kRows * D * int(sizeof(T));
     static constexpr int ds = p + kRows * kKeys * int(sizeof(T));
-    static constexpr int lse = ds + kRows * kKeys * int(sizeof(T));
-    static constexpr int delta = lse + kRows * 4;
-    static constexpr int tok = delta + kRows * 4;
-    static constexpr int bytes = tok + kRows * 4;
+    static constexpr int lse = ds + kRows * kKeys * int(sizeof(T));    // two stages
+    static constexpr int delta = lse + 2 * kRows * 4;                  // two stages
+    static constexpr int tok = delta + 2 * kRows * 4;                  // two stages
+    static constexpr int bytes = tok + 2 * kRows * 4;
   };
 };
 
 constexpr float kLog2eB = 1.4426950408889634f;
-
-__device__ __forceinline__ void atomic_add2(float* dst, float a, float b) {
-#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
-  atomicAdd(reinterpret_cast<float2*>(dst), make_float2(a, b));
-#else
-  atomicAdd(dst, a);
-  atomicAdd(dst + 1, b);
-#endif
-}
 
 template <typename T, int D>
 __global__ void __launch_bounds__(SparseBwdShape::kThreads, 1) sparse_bwd_kernel(SparseBwdParams p) {
@@ -114,37 +105,57 @@ __global__ void __launch_bounds__(SparseBwdShape::kThreads, 1) sparse_bwd_kernel
         cp_async_16(sV + Tile::offset(row, c), vs + int64_t(rr) * p.v_stride_t + c * 8, ok);
       }
     }
-    for (int ub = u_begin; ub < u_end; ub += U) {
-      const int nu = min(U, u_end - ub);
-      __syncthreads();  // the previous tile is done with Q, dO, P, dS and the row table
-      for (int row = tid; row < Sh::kRows; row += Sh::kThreads) {
-        const int u = row / Gu;
-        const bool ok = u < nu;
-        const int t = ok ? p.tokens[ub + u] : -1;
-        const int h = h0 + row % Gu;
-        sTok[row] = t;
-        sLse[row] = ok ? p.lse[int64_t(h) * p.total_tokens + t] * kLog2eB : 0.f;
-        sDelta[row] = ok ? p.delta[int64_t(h) * p.total_tokens + t] : 0.f;
-      }
-      __syncthreads();
+    // Tiles of U units; tile i + 1's rows are fetched while tile i computes, and tile i + 2's tokens
+    // are read from global memory meanwhile (they are only stored once tile i is done).
+    const int n_tiles = (u_end - u_begin + U - 1) / U;
+    auto unit_token = [&](int tile, int row) {
+      const int u = tile * U + row / Gu;
+      return (tile < n_tiles && row < U * Gu && u_begin + u < u_end) ? p.tokens[u_begin + u] : -1;
+    };
+    auto fetch = [&](int b) {
+      const int* toks = sTok + b * Sh::kRows;
       for (int i = tid; i < Sh::kRows * kChunks; i += Sh::kThreads) {
         const int row = i / kChunks, c = i % kChunks;
-        const int t = sTok[row];
+        const int t = toks[row];
         const bool ok = t >= 0;
-        const int h = h0 + row % Gu;
-        cp_async_16(sQ + Tile::offset(row, c), Q + int64_t(ok ? t : 0) * p.q_stride_t + int64_t(h) * p.q_stride_h + c * 8,
-                    ok);
-        cp_async_16(sdO + Tile::offset(row, c),
-                    dO + int64_t(ok ? t : 0) * p.do_stride_t + int64_t(h) * p.do_stride_h + c * 8, ok);
+        const int64_t h = h0 + row % Gu;
+        cp_async_16(sQ + b * Sh::kRows * D + Tile::offset(row, c),
+                    Q + int64_t(ok ? t : 0) * p.q_stride_t + h * p.q_stride_h + c * 8, ok);
+        cp_async_16(sdO + b * Sh::kRows * D + Tile::offset(row, c),
+                    dO + int64_t(ok ? t : 0) * p.do_stride_t + h * p.do_stride_h + c * 8, ok);
       }
+      for (int row = tid; row < Sh::kRows; row += Sh::kThreads) {
+        const int t = toks[row];
+        const int64_t o = t >= 0 ? int64_t(h0 + row % Gu) * p.total_tokens + t : 0;
+        cp_async_4(sLse + b * Sh::kRows + row, p.lse + o, t >= 0);
+        cp_async_4(sDelta + b * Sh::kRows + row, p.delta + o, t >= 0);
+      }
+    };
+    for (int row = tid; row < Sh::kRows; row += Sh::kThreads) {
+      sTok[row] = unit_token(0, row);
+      sTok[Sh::kRows + row] = unit_token(1, row);
+    }
+    __syncthreads();
+    fetch(0);
+    cp_async_commit();
+    for (int tile = 0; tile < n_tiles; ++tile) {
+      const int buf = tile & 1;
+      __syncthreads();  // the previous tile is done with its buffers; tile + 1's tokens are visible
+      if (tile + 1 < n_tiles) fetch(buf ^ 1);
       cp_async_commit();
-      cp_async_wait<0>();
+      const int tok_next = tid < Sh::kRows ? unit_token(tile + 2, tid) : -1;
+      cp_async_wait<1>();
       __syncthreads();
+      const T* sQb = sQ + buf * Sh::kRows * D;
+      const T* sdOb = sdO + buf * Sh::kRows * D;
+      const int* sTokb = sTok + buf * Sh::kRows;
+      const float* sLseb = sLse + buf * Sh::kRows;
+      const float* sDeltab = sDelta + buf * Sh::kRows;
 
       // Row phase: rows [16 rw, +16), keys [64 half, +64) in two steps of 32 (registers: dK and dV
       // already hold 128 per thread).
       const int row0 = rw * 16 + g, row1 = row0 + 8;
-      const int tr0 = sTok[row0], tr1 = sTok[row1];
+      const int tr0 = sTokb[row0], tr1 = sTokb[row1];
       const int lim0 = tr0 >= 0 ? min(blen - 1, tr0 - seq_start - key0) : -1;
       const int lim1 = tr1 >= 0 ? min(blen - 1, tr1 - seq_start - key0) : -1;
 #pragma unroll 1
@@ -159,8 +170,8 @@ __global__ void __launch_bounds__(SparseBwdShape::kThreads, 1) sparse_bwd_kernel
 #pragma unroll 1
         for (int ks = 0; ks < D / 16; ++ks) {
           uint32_t aq[4], ad[4];
-          ldmatrix_x4(aq, sQ + Tile::offset(rw * 16 + lane % 16, ks * 2 + lane / 16));
-          ldmatrix_x4(ad, sdO + Tile::offset(rw * 16 + lane % 16, ks * 2 + lane / 16));
+          ldmatrix_x4(aq, sQb + Tile::offset(rw * 16 + lane % 16, ks * 2 + lane / 16));
+          ldmatrix_x4(ad, sdOb + Tile::offset(rw * 16 + lane % 16, ks * 2 + lane / 16));
 #pragma unroll
           for (int np = 0; np < 2; ++np) {
             const int krow = kbase + np * 16 + (lane % 8) + (lane / 16) * 8;
@@ -173,7 +184,8 @@ __global__ void __launch_bounds__(SparseBwdShape::kThreads, 1) sparse_bwd_kernel
             MmaOp<T>::run(dp[2 * np + 1], ad, b[2], b[3]);
           }
         }
-        const float e0 = sLse[row0], e1 = sLse[row1], d0 = sDelta[row0], d1 = sDelta[row1];
+        const float e0 = sLseb[row0] * kLog2eB, e1 = sLseb[row1] * kLog2eB;
+        const float d0 = sDeltab[row0], d1 = sDeltab[row1];
 #pragma unroll
         for (int n = 0; n < 4; ++n) {
           const int col = kbase + n * 8 + 2 * tq;
@@ -206,10 +218,10 @@ __global__ void __launch_bounds__(SparseBwdShape::kThreads, 1) sparse_bwd_kernel
           for (int dpair = 0; dpair < D / 16; ++dpair) {
             uint32_t b[4];
             const int brow = kr * 16 + (lane % 8) + ((lane / 8) % 2) * 8;
-            ldmatrix_x4_trans(b, sdO + Tile::offset(brow, dpair * 2 + lane / 16));
+            ldmatrix_x4_trans(b, sdOb + Tile::offset(brow, dpair * 2 + lane / 16));
             MmaOp<T>::run(dv[2 * dpair], ap, b[0], b[1]);
             MmaOp<T>::run(dv[2 * dpair + 1], ap, b[2], b[3]);
-            ldmatrix_x4_trans(b, sQ + Tile::offset(brow, dpair * 2 + lane / 16));
+            ldmatrix_x4_trans(b, sQb + Tile::offset(brow, dpair * 2 + lane / 16));
             MmaOp<T>::run(dk[2 * dpair], as, b[0], b[1]);
             MmaOp<T>::run(dk[2 * dpair + 1], as, b[2], b[3]);
           }
@@ -250,6 +262,8 @@ __global__ void __launch_bounds__(SparseBwdShape::kThreads, 1) sparse_bwd_kernel
                         dq[n][3] * p.scale);
         }
       }
+      __syncthreads();  // every read of this tile's token row is done: it now takes tile + 2's
+      if (tid < Sh::kRows) sTok[buf * Sh::kRows + tid] = tok_next;
     }
 
     // The block's dK (scaled) and dV for this kv head; other groups on the same kv head add theirs.

@@ -25,22 +25,23 @@ struct SparseFwdShape {
   static constexpr int kThreads = 128;  // four warps, 16 main rows each
   static constexpr int kKeys = 128;     // MMA columns: one block (block_size 64 uses the first half)
   static constexpr int kMaxRows = 64;
-  static constexpr int kMaxUnits = 32;
+  static constexpr int kMaxUnits = 32;     // per tile
+  static constexpr int kMaxItemUnits = 128;  // per work item (units_per_item <= this)
   static constexpr int kMaxDi = 128;
   template <typename T, int D, bool kOut>
   struct Smem {  // byte offsets
     static constexpr int k = 0;
     static constexpr int v = k + kKeys * D * int(sizeof(T));
     static constexpr int ki = v + (kOut ? kKeys * D * int(sizeof(T)) : 0);
-    static constexpr int q = ki + kKeys * kMaxDi * int(sizeof(T));
-    static constexpr int qi = q + kMaxRows * D * int(sizeof(T));
-    static constexpr int si = qi + kMaxUnits * kMaxDi * int(sizeof(T));
+    static constexpr int q = ki + kKeys * kMaxDi * int(sizeof(T));           // two stages
+    static constexpr int qi = q + 2 * kMaxRows * D * int(sizeof(T));         // two stages
+    static constexpr int si = qi + 2 * kMaxUnits * kMaxDi * int(sizeof(T));
     static constexpr int p = si + kMaxUnits * kKeys * 4;
     static constexpr int psum = p + (kOut ? kMaxRows * kKeys * 4 : 0);
     static constexpr int dsi = psum + (kOut ? kMaxUnits * kKeys * 4 : 0);
     static constexpr int lse = dsi + (kOut ? kMaxUnits * kKeys * int(sizeof(T)) : 0);
-    static constexpr int unit = lse + kMaxRows * 4;
-    static constexpr int bytes = unit + 2 * kMaxUnits * 4;
+    static constexpr int unit = lse + 2 * kMaxRows * 4;                      // two stages
+    static constexpr int bytes = unit + 2 * kMaxItemUnits * 4;
   };
 };
 
@@ -67,8 +68,8 @@ __global__ void __launch_bounds__(SparseFwdShape::kThreads) sparse_fwd_kernel(Sp
   float* sPsum = reinterpret_cast<float*>(smem + L::psum);
   T* sDsi = reinterpret_cast<T*>(smem + L::dsi);
   float* sLse = reinterpret_cast<float*>(smem + L::lse);
-  int* sEntry = reinterpret_cast<int*>(smem + L::unit);
-  int* sTok = sEntry + Sh::kMaxUnits;
+  int* sEntryAll = reinterpret_cast<int*>(smem + L::unit);  // the item's units: entry ids, tokens
+  int* sTokAll = sEntryAll + Sh::kMaxItemUnits;
 
   const SparseWork& w = p.work;
   const int item = blockIdx.x;
@@ -116,73 +117,96 @@ __global__ void __launch_bounds__(SparseFwdShape::kThreads) sparse_fwd_kernel(Sp
     const int t = (e / p.topk) % p.total_tokens;
     return (int64_t(r) * p.chunk_tokens + (t - p.chunk_begin)) * p.topk + slot;
   };
-  // Last visible key (block-relative) for a unit, -1 when the unit slot is empty.
-  auto key_limit = [&](int u, int nu) {
-    return u < nu ? min(blen - 1, sTok[u] - seq_start - key0) : -1;
-  };
 
-  bool first = true;
-  for (int ub = u_begin; ub < u_end; ub += U) {
-    const int nu = min(U, u_end - ub);
-    __syncthreads();  // the previous tile is done with the unit table and the tiles
-    if (tid < Sh::kMaxUnits) {
-      int e = -1, t = 0;
-      if (tid < nu) {
-        e = w.entries[ub + tid];
-        t = (e / p.topk) % p.total_tokens;
-      }
-      sEntry[tid] = e;
-      sTok[tid] = t;
+  // The item's unit table, once.
+  const int n_units = u_end - u_begin;
+  for (int i = tid; i < n_units; i += Sh::kThreads) {
+    const int e = w.entries[u_begin + i];
+    sEntryAll[i] = e;
+    sTokAll[i] = (e / p.topk) % p.total_tokens;
+  }
+  const int kih = r / (p.hi / p.hki);
+  auto load_kv = [&](int j) {
+    const int kvh = (r * G + j * Gu) / (p.hq / p.hkv);
+    const T* ks = K + int64_t(seq_start + key0) * p.k_stride_t + int64_t(kvh) * p.k_stride_h;
+    const T* vs = V + int64_t(seq_start + key0) * p.v_stride_t + int64_t(kvh) * p.v_stride_h;
+    for (int i = tid; i < Sh::kKeys * kChunks; i += Sh::kThreads) {
+      const int row = i / kChunks, c = i % kChunks;
+      const bool ok = row < blen;
+      const int rr = ok ? row : 0;
+      cp_async_16(sK + Tile::offset(row, c), ks + int64_t(rr) * p.k_stride_t + c * 8, ok);
+      if constexpr (kOut) cp_async_16(sV + Tile::offset(row, c), vs + int64_t(rr) * p.v_stride_t + c * 8, ok);
     }
-    __syncthreads();
-    if (index) {
-      const int kih = r / (p.hi / p.hki);
-      if (first) {
-        const T* src = KI + int64_t(seq_start + key0) * p.ki_stride_t + int64_t(kih) * p.ki_stride_h;
-        for (int i = tid; i < Sh::kKeys * di_chunks; i += Sh::kThreads) {
-          const int row = i / di_chunks, c = i % di_chunks;
-          const bool ok = row < blen;
-          cp_async_16(sKi + swizzled_offset(row, c, di), src + int64_t(ok ? row : 0) * p.ki_stride_t + c * 8, ok);
-        }
+  };
+  load_kv(0);
+  if (index) {
+    const T* src = KI + int64_t(seq_start + key0) * p.ki_stride_t + int64_t(kih) * p.ki_stride_h;
+    for (int i = tid; i < Sh::kKeys * di_chunks; i += Sh::kThreads) {
+      const int row = i / di_chunks, c = i % di_chunks;
+      const bool ok = row < blen;
+      cp_async_16(sKi + swizzled_offset(row, c, di), src + int64_t(ok ? row : 0) * p.ki_stride_t + c * 8, ok);
+    }
+  }
+  __syncthreads();  // the unit table is read by every thread below
+
+  // Steps = (tile, kv head of the group); the next step's rows are fetched while this one computes.
+  const int n_tiles = (n_units + U - 1) / U;
+  const int steps = n_tiles * J;
+  auto fetch_step = [&](int s, int buf) {
+    const int tile = s / J, j = s % J;
+    const int ub = tile * U, nu = min(U, n_units - ub);
+    const int h0 = r * G + j * Gu;
+    T* q_dst = sQ + buf * Sh::kMaxRows * D;
+    for (int i = tid; i < R * kChunks; i += Sh::kThreads) {
+      const int row = i / kChunks, c = i % kChunks;
+      const int u = row / Gu;
+      const bool ok = u < nu && u < U;
+      const T* src = Q + int64_t(ok ? sTokAll[ub + u] : 0) * p.q_stride_t + int64_t(h0 + row % Gu) * p.q_stride_h + c * 8;
+      cp_async_16(q_dst + Tile::offset(row, c), src, ok);
+    }
+    if constexpr (kOut) {
+      for (int row = tid; row < R; row += Sh::kThreads) {
+        const int u = row / Gu;
+        const bool ok = u < nu && u < U;
+        cp_async_4(sLse + buf * Sh::kMaxRows + row,
+                   p.lse + (ok ? int64_t(h0 + row % Gu) * p.total_tokens + sTokAll[ub + u] : 0), ok);
       }
+    }
+    if (index && j == 0) {
+      T* qi_dst = sQi + buf * Sh::kMaxUnits * Sh::kMaxDi;
       for (int i = tid; i < Sh::kMaxUnits * di_chunks; i += Sh::kThreads) {
         const int u = i / di_chunks, c = i % di_chunks;
         const bool ok = u < nu;
-        const T* src = QI + int64_t(ok ? sTok[u] : 0) * p.qi_stride_t + int64_t(r) * p.qi_stride_h + c * 8;
-        cp_async_16(sQi + swizzled_offset(u, c, di), src, ok);
+        const T* src = QI + int64_t(ok ? sTokAll[ub + u] : 0) * p.qi_stride_t + int64_t(r) * p.qi_stride_h + c * 8;
+        cp_async_16(qi_dst + swizzled_offset(u, c, di), src, ok);
       }
     }
-    for (int j = 0; j < J; ++j) {
-      const int h0 = r * G + j * Gu;          // first query head of this pass
-      const int kvh = h0 / (p.hq / p.hkv);
-      if (first || J > 1) {
-        const T* ks = K + int64_t(seq_start + key0) * p.k_stride_t + int64_t(kvh) * p.k_stride_h;
-        const T* vs = V + int64_t(seq_start + key0) * p.v_stride_t + int64_t(kvh) * p.v_stride_h;
-        for (int i = tid; i < Sh::kKeys * kChunks; i += Sh::kThreads) {
-          const int row = i / kChunks, c = i % kChunks;
-          const bool ok = row < blen;
-          const int rr = ok ? row : 0;
-          cp_async_16(sK + Tile::offset(row, c), ks + int64_t(rr) * p.k_stride_t + c * 8, ok);
-          if constexpr (kOut) cp_async_16(sV + Tile::offset(row, c), vs + int64_t(rr) * p.v_stride_t + c * 8, ok);
-        }
-      }
-      first = false;
-      for (int i = tid; i < R * kChunks; i += Sh::kThreads) {
-        const int row = i / kChunks, c = i % kChunks;
-        const int u = row / Gu;
-        const bool ok = u < nu && u < U;
-        const T* src = Q + int64_t(ok ? sTok[u] : 0) * p.q_stride_t + int64_t(h0 + row % Gu) * p.q_stride_h + c * 8;
-        cp_async_16(sQ + Tile::offset(row, c), src, ok);
-      }
-      if constexpr (kOut) {
-        for (int row = tid; row < R; row += Sh::kThreads) {
-          const int u = row / Gu;
-          sLse[row] = (u < nu && u < U) ? p.lse[int64_t(h0 + row % Gu) * p.total_tokens + sTok[u]] * kLog2e : 0.f;
-        }
-      }
+  };
+  fetch_step(0, 0);
+  cp_async_commit();
+
+  for (int step = 0; step < steps; ++step) {
+    const int tile = step / J, j = step % J, buf = step & 1;
+    const int ub = tile * U;
+    const int nu = min(U, n_units - ub);
+    const int* sEntry = sEntryAll + ub;
+    const int* sTok = sTokAll + ub;
+    const int h0 = r * G + j * Gu;  // first query head of this step
+    T* sQb = sQ + buf * Sh::kMaxRows * D;
+    T* sQib = sQi + buf * Sh::kMaxUnits * Sh::kMaxDi;
+    const float* sLseb = sLse + buf * Sh::kMaxRows;
+    // Last visible key (block-relative) for a unit of this tile, -1 when the unit slot is empty.
+    auto key_limit = [&](int u, int nu_) {
+      return u < nu_ ? min(blen - 1, sTok[u] - seq_start - key0) : -1;
+    };
+    if (J > 1 && step > 0) {  // the previous step ended with a barrier: K/V are free
+      load_kv(j);
       cp_async_commit();
-      cp_async_wait<0>();
-      __syncthreads();
+    }
+    if (step + 1 < steps) fetch_step(step + 1, buf ^ 1);
+    cp_async_commit();
+    cp_async_wait<1>();
+    __syncthreads();
 
       // Index logits of the tile's units (once per tile): warp w takes keys [32w, 32w + 32).
       if (index && j == 0 && warp * 32 < p.block_size) {
@@ -194,7 +218,7 @@ __global__ void __launch_bounds__(SparseFwdShape::kThreads) sparse_fwd_kernel(Sp
             for (int e = 0; e < 4; ++e) ci[n][e] = 0.f;
           for (int ks = 0; ks < di / 16; ++ks) {
             uint32_t a[4];
-            ldmatrix_x4(a, sQi + swizzled_offset(mt * 16 + lane % 16, ks * 2 + lane / 16, di));
+            ldmatrix_x4(a, sQib + swizzled_offset(mt * 16 + lane % 16, ks * 2 + lane / 16, di));
 #pragma unroll
             for (int np = 0; np < 2; ++np) {
               uint32_t b[4];
@@ -226,7 +250,7 @@ __global__ void __launch_bounds__(SparseFwdShape::kThreads) sparse_fwd_kernel(Sp
 #pragma unroll
         for (int ks = 0; ks < D / 16; ++ks) {
           uint32_t a[4];
-          ldmatrix_x4(a, sQ + Tile::offset(warp * 16 + lane % 16, ks * 2 + lane / 16));
+          ldmatrix_x4(a, sQb + Tile::offset(warp * 16 + lane % 16, ks * 2 + lane / 16));
 #pragma unroll
           for (int np = 0; np < 8; ++np) {
             if (2 * np < nk8) {
@@ -278,7 +302,7 @@ __global__ void __launch_bounds__(SparseFwdShape::kThreads) sparse_fwd_kernel(Sp
             if (lim1 >= 0) p.stats[local_entry(sEntry[u1]) * G + j * Gu + row1 % Gu] = make_float2(m1, l1);
           }
         } else {
-          const float e0 = sLse[row0], e1 = sLse[row1];
+          const float e0 = sLseb[row0] * kLog2e, e1 = sLseb[row1] * kLog2e;
 #pragma unroll
           for (int n = 0; n < 16; ++n) {
             c[n][0] = exp2f(c[n][0] - e0);
@@ -341,10 +365,10 @@ __global__ void __launch_bounds__(SparseFwdShape::kThreads) sparse_fwd_kernel(Sp
           __syncthreads();
         }
       }
-    }
 
-    // Per unit (warp w takes units w, w + 4, ...; lane takes keys lane + 32 i): index stats or KL terms.
-    if (index) {
+    // Per unit, once the tile's last kv head is done (warp w takes units w, w + 4, ...; lane takes keys
+    // lane + 32 i): index stats or KL terms.
+    if (index && j == J - 1) {
       for (int u = warp; u < nu; u += Sh::kThreads / 32) {
         const int lim = key_limit(u, nu);
         const float* si = sSi + u * Sh::kKeys;
@@ -418,16 +442,8 @@ __global__ void __launch_bounds__(SparseFwdShape::kThreads) sparse_fwd_kernel(Sp
             for (int n = 0; n < 4; ++n) {
               if (n * 8 < ncols) {
                 const int col = warp * ncols + n * 8 + 2 * tq;
-                if (u0 < nu) {
-                  float* d = p.dqi_accum + (int64_t(sTok[u0]) * p.hi + r) * di + col;
-                  atomicAdd(d, dq[n][0]);
-                  atomicAdd(d + 1, dq[n][1]);
-                }
-                if (u1 < nu) {
-                  float* d = p.dqi_accum + (int64_t(sTok[u1]) * p.hi + r) * di + col;
-                  atomicAdd(d, dq[n][2]);
-                  atomicAdd(d + 1, dq[n][3]);
-                }
+                if (u0 < nu) atomic_add2(p.dqi_accum + (int64_t(sTok[u0]) * p.hi + r) * di + col, dq[n][0], dq[n][1]);
+                if (u1 < nu) atomic_add2(p.dqi_accum + (int64_t(sTok[u1]) * p.hi + r) * di + col, dq[n][2], dq[n][3]);
               }
             }
           }
