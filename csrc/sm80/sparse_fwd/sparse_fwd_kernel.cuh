@@ -22,25 +22,29 @@
 namespace msa::sm80 {
 
 struct SparseFwdShape {
-  static constexpr int kThreads = 128;  // four warps, 16 main rows each
+  static constexpr int kThreads = 256;  // eight warps, 16 main rows each
   static constexpr int kKeys = 128;     // MMA columns: one block (block_size 64 uses the first half)
-  static constexpr int kMaxRows = 64;
+  static constexpr int kMaxRows = 128;
   static constexpr int kMaxUnits = 32;     // per tile
   static constexpr int kMaxItemUnits = 128;  // per work item (units_per_item <= this)
   static constexpr int kMaxDi = 128;
+  // The stats pass prefetches the next step's rows (two stages); the output pass keeps one stage so
+  // that K, V, K_idx and its KL tiles fit next to it.
+  template <bool kOut>
+  static constexpr int stages() { return kOut ? 1 : 2; }
   template <typename T, int D, bool kOut>
   struct Smem {  // byte offsets
     static constexpr int k = 0;
     static constexpr int v = k + kKeys * D * int(sizeof(T));
     static constexpr int ki = v + (kOut ? kKeys * D * int(sizeof(T)) : 0);
-    static constexpr int q = ki + kKeys * kMaxDi * int(sizeof(T));           // two stages
-    static constexpr int qi = q + 2 * kMaxRows * D * int(sizeof(T));         // two stages
-    static constexpr int si = qi + 2 * kMaxUnits * kMaxDi * int(sizeof(T));
+    static constexpr int q = ki + kKeys * kMaxDi * int(sizeof(T));
+    static constexpr int qi = q + stages<kOut>() * kMaxRows * D * int(sizeof(T));
+    static constexpr int si = qi + stages<kOut>() * kMaxUnits * kMaxDi * int(sizeof(T));
     static constexpr int p = si + kMaxUnits * kKeys * 4;
-    static constexpr int psum = p + (kOut ? kMaxRows * kKeys * 4 : 0);
+    static constexpr int psum = p + (kOut ? kMaxRows * kKeys * int(sizeof(T)) : 0);  // P in the input dtype
     static constexpr int dsi = psum + (kOut ? kMaxUnits * kKeys * 4 : 0);
     static constexpr int lse = dsi + (kOut ? kMaxUnits * kKeys * int(sizeof(T)) : 0);
-    static constexpr int unit = lse + 2 * kMaxRows * 4;                      // two stages
+    static constexpr int unit = lse + stages<kOut>() * kMaxRows * 4;
     static constexpr int bytes = unit + 2 * kMaxItemUnits * 4;
   };
 };
@@ -48,8 +52,8 @@ struct SparseFwdShape {
 constexpr float kLog2e = 1.4426950408889634f;
 constexpr float kFwdNegInf = -__builtin_huge_valf();
 
-// Rows per tile for Gu heads per unit: 64 (32 units at most), 32 when Gu = 1.
-__host__ __device__ inline int sparse_rows_per_tile(int gu) { return gu >= 2 ? 64 : 32; }
+// Rows per tile for Gu heads per unit: 32 units, at most 128 rows.
+__host__ __device__ inline int sparse_rows_per_tile(int gu) { return gu >= 4 ? 128 : 32 * gu; }
 
 template <typename T, int D, bool kOut>
 __global__ void __launch_bounds__(SparseFwdShape::kThreads) sparse_fwd_kernel(SparseFwdParams p) {
@@ -64,7 +68,7 @@ __global__ void __launch_bounds__(SparseFwdShape::kThreads) sparse_fwd_kernel(Sp
   T* sQ = reinterpret_cast<T*>(smem + L::q);
   T* sQi = reinterpret_cast<T*>(smem + L::qi);
   float* sSi = reinterpret_cast<float*>(smem + L::si);
-  float* sP = reinterpret_cast<float*>(smem + L::p);
+  T* sP = reinterpret_cast<T*>(smem + L::p);
   float* sPsum = reinterpret_cast<float*>(smem + L::psum);
   T* sDsi = reinterpret_cast<T*>(smem + L::dsi);
   float* sLse = reinterpret_cast<float*>(smem + L::lse);
@@ -186,7 +190,7 @@ __global__ void __launch_bounds__(SparseFwdShape::kThreads) sparse_fwd_kernel(Sp
   cp_async_commit();
 
   for (int step = 0; step < steps; ++step) {
-    const int tile = step / J, j = step % J, buf = step & 1;
+    const int tile = step / J, j = step % J, buf = Sh::template stages<kOut>() == 2 ? step & 1 : 0;
     const int ub = tile * U;
     const int nu = min(U, n_units - ub);
     const int* sEntry = sEntryAll + ub;
@@ -203,34 +207,35 @@ __global__ void __launch_bounds__(SparseFwdShape::kThreads) sparse_fwd_kernel(Sp
       load_kv(j);
       cp_async_commit();
     }
-    if (step + 1 < steps) fetch_step(step + 1, buf ^ 1);
-    cp_async_commit();
-    cp_async_wait<1>();
+    if constexpr (Sh::template stages<kOut>() == 2) {
+      if (step + 1 < steps) fetch_step(step + 1, buf ^ 1);
+      cp_async_commit();
+      cp_async_wait<1>();
+    } else {
+      if (step > 0) fetch_step(step, 0);  // the previous step is past the barrier that ends its row reads
+      cp_async_commit();
+      cp_async_wait<0>();
+    }
     __syncthreads();
 
-      // Index logits of the tile's units (once per tile): warp w takes keys [32w, 32w + 32).
-      if (index && j == 0 && warp * 32 < p.block_size) {
+      // Index logits of the tile's units (once per tile): warp w takes keys [16w, 16w + 16).
+      if (index && j == 0 && warp * 16 < p.block_size) {
         for (int mt = 0; mt * 16 < nu; ++mt) {
-          float ci[4][4];
+          float ci[2][4];
 #pragma unroll
-          for (int n = 0; n < 4; ++n)
+          for (int n = 0; n < 2; ++n)
 #pragma unroll
             for (int e = 0; e < 4; ++e) ci[n][e] = 0.f;
           for (int ks = 0; ks < di / 16; ++ks) {
-            uint32_t a[4];
+            uint32_t a[4], b[4];
             ldmatrix_x4(a, sQib + swizzled_offset(mt * 16 + lane % 16, ks * 2 + lane / 16, di));
-#pragma unroll
-            for (int np = 0; np < 2; ++np) {
-              uint32_t b[4];
-              ldmatrix_x4(b, sKi + swizzled_offset(warp * 32 + np * 16 + (lane % 8) + (lane / 16) * 8,
-                                                    ks * 2 + (lane / 8) % 2, di));
-              MmaOp<T>::run(ci[2 * np], a, b[0], b[1]);
-              MmaOp<T>::run(ci[2 * np + 1], a, b[2], b[3]);
-            }
+            ldmatrix_x4(b, sKi + swizzled_offset(warp * 16 + (lane % 8) + (lane / 16) * 8, ks * 2 + (lane / 8) % 2, di));
+            MmaOp<T>::run(ci[0], a, b[0], b[1]);
+            MmaOp<T>::run(ci[1], a, b[2], b[3]);
           }
 #pragma unroll
-          for (int n = 0; n < 4; ++n) {
-            const int col = warp * 32 + n * 8 + 2 * tq;
+          for (int n = 0; n < 2; ++n) {
+            const int col = warp * 16 + n * 8 + 2 * tq;
             const int row = mt * 16 + g;
             sSi[row * Sh::kKeys + col] = ci[n][0] * p.index_scale;
             sSi[row * Sh::kKeys + col + 1] = ci[n][1] * p.index_scale;
@@ -314,8 +319,8 @@ __global__ void __launch_bounds__(SparseFwdShape::kThreads) sparse_fwd_kernel(Sp
 #pragma unroll
             for (int n = 0; n < 16; ++n) {
               const int col = n * 8 + 2 * tq;
-              *reinterpret_cast<float2*>(sP + row0 * Sh::kKeys + col) = make_float2(c[n][0], c[n][1]);
-              *reinterpret_cast<float2*>(sP + row1 * Sh::kKeys + col) = make_float2(c[n][2], c[n][3]);
+              *reinterpret_cast<uint32_t*>(sP + row0 * Sh::kKeys + col) = pack2<T>(c[n][0], c[n][1]);
+              *reinterpret_cast<uint32_t*>(sP + row1 * Sh::kKeys + col) = pack2<T>(c[n][2], c[n][3]);
             }
           }
           float o[D / 8][4];
@@ -359,7 +364,7 @@ __global__ void __launch_bounds__(SparseFwdShape::kThreads) sparse_fwd_kernel(Sp
           for (int i = tid; i < U * Sh::kKeys; i += Sh::kThreads) {
             const int u = i / Sh::kKeys, col = i % Sh::kKeys;
             float s = 0.f;
-            for (int hh = 0; hh < Gu; ++hh) s += sP[(u * Gu + hh) * Sh::kKeys + col];
+            for (int hh = 0; hh < Gu; ++hh) s += float(sP[(u * Gu + hh) * Sh::kKeys + col]);
             sPsum[i] = j == 0 ? s : sPsum[i] + s;
           }
           __syncthreads();
@@ -395,7 +400,7 @@ __global__ void __launch_bounds__(SparseFwdShape::kThreads) sparse_fwd_kernel(Sp
               if (J > 1) {
                 s = sPsum[u * Sh::kKeys + col];
               } else {
-                for (int hh = 0; hh < Gu; ++hh) s += sP[(u * Gu + hh) * Sh::kKeys + col];
+                for (int hh = 0; hh < Gu; ++hh) s += float(sP[(u * Gu + hh) * Sh::kKeys + col]);
               }
               pm = s * inv_g;
               if (pm > 0.f) acc += pm * (__logf(pm) - si[col]);
@@ -414,9 +419,9 @@ __global__ void __launch_bounds__(SparseFwdShape::kThreads) sparse_fwd_kernel(Sp
       }
       if constexpr (kOut) {
         if (p.dsi_part != nullptr) {
-          // dq_idx of the tile's units: dsi (units x keys) K_idx (keys x Di); warp w takes Di / 4 columns.
+          // dq_idx of the tile's units: dsi (units x keys) K_idx (keys x Di); warp w takes Di / 8 columns.
           __syncthreads();
-          const int ncols = di / 4;  // 32 or 16
+          const int ncols = di / 8;  // 16 or 8
           for (int mt = 0; mt * 16 < nu; ++mt) {
             float dq[4][4];
 #pragma unroll
