@@ -1,5 +1,7 @@
 // Torch-free parameter structs: what a kernel launch needs, as plain pointers and sizes.
 #pragma once
+#include <cuda_runtime_api.h>  // int2
+
 #include <cstddef>
 #include <cstdint>
 
@@ -32,6 +34,7 @@ struct ReverseIndexParams {
   // Work list (nullable): item_offsets[key] = sum over earlier keys of ceil(count / units_per_item);
   // item_offsets[num_keys] = number of items. Hot keys are split into items of <= units_per_item.
   int32_t* item_offsets;
+  int2* items;                // (key, first unit) per item, nullable with item_offsets
   int units_per_item;
   void* scan_temp;
   size_t scan_temp_bytes;
@@ -68,6 +71,7 @@ struct SparseWork {
   const int32_t* offsets;        // (num_keys + 1) CSR over keys r * max_blocks + global block
   const int32_t* entries;        // entry ids e = (r * T + t) * topk + slot, grouped by key, ascending
   const int32_t* item_offsets;   // (num_keys + 1) first item of each key
+  const int2* items;             // (key, first unit) of each item: no search in the kernels
   const int32_t* block_offsets;  // (num_seqs + 1) first global block of each sequence
   int num_keys;
   int max_blocks;

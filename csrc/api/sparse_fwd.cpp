@@ -126,6 +126,8 @@ SparseForward sparse_forward_cuda(const at::Tensor& q_in, const at::Tensor& k_in
   auto block_offsets = at::empty({S + 1}, i32);
   auto offsets = at::empty({num_keys + 1}, i32);
   auto item_offsets = at::empty({num_keys + 1}, i32);
+  const int64_t max_items = entries / kUnitsPerItem + num_keys;  // sum of ceil(count / per_item) <= this
+  auto items = at::empty({max_items, 2}, i32);
   auto keys = at::empty({2, entries}, i32);
   auto rows_in = at::empty({entries}, i32);
   auto sorted = at::empty({entries}, i32);
@@ -159,6 +161,7 @@ SparseForward sparse_forward_cuda(const at::Tensor& q_in, const at::Tensor& k_in
   rp.max_blocks = int(max_blocks);
   rp.emit_entries = true;
   rp.item_offsets = item_offsets.data_ptr<int32_t>();
+  rp.items = reinterpret_cast<int2*>(items.data_ptr<int32_t>());
   rp.units_per_item = kUnitsPerItem;
 
   SparseFwdParams fp{};
@@ -183,6 +186,7 @@ SparseForward sparse_forward_cuda(const at::Tensor& q_in, const at::Tensor& k_in
   fp.work.offsets = offsets.data_ptr<int32_t>();
   fp.work.entries = sorted.data_ptr<int32_t>();
   fp.work.item_offsets = item_offsets.data_ptr<int32_t>();
+  fp.work.items = rp.items;
   fp.work.block_offsets = block_offsets.data_ptr<int32_t>();
   fp.work.num_keys = int(num_keys);
   fp.work.max_blocks = int(max_blocks);

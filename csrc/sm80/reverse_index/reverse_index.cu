@@ -71,6 +71,15 @@ __global__ void reverse_index_offsets_kernel(const int32_t* sorted_keys, int64_t
   offsets[key] = int32_t(lo);
 }
 
+// One thread per key writes its items (key, first unit): kernels then find their item in one load.
+__global__ void reverse_index_item_list_kernel(const int32_t* offsets, const int32_t* item_offsets, int2* items,
+                                               int num_keys, int per_item) {
+  const int key = blockIdx.x * blockDim.x + threadIdx.x;
+  if (key >= num_keys) return;
+  const int first = item_offsets[key], count = item_offsets[key + 1] - first;
+  for (int c = 0; c < count; ++c) items[first + c] = make_int2(key, offsets[key] + c * per_item);
+}
+
 int key_bits(int num_keys) {
   int bits = 1;
   while ((int64_t(1) << bits) <= num_keys) ++bits;
@@ -120,6 +129,11 @@ cudaError_t run_reverse_index(const ReverseIndexParams& p, cudaStream_t stream) 
     size_t bytes = p.scan_temp_bytes;
     MSA_CUDA_TRY(cub::DeviceScan::ExclusiveSum(p.scan_temp, bytes, p.item_offsets, p.item_offsets, num_keys + 1,
                                                stream));
+    if (p.items != nullptr) {
+      reverse_index_item_list_kernel<<<key_blocks, threads, 0, stream>>>(p.offsets, p.item_offsets, p.items,
+                                                                        num_keys, p.units_per_item);
+      MSA_CUDA_TRY(cudaGetLastError());
+    }
   }
   return cudaGetLastError();
 }

@@ -78,18 +78,14 @@ __global__ void __launch_bounds__(SparseFwdShape::kThreads) sparse_fwd_kernel(Sp
   const SparseWork& w = p.work;
   const int item = blockIdx.x;
   if (item >= w.item_offsets[w.num_keys]) return;
-  // The item's key: the last key whose first item is <= item (keys without items share offsets).
-  int lo = 0, hi = w.num_keys - 1;
-  while (lo < hi) {
-    const int mid = (lo + hi + 1) >> 1;
-    if (w.item_offsets[mid] <= item) lo = mid; else hi = mid - 1;
-  }
-  const int key = lo;
-  const int u_begin = w.offsets[key] + (item - w.item_offsets[key]) * w.units_per_item;
+  const int2 it = w.items[item];
+  const int key = it.x;
+  const int u_begin = it.y;
   const int u_end = min(u_begin + w.units_per_item, w.offsets[key + 1]);
+  int lo, hi;
   const int r = key / w.max_blocks, gb = key % w.max_blocks;
   lo = 0;
-  hi = p.num_seqs - 1;
+  hi = p.num_seqs - 1;  // the sequence of block gb: the last s with block_offsets[s] <= gb
   while (lo < hi) {
     const int mid = (lo + hi + 1) >> 1;
     if (w.block_offsets[mid] <= gb) lo = mid; else hi = mid - 1;
