@@ -32,7 +32,8 @@ struct SparseBwdShape {
     static constexpr int lse = ds + kRows * kKeys * int(sizeof(T));    // two stages
     static constexpr int delta = lse + 2 * kRows * 4;                  // two stages
     static constexpr int tok = delta + 2 * kRows * 4;                  // two stages
-    static constexpr int bytes = tok + 2 * kRows * 4;
+    static constexpr int rowh = tok + 2 * kRows * 4;                   // row -> head in unit
+    static constexpr int bytes = rowh + kRows * 4;
   };
 };
 
@@ -75,6 +76,8 @@ __global__ void __launch_bounds__(SparseBwdShape::kThreads, 1) sparse_bwd_kernel
   const int J = p.hkv > p.hi ? p.hkv / p.hi : 1;
   const int Gu = G / J;
   const int U = Sh::kRows / Gu;  // units per tile (Gu <= 64)
+  int* sRowH = reinterpret_cast<int*>(smem + L::rowh);
+  for (int row = threadIdx.x; row < Sh::kRows; row += Sh::kThreads) sRowH[row] = row % Gu;  // no division below
 
   const int tid = threadIdx.x, warp = tid / 32, lane = tid % 32;
   const int g = lane / 4, tq = lane % 4;
@@ -118,7 +121,7 @@ __global__ void __launch_bounds__(SparseBwdShape::kThreads, 1) sparse_bwd_kernel
         const int row = i / kChunks, c = i % kChunks;
         const int t = toks[row];
         const bool ok = t >= 0;
-        const int64_t h = h0 + row % Gu;
+        const int64_t h = h0 + sRowH[row];
         cp_async_16(sQ + b * Sh::kRows * D + Tile::offset(row, c),
                     Q + int64_t(ok ? t : 0) * p.q_stride_t + h * p.q_stride_h + c * 8, ok);
         cp_async_16(sdO + b * Sh::kRows * D + Tile::offset(row, c),
@@ -126,7 +129,7 @@ __global__ void __launch_bounds__(SparseBwdShape::kThreads, 1) sparse_bwd_kernel
       }
       for (int row = tid; row < Sh::kRows; row += Sh::kThreads) {
         const int t = toks[row];
-        const int64_t o = t >= 0 ? int64_t(h0 + row % Gu) * p.total_tokens + t : 0;
+        const int64_t o = t >= 0 ? int64_t(h0 + sRowH[row]) * p.total_tokens + t : 0;
         cp_async_4(sLse + b * Sh::kRows + row, p.lse + o, t >= 0);
         cp_async_4(sDelta + b * Sh::kRows + row, p.delta + o, t >= 0);
       }
@@ -255,10 +258,10 @@ __global__ void __launch_bounds__(SparseBwdShape::kThreads, 1) sparse_bwd_kernel
         for (int n = 0; n < kQuarter / 8; ++n) {
           const int col = c0 + n * 8 + 2 * tq;
           if (tr0 >= 0)
-            atomic_add2(p.dq_accum + (int64_t(tr0) * p.hq + h0 + row0 % Gu) * D + col, dq[n][0] * p.scale,
+            atomic_add2(p.dq_accum + (int64_t(tr0) * p.hq + h0 + sRowH[row0]) * D + col, dq[n][0] * p.scale,
                         dq[n][1] * p.scale);
           if (tr1 >= 0)
-            atomic_add2(p.dq_accum + (int64_t(tr1) * p.hq + h0 + row1 % Gu) * D + col, dq[n][2] * p.scale,
+            atomic_add2(p.dq_accum + (int64_t(tr1) * p.hq + h0 + sRowH[row1]) * D + col, dq[n][2] * p.scale,
                         dq[n][3] * p.scale);
         }
       }

@@ -45,7 +45,8 @@ struct SparseFwdShape {
     static constexpr int dsi = psum + (kOut ? kMaxUnits * kKeys * 4 : 0);
     static constexpr int lse = dsi + (kOut ? kMaxUnits * kKeys * int(sizeof(T)) : 0);
     static constexpr int unit = lse + stages<kOut>() * kMaxRows * 4;
-    static constexpr int bytes = unit + 2 * kMaxItemUnits * 4;
+    static constexpr int rows = unit + 2 * kMaxItemUnits * 4;  // row -> (unit, head) tables
+    static constexpr int bytes = rows + 2 * kMaxRows * 4;
   };
 };
 
@@ -72,8 +73,10 @@ __global__ void __launch_bounds__(SparseFwdShape::kThreads) sparse_fwd_kernel(Sp
   float* sPsum = reinterpret_cast<float*>(smem + L::psum);
   T* sDsi = reinterpret_cast<T*>(smem + L::dsi);
   float* sLse = reinterpret_cast<float*>(smem + L::lse);
-  int* sEntryAll = reinterpret_cast<int*>(smem + L::unit);  // the item's units: entry ids, tokens
+  int* sEntryAll = reinterpret_cast<int*>(smem + L::unit);  // the item's units: local entry ids, tokens
   int* sTokAll = sEntryAll + Sh::kMaxItemUnits;
+  int* sRowU = reinterpret_cast<int*>(smem + L::rows);  // tile row -> unit (-1: padding) and head in unit
+  int* sRowH = sRowU + Sh::kMaxRows;
 
   const SparseWork& w = p.work;
   const int item = blockIdx.x;
@@ -112,18 +115,20 @@ __global__ void __launch_bounds__(SparseFwdShape::kThreads) sparse_fwd_kernel(Sp
   const T* QI = static_cast<const T*>(p.q_idx);
   const T* KI = static_cast<const T*>(p.k_idx);
 
-  auto local_entry = [&](int e) {  // global entry id -> chunk-local id
-    const int slot = e % p.topk;
-    const int t = (e / p.topk) % p.total_tokens;
-    return (int64_t(r) * p.chunk_tokens + (t - p.chunk_begin)) * p.topk + slot;
-  };
+  // Row -> (unit, head) once: the hot loops below do no runtime division.
+  for (int row = tid; row < Sh::kMaxRows; row += Sh::kThreads) {
+    const int u = row / Gu;
+    sRowU[row] = (row < R && u < U) ? u : -1;
+    sRowH[row] = row % Gu;
+  }
 
   // The item's unit table, once.
   const int n_units = u_end - u_begin;
   for (int i = tid; i < n_units; i += Sh::kThreads) {
     const int e = w.entries[u_begin + i];
-    sEntryAll[i] = e;
-    sTokAll[i] = (e / p.topk) % p.total_tokens;
+    const int t = (e / p.topk) % p.total_tokens;
+    sEntryAll[i] = (r * p.chunk_tokens + (t - p.chunk_begin)) * p.topk + e % p.topk;  // chunk-local entry
+    sTokAll[i] = t;
   }
   const int kih = r / (p.hi / p.hki);
   auto load_kv = [&](int j) {
@@ -159,17 +164,17 @@ __global__ void __launch_bounds__(SparseFwdShape::kThreads) sparse_fwd_kernel(Sp
     T* q_dst = sQ + buf * Sh::kMaxRows * D;
     for (int i = tid; i < R * kChunks; i += Sh::kThreads) {
       const int row = i / kChunks, c = i % kChunks;
-      const int u = row / Gu;
-      const bool ok = u < nu && u < U;
-      const T* src = Q + int64_t(ok ? sTokAll[ub + u] : 0) * p.q_stride_t + int64_t(h0 + row % Gu) * p.q_stride_h + c * 8;
+      const int u = sRowU[row];
+      const bool ok = u >= 0 && u < nu;
+      const T* src = Q + int64_t(ok ? sTokAll[ub + u] : 0) * p.q_stride_t + int64_t(h0 + sRowH[row]) * p.q_stride_h + c * 8;
       cp_async_16(q_dst + Tile::offset(row, c), src, ok);
     }
     if constexpr (kOut) {
       for (int row = tid; row < R; row += Sh::kThreads) {
-        const int u = row / Gu;
-        const bool ok = u < nu && u < U;
+        const int u = sRowU[row];
+        const bool ok = u >= 0 && u < nu;
         cp_async_4(sLse + buf * Sh::kMaxRows + row,
-                   p.lse + (ok ? int64_t(h0 + row % Gu) * p.total_tokens + sTokAll[ub + u] : 0), ok);
+                   p.lse + (ok ? int64_t(h0 + sRowH[row]) * p.total_tokens + sTokAll[ub + u] : 0), ok);
       }
     }
     if (index && j == 0) {
@@ -263,9 +268,10 @@ __global__ void __launch_bounds__(SparseFwdShape::kThreads) sparse_fwd_kernel(Sp
           }
         }
         const int row0 = warp * 16 + g, row1 = row0 + 8;
-        const int u0 = row0 / Gu, u1 = row1 / Gu;
-        const int lim0 = u0 < U ? key_limit(u0, nu) : -1;
-        const int lim1 = u1 < U ? key_limit(u1, nu) : -1;
+        const int u0 = max(sRowU[row0], 0), u1 = max(sRowU[row1], 0);
+        const int hh0 = sRowH[row0], hh1 = sRowH[row1];
+        const int lim0 = sRowU[row0] >= 0 ? key_limit(u0, nu) : -1;
+        const int lim1 = sRowU[row1] >= 0 ? key_limit(u1, nu) : -1;
 #pragma unroll
         for (int n = 0; n < 16; ++n) {
           const int col = n * 8 + 2 * tq;
@@ -299,8 +305,8 @@ __global__ void __launch_bounds__(SparseFwdShape::kThreads) sparse_fwd_kernel(Sp
             l1 += __shfl_xor_sync(0xffffffffu, l1, off);
           }
           if (tq == 0) {
-            if (lim0 >= 0) p.stats[local_entry(sEntry[u0]) * G + j * Gu + row0 % Gu] = make_float2(m0, l0);
-            if (lim1 >= 0) p.stats[local_entry(sEntry[u1]) * G + j * Gu + row1 % Gu] = make_float2(m1, l1);
+            if (lim0 >= 0) p.stats[int64_t(sEntry[u0]) * G + j * Gu + hh0] = make_float2(m0, l0);
+            if (lim1 >= 0) p.stats[int64_t(sEntry[u1]) * G + j * Gu + hh1] = make_float2(m1, l1);
           }
         } else {
           const float e0 = sLseb[row0] * kLog2e, e1 = sLseb[row1] * kLog2e;
@@ -343,12 +349,12 @@ __global__ void __launch_bounds__(SparseFwdShape::kThreads) sparse_fwd_kernel(Sp
           }
           T* part = static_cast<T*>(p.out_part);
           if (lim0 >= 0) {
-            uint32_t* dst = reinterpret_cast<uint32_t*>(part + (local_entry(sEntry[u0]) * G + j * Gu + row0 % Gu) * D);
+            uint32_t* dst = reinterpret_cast<uint32_t*>(part + (int64_t(sEntry[u0]) * G + j * Gu + hh0) * D);
 #pragma unroll
             for (int n = 0; n < D / 8; ++n) dst[n * 4 + tq] = pack2<T>(o[n][0], o[n][1]);
           }
           if (lim1 >= 0) {
-            uint32_t* dst = reinterpret_cast<uint32_t*>(part + (local_entry(sEntry[u1]) * G + j * Gu + row1 % Gu) * D);
+            uint32_t* dst = reinterpret_cast<uint32_t*>(part + (int64_t(sEntry[u1]) * G + j * Gu + hh1) * D);
 #pragma unroll
             for (int n = 0; n < D / 8; ++n) dst[n * 4 + tq] = pack2<T>(o[n][2], o[n][3]);
           }
@@ -382,12 +388,12 @@ __global__ void __launch_bounds__(SparseFwdShape::kThreads) sparse_fwd_kernel(Sp
           for (int col = lane; col <= lim; col += 32) l += exp2f(si[col] * kLog2e - m);
 #pragma unroll
           for (int off = 16; off >= 1; off >>= 1) l += __shfl_xor_sync(0xffffffffu, l, off);
-          if (lane == 0) p.idx_stats[local_entry(sEntry[u])] = make_float2(m, l);
+          if (lane == 0) p.idx_stats[sEntry[u]] = make_float2(m, l);
         } else {
           const float inv_g = 1.f / float(G);
           const bool grad = p.dsi_part != nullptr;
           const float lse_idx2 = grad ? p.lse_idx[int64_t(r) * p.total_tokens + sTok[u]] * kLog2e : 0.f;
-          const int64_t el = local_entry(sEntry[u]);
+          const int64_t el = sEntry[u];
           float acc = 0.f;
           for (int col = lane; col < (grad ? Sh::kKeys : lim + 1); col += 32) {
             float pm = 0.f, dsi = 0.f;
