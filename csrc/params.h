@@ -31,6 +31,8 @@ struct ReverseIndexParams {
   int token_end;
   // rows hold entry ids e = (r * T + t) * topk + slot instead of tokens (token and slot follow).
   bool emit_entries;
+  // Dense (warmup, SPEC 5): no indices; slot b selects block b for every b up to the token's own.
+  bool dense;
   // Work list (nullable): item_offsets[key] = sum over earlier keys of ceil(count / units_per_item);
   // item_offsets[num_keys] = number of items. Hot keys are split into items of <= units_per_item.
   int32_t* item_offsets;
@@ -104,6 +106,8 @@ struct SparseFwdParams {
   int chunk_tokens;
   float scale_log2;        // softmax_scale * log2(e)
   float index_scale;
+  bool main_stats;         // stats pass: the main branch's (max, sum) too (false: lse is given)
+  bool write_out;          // output pass: P V partials too (false: KL terms only)
   float2* stats;           // (entries, G): (max, sum) of the main logits, log2 domain, sum 0 = none
   float2* idx_stats;       // (entries): the same for the index logits
   const float* lse;        // (Hq, T) natural log (output pass input)
@@ -146,6 +150,7 @@ struct SparseCombineParams {
   void* out;
   int64_t out_stride_t, out_stride_h;
   float* kl_rows;           // (Hi, T)
+  bool main;                // combine the main lse (false: it was given)
   int total_tokens;
   int topk;
   int hq, hi;

@@ -22,7 +22,10 @@ struct SparseForward {
 SparseForward sparse_forward_cuda(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
                                   const std::optional<at::Tensor>& q_idx, const std::optional<at::Tensor>& k_idx,
                                   const at::Tensor& indices, const at::Tensor& cu_seqlens, int64_t max_seqlen,
-                                  int64_t block_size, double softmax_scale, double index_scale, bool index_grad);
+                                  int64_t block_size, double softmax_scale, double index_scale, bool index_grad,
+                                  bool dense = false, const at::Tensor& lse_given = {});
+// dense: warmup (SPEC 5), every block up to the token's own (indices is then only read for Hi); with
+// lse_given (Hq, T) the main branch's lse comes from elsewhere and only the KL part runs.
 
 // The main branch's gradients (SPEC 3) from the forward's lse.
 std::tuple<at::Tensor, at::Tensor, at::Tensor> sparse_backward_cuda(

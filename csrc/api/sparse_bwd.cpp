@@ -3,6 +3,7 @@
 //   accumulators -> cast. The KL's index gradients are the forward's kl_dq_idx / kl_dk_idx times d_kl.
 #include <c10/cuda/CUDAGuard.h>
 #include <c10/cuda/CUDAStream.h>
+#include <ATen/ops/_flash_attention_backward.h>
 #include <torch/library.h>
 
 #include <optional>
@@ -123,11 +124,19 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tensor> msa_bwd_c
     const at::Tensor& k_idx, const at::Tensor& lse_idx, const at::Tensor& indices, const at::Tensor& kl_dq_idx,
     const at::Tensor& kl_dk_idx, const at::Tensor& cu_seqlens, int64_t max_seqlen, int64_t block_size,
     double softmax_scale, double index_scale, bool warmup) {
-  TORCH_CHECK_NOT_IMPLEMENTED(!warmup, "msa: warmup=True has no CUDA kernel in this build yet (README.md)");
   (void)lse_idx;
   (void)index_scale;
   at::Tensor dq, dk, dv, dq_idx, dk_idx;
-  if (dout.has_value()) {
+  if (dout.has_value() && warmup) {
+    // SPEC 5: the dense main branch's gradients from PyTorch's flash backward (no dropout: its rng
+    // state is not read).
+    c10::cuda::CUDAGuard guard(q.device());
+    auto rng = at::zeros({2}, q.options().dtype(at::kLong));
+    auto unused = at::empty({0}, q.options().dtype(at::kLong));
+    std::tie(dq, dk, dv) = at::_flash_attention_backward(dout->contiguous(), q, k, v, out, lse, cu_seqlens, cu_seqlens,
+                                                         max_seqlen, max_seqlen, 0.0, /*is_causal=*/true, rng, unused,
+                                                         softmax_scale);
+  } else if (dout.has_value()) {
     std::tie(dq, dk, dv) = sparse_backward_cuda(*dout, q, k, v, out, lse, indices, cu_seqlens, max_seqlen,
                                                 block_size, softmax_scale);
   } else {

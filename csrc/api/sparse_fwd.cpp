@@ -4,6 +4,7 @@
 // (kPartialBudget), whatever N is: memory is O(N) overall and bounded per chunk.
 #include <c10/cuda/CUDAGuard.h>
 #include <c10/cuda/CUDAStream.h>
+#include <ATen/ops/_flash_attention_forward.h>
 #include <torch/library.h>
 
 #include <algorithm>
@@ -57,16 +58,20 @@ void check_main(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v) {
 SparseForward sparse_forward_cuda(const at::Tensor& q_in, const at::Tensor& k_in, const at::Tensor& v_in,
                                   const std::optional<at::Tensor>& q_idx_in, const std::optional<at::Tensor>& k_idx_in,
                                   const at::Tensor& indices, const at::Tensor& cu_seqlens, int64_t max_seqlen,
-                                  int64_t block_size, double softmax_scale, double index_scale, bool index_grad) {
+                                  int64_t block_size, double softmax_scale, double index_scale, bool index_grad,
+                                  bool dense, const at::Tensor& lse_given) {
   check_main(q_in, k_in, v_in);
   check_cuda_int32(indices, "indices", 3);
+  const bool kl_only = lse_given.defined();
   check_cuda_int32(cu_seqlens, "cu_seqlens", 1);
   TORCH_CHECK_VALUE(indices.device() == q_in.device() && cu_seqlens.device() == q_in.device(),
                     "indices, cu_seqlens: expected device ", q_in.device());
   TORCH_CHECK_VALUE(block_size == 64 || block_size == 128, "block_size: expected 64 or 128, got ", block_size);
   const int64_t T = q_in.size(0), Hq = q_in.size(1), D = q_in.size(2), Hkv = k_in.size(1);
-  const int64_t Hi = indices.size(0), topk = indices.size(2);
-  TORCH_CHECK_VALUE(indices.size(1) == T && topk >= 1 && topk <= 32, "indices: expected (Hi, ", T,
+  const int64_t Hi = indices.size(0);
+  // Dense: one slot per block of the longest sequence.
+  const int64_t topk = dense ? std::max<int64_t>(1, (max_seqlen + block_size - 1) / block_size) : indices.size(2);
+  TORCH_CHECK_VALUE(indices.size(1) == T && (dense || (topk >= 1 && topk <= 32)), "indices: expected (Hi, ", T,
                     ", 1..32), got ", indices.sizes());
   TORCH_CHECK_VALUE(Hi >= 1 && Hq % Hi == 0 && (Hi % Hkv == 0 || Hkv % Hi == 0), "indices: expected Hi dividing Hq = ",
                     Hq, " with Hi and Hkv = ", Hkv, " dividing one another, got Hi = ", Hi);
@@ -103,8 +108,8 @@ SparseForward sparse_forward_cuda(const at::Tensor& q_in, const at::Tensor& k_in
   auto f32 = q.options().dtype(at::kFloat);
   auto i32 = q.options().dtype(at::kInt);
   SparseForward res;
-  res.out = at::empty_like(q_in, at::MemoryFormat::Contiguous);
-  res.lse = at::empty({Hq, T}, f32);
+  res.out = kl_only ? at::Tensor() : at::empty_like(q_in, at::MemoryFormat::Contiguous);
+  res.lse = kl_only ? lse_given.contiguous() : at::empty({Hq, T}, f32);
   res.lse_idx = at::empty({index ? Hi : 0, T}, f32);
   res.kl_rows = at::empty({index ? Hi : 0, T}, f32);
   const bool grad = index && index_grad;
@@ -115,7 +120,8 @@ SparseForward sparse_forward_cuda(const at::Tensor& q_in, const at::Tensor& k_in
   if (T == 0) return res;
 
   // Chunk of query tokens: its per-entry partials (output rows + stats) fit the budget.
-  const int64_t per_token = Hi * topk * (G * (D * q.element_size() + 8) + 16);
+  const int64_t per_token =
+      Hi * topk * ((kl_only ? 0 : G * (D * q.element_size() + 8)) + 32 + (index && index_grad ? 256 : 0));
   const int64_t chunk = std::max<int64_t>(1, std::min<int64_t>(T, kPartialBudget / per_token));
   const int64_t entries = Hi * chunk * topk;
   const int64_t max_blocks = T / block_size + S;
@@ -134,10 +140,10 @@ SparseForward sparse_forward_cuda(const at::Tensor& q_in, const at::Tensor& k_in
   const size_t sort_bytes = reverse_index_sort_bytes(int(entries), int(num_keys));
   const size_t scan_bytes = reverse_index_scan_bytes(int(num_keys));
   auto temp = at::empty({int64_t(std::max(sort_bytes, scan_bytes))}, q.options().dtype(at::kByte));
-  auto stats = at::empty({entries * G * 2}, f32);
+  auto stats = at::empty({kl_only ? 0 : entries * G * 2}, f32);
   auto idx_stats = at::empty({index ? entries * 2 : 0}, f32);
   auto kl_part = at::empty({index ? entries : 0}, f32);
-  auto out_part = at::empty({entries * G * D}, q.options());
+  auto out_part = at::empty({kl_only ? 0 : entries * G * D}, q.options());
   auto dsi_part = at::empty({grad ? entries * 128 : 0}, q.options());
 
   ReverseIndexParams rp{};
@@ -160,6 +166,7 @@ SparseForward sparse_forward_cuda(const at::Tensor& q_in, const at::Tensor& k_in
   rp.block_size = int(block_size);
   rp.max_blocks = int(max_blocks);
   rp.emit_entries = true;
+  rp.dense = dense;
   rp.item_offsets = item_offsets.data_ptr<int32_t>();
   rp.items = reinterpret_cast<int2*>(items.data_ptr<int32_t>());
   rp.units_per_item = kUnitsPerItem;
@@ -202,6 +209,8 @@ SparseForward sparse_forward_cuda(const at::Tensor& q_in, const at::Tensor& k_in
   fp.di = int(Di);
   fp.scale_log2 = float(softmax_scale * 1.4426950408889634);
   fp.index_scale = float(index_scale);
+  fp.main_stats = !kl_only;
+  fp.write_out = !kl_only;
   fp.stats = reinterpret_cast<float2*>(stats.data_ptr<float>());
   fp.idx_stats = index ? reinterpret_cast<float2*>(idx_stats.data_ptr<float>()) : nullptr;
   fp.lse = res.lse.data_ptr<float>();
@@ -236,9 +245,12 @@ SparseForward sparse_forward_cuda(const at::Tensor& q_in, const at::Tensor& k_in
   cp.kl_part = fp.kl_part;
   cp.lse = res.lse.data_ptr<float>();
   cp.lse_idx = index ? res.lse_idx.data_ptr<float>() : nullptr;
-  cp.out = res.out.data_ptr();
-  cp.out_stride_t = res.out.stride(0);
-  cp.out_stride_h = res.out.stride(1);
+  cp.main = !kl_only;
+  if (!kl_only) {
+    cp.out = res.out.data_ptr();
+    cp.out_stride_t = res.out.stride(0);
+    cp.out_stride_h = res.out.stride(1);
+  }
   cp.kl_rows = index ? res.kl_rows.data_ptr<float>() : nullptr;
   cp.total_tokens = int(T);
   cp.topk = int(topk);
@@ -252,7 +264,9 @@ SparseForward sparse_forward_cuda(const at::Tensor& q_in, const at::Tensor& k_in
     rp.token_end = int(t0 + tc);
     MSA_LAUNCH_CHECK(run_reverse_index(rp, stream), "sparse_fwd (reverse index)");
     // Slots that select nothing are never written: their stats stay (0, 0), "no keys".
-    MSA_LAUNCH_CHECK(cudaMemsetAsync(stats.data_ptr(), 0, size_t(n * G) * sizeof(float2), stream), "sparse_fwd");
+    if (!kl_only) {
+      MSA_LAUNCH_CHECK(cudaMemsetAsync(stats.data_ptr(), 0, size_t(n * G) * sizeof(float2), stream), "sparse_fwd");
+    }
     if (index) {
       MSA_LAUNCH_CHECK(cudaMemsetAsync(idx_stats.data_ptr(), 0, size_t(n) * sizeof(float2), stream), "sparse_fwd");
     }
@@ -263,7 +277,9 @@ SparseForward sparse_forward_cuda(const at::Tensor& q_in, const at::Tensor& k_in
       MSA_LAUNCH_CHECK((sm80::launch_sparse_fwd<T_, D_>(fp, false, stream)), "sparse_fwd (stats pass)");
       MSA_LAUNCH_CHECK(sm80::launch_sparse_combine_stats(cp, stream), "sparse_fwd (stats combine)");
       MSA_LAUNCH_CHECK((sm80::launch_sparse_fwd<T_, D_>(fp, true, stream)), "sparse_fwd (output pass)");
-      MSA_LAUNCH_CHECK((sm80::launch_sparse_combine_out<T_, D_>(cp, stream)), "sparse_fwd (output combine)");
+      if (!kl_only) {
+        MSA_LAUNCH_CHECK((sm80::launch_sparse_combine_out<T_, D_>(cp, stream)), "sparse_fwd (output combine)");
+      }
       MSA_LAUNCH_CHECK(sm80::launch_sparse_combine_kl(cp, stream), "sparse_fwd (kl combine)");
     });
     if (grad) {
@@ -282,6 +298,16 @@ SparseForward sparse_forward_cuda(const at::Tensor& q_in, const at::Tensor& k_in
 
 namespace {
 
+// Dense causal attention over packed sequences with PyTorch's flash kernel (GQA native): out and the
+// lse (Hq, T) that the KL pass and the backward need.
+std::tuple<at::Tensor, at::Tensor> dense_attention_forward(const at::Tensor& q, const at::Tensor& k,
+                                                           const at::Tensor& v, const at::Tensor& cu_seqlens,
+                                                           int64_t max_seqlen, double scale) {
+  auto res = at::_flash_attention_forward(q, k, v, cu_seqlens, cu_seqlens, max_seqlen, max_seqlen, 0.0,
+                                          /*is_causal=*/true, /*return_debug_mask=*/false, scale);
+  return {std::get<0>(res), std::get<1>(res).contiguous()};
+}
+
 std::tuple<at::Tensor, at::Tensor> sparse_fwd_cuda(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
                                                    const at::Tensor& indices, const at::Tensor& cu_seqlens,
                                                    int64_t max_seqlen, int64_t block_size, double softmax_scale) {
@@ -294,8 +320,23 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tenso
     const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, const at::Tensor& q_idx, const at::Tensor& k_idx,
     const at::Tensor& cu_seqlens, int64_t max_seqlen, int64_t topk, int64_t block_size, double softmax_scale,
     double index_scale, bool warmup, bool return_indices, bool index_grad) {
-  TORCH_CHECK_NOT_IMPLEMENTED(!warmup, "msa: warmup=True has no CUDA kernel in this build yet (README.md)");
-  (void)return_indices;
+  if (warmup) {
+    // SPEC 5: dense causal main attention through PyTorch's flash kernel (it keeps the lse), then the
+    // KL over the full causal set and its index gradient with our kernels in dense mode.
+    check_main(q, k, v);
+    const std::vector<int32_t> cu = check_cu_seqlens(cu_seqlens, q.size(0), max_seqlen);
+    c10::cuda::CUDAGuard guard(q.device());
+    at::Tensor indices = return_indices
+                             ? select_blocks_cuda(q_idx, k_idx, cu_seqlens, max_seqlen, topk, block_size, index_scale)
+                             : at::empty({q_idx.size(1), q.size(0), 0}, q.options().dtype(at::kInt));
+    auto [out, lse] = dense_attention_forward(q, k, v, cu_seqlens, max_seqlen, softmax_scale);
+    auto shape_only = at::empty({q_idx.size(1), q.size(0), 1}, q.options().dtype(at::kInt));
+    SparseForward r = sparse_forward_cuda(q, k, v, q_idx, k_idx, shape_only, cu_seqlens, max_seqlen, block_size,
+                                          softmax_scale, index_scale, index_grad, /*dense=*/true, lse);
+    at::Tensor kl = r.kl_rows.sum() / double(r.kl_rows.numel());
+    auto none = [&] { return at::empty({0}, q.options().dtype(at::kFloat)); };
+    return {out, kl, indices, lse, r.lse_idx, index_grad ? r.kl_dq_idx : none(), index_grad ? r.kl_dk_idx : none()};
+  }
   at::Tensor indices = select_blocks_cuda(q_idx, k_idx, cu_seqlens, max_seqlen, topk, block_size, index_scale);
   SparseForward r = sparse_forward_cuda(q, k, v, q_idx, k_idx, indices, cu_seqlens, max_seqlen, block_size,
                                         softmax_scale, index_scale, index_grad);

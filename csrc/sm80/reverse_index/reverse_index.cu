@@ -42,10 +42,10 @@ __global__ void reverse_index_keys_kernel(ReverseIndexParams p) {
       const int mid = (lo + hi + 1) >> 1;
       if (p.cu_seqlens[mid] <= t) lo = mid; else hi = mid - 1;
     }
-    const int32_t b = p.indices[e];
     const int local_block = (t - p.cu_seqlens[lo]) / p.block_size;
+    const int32_t b = p.dense ? slot : p.indices[e];
     bool valid = b >= 0 && b <= local_block;
-    for (int j = 0; j < slot && valid; ++j) valid = p.indices[e - slot + j] != b;
+    for (int j = 0; j < slot && valid && !p.dense; ++j) valid = p.indices[e - slot + j] != b;
     p.keys_in[i] = valid ? r * p.max_blocks + p.block_offsets[lo] + b : sentinel;
     p.rows_in[i] = p.emit_entries ? int32_t(e) : t;
   }

@@ -26,6 +26,7 @@ __global__ void sparse_combine_stats_kernel(SparseCombineParams p) {
   const int64_t i = blockIdx.x * int64_t(blockDim.x) + threadIdx.x;
   if (i >= rows) return;
   if (i < main_rows) {
+    if (!p.main) return;
     const int h = int(i / p.chunk_tokens), tl = int(i % p.chunk_tokens);
     const int64_t e0 = (int64_t(h / G) * p.chunk_tokens + tl) * p.topk;
     p.lse[int64_t(h) * p.total_tokens + p.chunk_begin + tl] = combine_lse(p.stats, e0 * G + h % G, G, p.topk);

@@ -247,7 +247,7 @@ __global__ void __launch_bounds__(SparseFwdShape::kThreads) sparse_fwd_kernel(Sp
       }
 
       // Main logits: warp w takes rows [16w, 16w + 16) against all keys.
-      if (warp * 16 < R) {
+      if (warp * 16 < R && (kOut || p.main_stats)) {
         float c[16][4];
 #pragma unroll
         for (int n = 0; n < 16; ++n)
@@ -325,6 +325,7 @@ __global__ void __launch_bounds__(SparseFwdShape::kThreads) sparse_fwd_kernel(Sp
               *reinterpret_cast<uint32_t*>(sP + row1 * Sh::kKeys + col) = pack2<T>(c[n][2], c[n][3]);
             }
           }
+          if (p.write_out) {  // false: KL only (warmup), no P V
           float o[D / 8][4];
 #pragma unroll
           for (int n = 0; n < D / 8; ++n)
@@ -357,6 +358,7 @@ __global__ void __launch_bounds__(SparseFwdShape::kThreads) sparse_fwd_kernel(Sp
             uint32_t* dst = reinterpret_cast<uint32_t*>(part + (int64_t(sEntry[u1]) * G + j * Gu + hh1) * D);
 #pragma unroll
             for (int n = 0; n < D / 8; ++n) dst[n * 4 + tq] = pack2<T>(o[n][2], o[n][3]);
+          }
           }
         }
       }
