@@ -179,6 +179,25 @@ def run(args):
                 flat = [[x.detach()[0] for x in s[:3]] for s in sets]
                 row["sparse_fwd"] = timer(lambda q, k, v: sparse_fwd(q, k, v, idx[0], cu, N), flat)
                 row["sparse_fwd_tflops"] = 1.5 * 4 * c["D"] * att / row["sparse_fwd"] / 1e9
+                if msa.has_cuda_kernel("sparse_bwd"):
+                    progress(f"[{step}/{steps}] N={N}: sparse bwd (given out, lse)")
+                    saved = []
+                    for q, k, v in flat:
+                        out, lse = torch.ops.msa.sparse_fwd(q, k, v, idx[0], cu, N, c["block_size"], c["D"] ** -0.5)
+                        saved.append((torch.randn_like(out), q, k, v, out, lse))
+                    row["sparse_bwd"] = timer(lambda do, q, k, v, o, l: torch.ops.msa.sparse_bwd(
+                        do, q, k, v, o, l, idx[0], cu, N, c["block_size"], c["D"] ** -0.5), saved)
+                    row["sparse_bwd_tflops"] = 2.5 * 4 * c["D"] * att / row["sparse_bwd"] / 1e9
+                    del saved
+            if on_gpu and "msa_fwdbwd" in row:
+                # Peak memory of one fwd+bwd above the inputs: workspace plus out, kl and the five gradients.
+                x = sets[0]
+                torch.cuda.synchronize()
+                base = torch.cuda.memory_allocated()
+                torch.cuda.reset_peak_memory_stats()
+                msa_fwd_bwd(*x)
+                torch.cuda.synchronize()
+                row["peak_extra_gib"] = (torch.cuda.max_memory_allocated() - base) / 2**30
         if on_gpu and msa.has_cuda_kernel("select_blocks"):
             progress(f"[{step}/{steps}] N={N}: index top-k")
             row["index_topk"] = timer(select_fn, [(x[3].detach(), x[4].detach()) for x in sets])
@@ -207,7 +226,8 @@ def table(rows, device):
     if device.type == "cuda":
         cols += [("index top-k ms", "index_topk", ".3f"), ("index TFLOP/s", "index_tflops", ".3g"),
                  ("reverse index ms", "reverse_index", ".3f"), ("sparse fwd ms", "sparse_fwd", ".3f"),
-                 ("sparse fwd TFLOP/s", "sparse_fwd_tflops", ".3g")]
+                 ("sparse fwd TFLOP/s", "sparse_fwd_tflops", ".3g"), ("sparse bwd ms", "sparse_bwd", ".3f"),
+                 ("sparse bwd TFLOP/s", "sparse_bwd_tflops", ".3g"), ("msa fwd+bwd peak above inputs GiB", "peak_extra_gib", ".2f")]
     lines = ["| " + " | ".join(c[0] for c in cols) + " |", "|" + "---|" * len(cols)]
     for r in rows:
         lines.append("| " + " | ".join(fmt(r.get(key), spec) for _, key, spec in cols) + " |")
@@ -230,7 +250,8 @@ def header(device, argv):
         f"D={CONFIG['D']}, Di={CONFIG['Di']}, block={CONFIG['block_size']}, k={CONFIG['topk']}, bf16, causal; "
         f"median ms; TFLOP/s: dense = 3.5 * 2N^2*D*Hq / time, attended = 3.5 * 4*D*sum|T| / time, "
         f"index = 2*Di*Hi*N(N+1)/2 / time (SPEC 8); sparse fwd = 1.5 * 4*D*sum|T| / time (QK^T twice, PV once: "
-        f"stats pass + output pass; msa fwd adds the selection and the index/KL terms)",
+        f"stats pass + output pass; msa fwd adds the selection and the index/KL terms); sparse bwd = 2.5 * 4*D*sum|T| "
+        f"/ time (main dq, dk, dv; the KL's index gradient is computed in the forward)",
         *[f"- note: {n}" for n in notes]])
 
 
