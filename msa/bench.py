@@ -198,6 +198,10 @@ def run(args):
                 msa_fwd_bwd(*x)
                 torch.cuda.synchronize()
                 row["peak_extra_gib"] = (torch.cuda.max_memory_allocated() - base) / 2**30
+                # Workspace: the same minus what the call returns (out and the five gradients).
+                returned = sum(t.numel() * t.element_size() for t in x)
+                returned += x[0].numel() * x[0].element_size()  # out is the size of q
+                row["workspace_gib"] = row["peak_extra_gib"] - returned / 2**30
         if on_gpu and msa.has_cuda_kernel("select_blocks"):
             progress(f"[{step}/{steps}] N={N}: index top-k")
             row["index_topk"] = timer(select_fn, [(x[3].detach(), x[4].detach()) for x in sets])
@@ -227,7 +231,8 @@ def table(rows, device):
         cols += [("index top-k ms", "index_topk", ".3f"), ("index TFLOP/s", "index_tflops", ".3g"),
                  ("reverse index ms", "reverse_index", ".3f"), ("sparse fwd ms", "sparse_fwd", ".3f"),
                  ("sparse fwd TFLOP/s", "sparse_fwd_tflops", ".3g"), ("sparse bwd ms", "sparse_bwd", ".3f"),
-                 ("sparse bwd TFLOP/s", "sparse_bwd_tflops", ".3g"), ("msa fwd+bwd peak above inputs GiB", "peak_extra_gib", ".2f")]
+                 ("sparse bwd TFLOP/s", "sparse_bwd_tflops", ".3g"), ("msa fwd+bwd peak above inputs GiB", "peak_extra_gib", ".2f"),
+                 ("workspace GiB (peak - out - grads)", "workspace_gib", ".2f")]
     lines = ["| " + " | ".join(c[0] for c in cols) + " |", "|" + "---|" * len(cols)]
     for r in rows:
         lines.append("| " + " | ".join(fmt(r.get(key), spec) for _, key, spec in cols) + " |")
