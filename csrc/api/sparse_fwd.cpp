@@ -19,7 +19,7 @@ namespace msa::api {
 namespace {
 
 constexpr int64_t kPartialBudget = int64_t(1) << 29;  // bytes of per-entry partials per chunk (512 MiB)
-constexpr int kUnitsPerItem = 128;  // hot blocks split into items of this many units (<= kMaxItemUnits)
+constexpr int kUnitsPerItem = 1024;  // hot blocks split into items of this many units (<= kMaxItemUnits)
 
 #define MSA_LAUNCH_CHECK(expr, what)                                                         \
   do {                                                                                       \

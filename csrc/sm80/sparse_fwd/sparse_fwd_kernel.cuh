@@ -26,7 +26,7 @@ struct SparseFwdShape {
   static constexpr int kKeys = 128;     // MMA columns: one block (block_size 64 uses the first half)
   static constexpr int kMaxRows = 128;
   static constexpr int kMaxUnits = 32;     // per tile
-  static constexpr int kMaxItemUnits = 128;  // per work item (units_per_item <= this)
+  static constexpr int kMaxItemUnits = 1024;  // per work item (units_per_item <= this)
   static constexpr int kMaxDi = 128;
   // The stats pass prefetches the next step's rows (two stages); the output pass keeps one stage so
   // that K, V, K_idx and its KL tiles fit next to it.
