@@ -2,6 +2,7 @@
 // argument's name before anything is launched; the Python layer checks shapes and dtypes first.
 #pragma once
 #include <ATen/ATen.h>
+#include <cuda_runtime_api.h>
 #include <torch/library.h>
 
 #include <string>
@@ -38,6 +39,17 @@ inline std::vector<int32_t> check_cu_seqlens(const at::Tensor& cu, int64_t total
   TORCH_CHECK_VALUE(max_seqlen >= longest, "max_seqlen: expected >= the longest sequence (", longest,
                     "), got ", max_seqlen);
   return v;
+}
+
+// The sparse kernels keep a kv block and their tiles in shared memory; a GPU with less per-block
+// shared memory than they need (A100: 163 KB) is refused with a clear error before any launch.
+inline void check_smem(const at::Tensor& x, int64_t needed, const char* what) {
+  int dev = x.get_device(), optin = 0;
+  const cudaError_t err = cudaDeviceGetAttribute(&optin, cudaDevAttrMaxSharedMemoryPerBlockOptin, dev);
+  TORCH_CHECK(err == cudaSuccess, "msa: cannot query the shared memory of device ", dev);
+  TORCH_CHECK_NOT_IMPLEMENTED(needed <= optin, "msa: ", what, " needs ", needed, " bytes of shared memory per block; ",
+                              "this GPU offers ", optin, " (the portable kernels are tuned for Hopper's 227 KB; "
+                              "smaller GPUs are not supported yet, see README.md)");
 }
 
 }  // namespace msa::api

@@ -12,6 +12,7 @@
 #include "api/checks.h"
 #include "api/ops.h"
 #include "sm80/sparse_bwd/sparse_bwd.h"
+#include "sm80/sparse_fwd/sparse_fwd.h"
 
 namespace msa::api {
 
@@ -39,6 +40,7 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> sparse_backward_cuda(
                     "q: at most 64 query heads per (index group, kv head) on CUDA");
 
   c10::cuda::CUDAGuard guard(q_in.device());
+  check_smem(q_in, sm80::sparse_smem_bytes(int(D), 2), "the sparse backward");
   const cudaStream_t stream = c10::cuda::getCurrentCUDAStream();
   auto [offsets, tokens, block_offsets] = reverse_index_cuda(indices, cu_seqlens, max_seqlen, block_size);
   const int64_t S = cu_seqlens.size(0) - 1;

@@ -98,6 +98,8 @@ SparseForward sparse_forward_cuda(const at::Tensor& q_in, const at::Tensor& k_in
   const int64_t S = int64_t(cu.size()) - 1;
 
   c10::cuda::CUDAGuard guard(q_in.device());
+  check_smem(q_in, std::max(sm80::sparse_smem_bytes(int(D), 0), sm80::sparse_smem_bytes(int(D), 1)),
+             "the sparse forward");
   const cudaStream_t stream = c10::cuda::getCurrentCUDAStream();
   const at::Tensor q = aligned_rows(q_in), k = aligned_rows(k_in), v = aligned_rows(v_in);
   at::Tensor qi, ki;

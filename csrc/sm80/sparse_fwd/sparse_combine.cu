@@ -1,5 +1,7 @@
 // The stats and KL combines of the sparse forward (see sparse_combine.cuh for the math).
+#include "sm80/sparse_bwd/sparse_bwd_kernel.cuh"
 #include "sm80/sparse_fwd/sparse_fwd.h"
+#include "sm80/sparse_fwd/sparse_fwd_kernel.cuh"
 
 namespace msa::sm80 {
 namespace {
@@ -72,6 +74,16 @@ cudaError_t launch_sparse_combine_kl(const SparseCombineParams& p, cudaStream_t 
   if (rows == 0 || p.kl_part == nullptr) return cudaSuccess;
   sparse_combine_kl_kernel<<<blocks_for(rows), 256, 0, stream>>>(p);
   return cudaGetLastError();
+}
+
+int sparse_smem_bytes(int d, int pass) {
+  // Shared memory depends on the element size (2 bytes for bf16 and fp16) and D only.
+  using T = __nv_bfloat16;
+  switch (pass) {
+    case 0: return d == 64 ? SparseFwdShape::Smem<T, 64, false>::bytes : SparseFwdShape::Smem<T, 128, false>::bytes;
+    case 1: return d == 64 ? SparseFwdShape::Smem<T, 64, true>::bytes : SparseFwdShape::Smem<T, 128, true>::bytes;
+    default: return d == 64 ? SparseBwdShape::Smem<T, 64>::bytes : SparseBwdShape::Smem<T, 128>::bytes;
+  }
 }
 
 }  // namespace msa::sm80
