@@ -12,6 +12,7 @@
 #pragma once
 #include <cuda_runtime.h>
 
+#include "common/block_span.h"
 #include "common/mma_sm80.h"
 #include "params.h"
 
@@ -62,15 +63,8 @@ __global__ void __launch_bounds__(SparseBwdShape::kThreads, 1) sparse_bwd_kernel
   const int key = r * p.max_blocks + gb;
   const int u_begin = p.offsets[key], u_end = p.offsets[key + 1];
   if (u_begin == u_end) return;
-  int lo = 0, hi = p.num_seqs - 1;
-  while (lo < hi) {
-    const int mid = (lo + hi + 1) >> 1;
-    if (p.block_offsets[mid] <= gb) lo = mid; else hi = mid - 1;
-  }
-  const int seq_start = p.cu_seqlens[lo];
-  const int seq_len = p.cu_seqlens[lo + 1] - seq_start;
-  const int key0 = (gb - p.block_offsets[lo]) * p.block_size;
-  const int blen = min(p.block_size, seq_len - key0);
+  const BlockSpan span = block_span(p.block_offsets, p.cu_seqlens, p.num_seqs, gb, p.block_size);
+  const int seq_start = span.seq_start, key0 = span.key0, blen = span.blen;
 
   const int G = p.hq / p.hi;
   const int J = p.hkv > p.hi ? p.hkv / p.hi : 1;

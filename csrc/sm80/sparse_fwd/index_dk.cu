@@ -3,6 +3,7 @@
 // One CTA per key (index group, kv block) owns the block's 128 x Di accumulator in registers (warp w:
 // keys [16w, 16w + 16)) and streams the key's units in tiles of 16 (the MMA's k dimension), reading
 // the dsi rows the output pass wrote. Several groups and chunks add into one fp32 buffer.
+#include "common/block_span.h"
 #include "common/mma_sm80.h"
 #include "sm80/sparse_fwd/sparse_fwd.h"
 
@@ -24,14 +25,8 @@ __global__ void __launch_bounds__(kDkThreads) index_dk_kernel(IndexDkParams p) {
   const int key = r * w.max_blocks + gb;
   const int u_begin = w.offsets[key], u_end = w.offsets[key + 1];
   if (u_begin == u_end) return;
-  int lo = 0, hi = p.num_seqs - 1;
-  while (lo < hi) {
-    const int mid = (lo + hi + 1) >> 1;
-    if (w.block_offsets[mid] <= gb) lo = mid; else hi = mid - 1;
-  }
-  const int seq_start = p.cu_seqlens[lo];
-  const int key0 = (gb - w.block_offsets[lo]) * p.block_size;
-  const int blen = min(p.block_size, p.cu_seqlens[lo + 1] - seq_start - key0);
+  const BlockSpan span = block_span(w.block_offsets, p.cu_seqlens, p.num_seqs, gb, p.block_size);
+  const int seq_start = span.seq_start, key0 = span.key0, blen = span.blen;
   const int di = p.di, di_chunks = di / 8;
   const int tid = threadIdx.x, warp = tid / 32, lane = tid % 32;
   const T* QI = static_cast<const T*>(p.q_idx);

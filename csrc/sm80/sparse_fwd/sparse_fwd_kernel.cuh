@@ -16,6 +16,7 @@
 #pragma once
 #include <cuda_runtime.h>
 
+#include "common/block_span.h"
 #include "common/mma_sm80.h"
 #include "params.h"
 
@@ -85,18 +86,9 @@ __global__ void __launch_bounds__(SparseFwdShape::kThreads) sparse_fwd_kernel(Sp
   const int key = it.x;
   const int u_begin = it.y;
   const int u_end = min(u_begin + w.units_per_item, w.offsets[key + 1]);
-  int lo, hi;
   const int r = key / w.max_blocks, gb = key % w.max_blocks;
-  lo = 0;
-  hi = p.num_seqs - 1;  // the sequence of block gb: the last s with block_offsets[s] <= gb
-  while (lo < hi) {
-    const int mid = (lo + hi + 1) >> 1;
-    if (w.block_offsets[mid] <= gb) lo = mid; else hi = mid - 1;
-  }
-  const int seq_start = p.cu_seqlens[lo];
-  const int seq_len = p.cu_seqlens[lo + 1] - seq_start;
-  const int key0 = (gb - w.block_offsets[lo]) * p.block_size;  // block's first key, sequence-local
-  const int blen = min(p.block_size, seq_len - key0);
+  const BlockSpan span = block_span(w.block_offsets, p.cu_seqlens, p.num_seqs, gb, p.block_size);
+  const int seq_start = span.seq_start, key0 = span.key0, blen = span.blen;
   const int nk8 = p.block_size / 8;  // live n8 column tiles
 
   const int G = p.hq / p.hi;
