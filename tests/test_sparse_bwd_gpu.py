@@ -101,3 +101,19 @@ def test_sparse_attention_backward(heads):
         lowp = run_ref(ref.sparse_bwd, dout, q, k, v, lse, idx, cu, 64, 0.125, dtype=torch.bfloat16)
     for name, got, e, lp in zip(("dq", "dk", "dv"), grads, exact, lowp):
         assert_close_style(name, got, e, lp, torch.bfloat16)
+
+
+@pytest.mark.parametrize("warmup", [False, True])
+def test_many_query_chunks(monkeypatch, warmup):
+    """A small partial budget splits the queries into many chunks (as N = 128K does with the default):
+    results must not depend on the chunking."""
+    q, k, v, qi, ki, cu, mx = make_packed([1500, 700], (8, 2, 4, 1), 64, 64, dtype=torch.bfloat16, device="cuda",
+                                          seed=11)
+    args = (q, k, v, qi, ki, cu, mx, 4, 64, 0.125, 0.125, warmup, False, True)
+    whole = torch.ops.msa.msa_fwd(*args)
+    monkeypatch.setenv("MSA_PARTIAL_BUDGET", str(300 * 1024))  # a few hundred tokens per chunk
+    chunked = torch.ops.msa.msa_fwd(*args)
+    for name, a, b in zip(("out", "kl", "indices", "lse", "lse_idx"), whole[:5], chunked[:5]):
+        assert torch.equal(a, b), f"{name} depends on the chunking"
+    for name, a, b in zip(("kl_dq_idx", "kl_dk_idx"), whole[5:], chunked[5:]):
+        torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-9, msg=f"{name} depends on the chunking")

@@ -8,6 +8,7 @@
 #include <torch/library.h>
 
 #include <algorithm>
+#include <cstdlib>
 #include <tuple>
 
 #include "api/checks.h"
@@ -19,6 +20,13 @@ namespace msa::api {
 namespace {
 
 constexpr int64_t kPartialBudget = int64_t(1) << 29;  // bytes of per-entry partials per chunk (512 MiB)
+
+// MSA_PARTIAL_BUDGET (bytes) overrides the budget: tests use a small one to exercise many chunks.
+int64_t partial_budget() {
+  const char* env = std::getenv("MSA_PARTIAL_BUDGET");
+  const long long v = env != nullptr ? std::atoll(env) : 0;
+  return v > 0 ? int64_t(v) : kPartialBudget;
+}
 constexpr int kUnitsPerItem = 1024;  // hot blocks split into items of this many units (<= kMaxItemUnits)
 
 #define MSA_LAUNCH_CHECK(expr, what)                                                         \
@@ -124,7 +132,7 @@ SparseForward sparse_forward_cuda(const at::Tensor& q_in, const at::Tensor& k_in
   // Chunk of query tokens: its per-entry partials (output rows + stats) fit the budget.
   const int64_t per_token =
       Hi * topk * ((kl_only ? 0 : G * (D * q.element_size() + 8)) + 32 + (index && index_grad ? 256 : 0));
-  const int64_t chunk = std::max<int64_t>(1, std::min<int64_t>(T, kPartialBudget / per_token));
+  const int64_t chunk = std::max<int64_t>(1, std::min<int64_t>(T, partial_budget() / per_token));
   const int64_t entries = Hi * chunk * topk;
   const int64_t max_blocks = T / block_size + S;
   const int64_t num_keys = Hi * max_blocks;
