@@ -23,5 +23,11 @@ for dtype, di, bs, topk, lengths in [(torch.bfloat16, 128, 128, 16, [700, 129, 1
                                                                        0.088, 0.088, False, False, True)
         torch.ops.msa.msa_bwd(torch.randn_like(out), torch.tensor(1.0, device="cuda"), q, k, v, out, lse, qi2, ki2,
                               lse_idx, idx2, g_q, g_k, cu, max(lengths), bs, 0.088, 0.088, False)
+        # Warmup: the dense-mode KL pass and its index gradient (the main branch is torch's flash kernel).
+        out, kl, idx3, lse, lse_idx, g_q, g_k = torch.ops.msa.msa_fwd(q, k, v, qi2, ki2, cu, max(lengths), topk, bs,
+                                                                       0.088, 0.088, True, False, True)
+        # The main branch alone (no index branch in the kernels).
+        out, lse = torch.ops.msa.sparse_fwd(q, k, v, idx2, cu, max(lengths), bs, 0.088)
+        torch.ops.msa.sparse_bwd(torch.randn_like(out), q, k, v, out, lse, idx2, cu, max(lengths), bs, 0.088)
     torch.cuda.synchronize()
 print("sanitize case done")
