@@ -4,14 +4,19 @@
 // units_per_item of the units that selected it; a unit is (token, group) and holds the group's
 // G = Hq / Hi query heads, split over J = max(1, Hkv / Hi) kv heads of Gu = G / J heads each. The
 // CTA keeps the block's K (and V, and the index key block) in shared memory and streams tiles of
-// gathered units through it: R = Gu * U main rows (<= 64, four warps of 16) and U index rows.
+// gathered units through it: R = Gu * U main rows (<= 128, eight warps of 16) and U <= 32 index rows
+// per step; a step is (tile, kv head of the group). The stats pass fetches the next step's rows while
+// the current one computes (two stages); the output pass has one stage (shared memory).
 //
 // Two passes over the same items (kOut = false, then true):
 //  - stats pass: per (entry, head) the max and the sum of exp of the block's logits (log2 domain),
 //    and the same for the index logits; a combine turns them into lse and lse_idx;
 //  - output pass: P = exp(s - lse) with the final lse, the partial output P V per (entry, head), and
 //    per entry sum_j Pm_j (ln Pm_j - S_idx_j), Pm = the group's mean of P (needs all G heads: they
-//    meet in shared memory). The combine sums the partials in slot order: deterministic.
+//    meet in shared memory). The combine sums the partials in slot order: deterministic. With
+//    dsi_part, also the KL's index gradient for d_kl = 1: dsi = Pidx - Pm per (entry, key) and
+//    dq_idx += dsi K_idx (index_dk.cu turns dsi into dk_idx).
+// Warmup (dense mode) runs the same kernel with main_stats = write_out = false: the KL part only.
 // Only the unit's own block needs the causal mask; keys past the sequence end are masked too.
 #pragma once
 #include <cuda_runtime.h>
