@@ -12,7 +12,7 @@ shift
 mkdir -p "$LOG"
 PY=${PYTHON:-python3}
 # A copied tree may hold a stale .git: the stamp written here by scripts/stamp_commit.sh names the commit.
-[ -f .msa_commit ] && export MSA_COMMIT=$(cat .msa_commit)
+[ -z "${MSA_COMMIT:-}" ] && [ -f .msa_commit ] && export MSA_COMMIT=$(cat .msa_commit)
 export PYTHONUNBUFFERED=1
 if compgen -G ".whl/*.whl" > /dev/null; then
   $PY -m pip install -q --no-index --no-deps --no-compile --target /tmp/msa-site .whl/*.whl || exit 1
