@@ -4,6 +4,7 @@
 #include <torch/library.h>
 
 #include "api/checks.h"
+#include "api/dispatch.h"
 #include "api/ops.h"
 #include "sm80/index_topk/index_topk.h"
 
@@ -54,14 +55,9 @@ at::Tensor select_blocks_cuda(const at::Tensor& q_idx, const at::Tensor& k_idx, 
   p.block_size = int(block_size);
   p.scale = float(index_scale);
   const cudaStream_t stream = c10::cuda::getCurrentCUDAStream();
-  const bool bf16 = q.scalar_type() == at::kBFloat16;
-  cudaError_t err;
-  if (Di == 64)
-    err = bf16 ? sm80::launch_index_topk<__nv_bfloat16, 64>(p, stream) : sm80::launch_index_topk<__half, 64>(p, stream);
-  else
-    err = bf16 ? sm80::launch_index_topk<__nv_bfloat16, 128>(p, stream)
-               : sm80::launch_index_topk<__half, 128>(p, stream);
-  TORCH_CHECK(err == cudaSuccess, "msa::select_blocks launch failed: ", cudaGetErrorString(err));
+  dispatch_dtype_dim(q.scalar_type(), Di, [&]<typename T_, int D_>() {
+    MSA_LAUNCH_CHECK((sm80::launch_index_topk<T_, D_>(p, stream)), "select_blocks");
+  });
   return indices;
 }
 

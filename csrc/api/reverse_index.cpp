@@ -6,6 +6,7 @@
 #include <tuple>
 
 #include "api/checks.h"
+#include "api/dispatch.h"
 #include "api/ops.h"
 #include "sm80/reverse_index/reverse_index.h"
 
@@ -56,8 +57,7 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> reverse_index_cuda(const at::Tens
   p.max_blocks = int(max_blocks);
   p.token_begin = 0;
   p.token_end = int(tokens);
-  const cudaError_t err = run_reverse_index(p, c10::cuda::getCurrentCUDAStream());
-  TORCH_CHECK(err == cudaSuccess, "msa::reverse_index launch failed: ", cudaGetErrorString(err));
+  MSA_LAUNCH_CHECK(run_reverse_index(p, c10::cuda::getCurrentCUDAStream()), "reverse_index");
   return {offsets, rows, block_offsets};
 }
 

@@ -10,6 +10,7 @@
 #include <tuple>
 
 #include "api/checks.h"
+#include "api/dispatch.h"
 #include "api/ops.h"
 #include "sm80/sparse_bwd/sparse_bwd.h"
 #include "sm80/sparse_fwd/sparse_fwd.h"
@@ -64,9 +65,7 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> sparse_backward_cuda(
     dp.total_tokens = int(T);
     dp.hq = int(Hq);
     dp.d = int(D);
-    const bool bf16 = q.scalar_type() == at::kBFloat16;
-    cudaError_t err = sm80::launch_bwd_delta(dp, bf16, stream);
-    TORCH_CHECK(err == cudaSuccess, "msa::sparse_bwd (delta) launch failed: ", cudaGetErrorString(err));
+    MSA_LAUNCH_CHECK(sm80::launch_bwd_delta(dp, q.scalar_type() == at::kBFloat16, stream), "sparse_bwd (delta)");
 
     SparseBwdParams p{};
     p.q = q.data_ptr();
@@ -99,12 +98,9 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> sparse_backward_cuda(
     p.hi = int(Hi);
     p.scale = float(softmax_scale);
     p.scale_log2 = float(softmax_scale * 1.4426950408889634);
-    if (bf16)
-      err = D == 64 ? sm80::launch_sparse_bwd<__nv_bfloat16, 64>(p, stream)
-                    : sm80::launch_sparse_bwd<__nv_bfloat16, 128>(p, stream);
-    else
-      err = D == 64 ? sm80::launch_sparse_bwd<__half, 64>(p, stream) : sm80::launch_sparse_bwd<__half, 128>(p, stream);
-    TORCH_CHECK(err == cudaSuccess, "msa::sparse_bwd launch failed: ", cudaGetErrorString(err));
+    dispatch_dtype_dim(q.scalar_type(), D, [&]<typename T_, int D_>() {
+      MSA_LAUNCH_CHECK((sm80::launch_sparse_bwd<T_, D_>(p, stream)), "sparse_bwd");
+    });
   }
   return {dq.to(q.scalar_type()), dk.to(q.scalar_type()), dv.to(q.scalar_type())};
 }

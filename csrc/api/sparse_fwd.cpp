@@ -12,6 +12,7 @@
 #include <tuple>
 
 #include "api/checks.h"
+#include "api/dispatch.h"
 #include "api/ops.h"
 #include "sm80/reverse_index/reverse_index.h"
 #include "sm80/sparse_fwd/sparse_fwd.h"
@@ -28,21 +29,6 @@ int64_t partial_budget() {
   return v > 0 ? int64_t(v) : kPartialBudget;
 }
 constexpr int kUnitsPerItem = 1024;  // hot blocks split into items of this many units (<= kMaxItemUnits)
-
-#define MSA_LAUNCH_CHECK(expr, what)                                                         \
-  do {                                                                                       \
-    const cudaError_t err_ = (expr);                                                         \
-    TORCH_CHECK(err_ == cudaSuccess, "msa::" what " launch failed: ", cudaGetErrorString(err_)); \
-  } while (0)
-
-template <typename F>
-void dispatch_dtype_dim(at::ScalarType dt, int64_t d, F&& f) {
-  if (dt == at::kBFloat16) {
-    if (d == 64) f.template operator()<__nv_bfloat16, 64>(); else f.template operator()<__nv_bfloat16, 128>();
-  } else {
-    if (d == 64) f.template operator()<__half, 64>(); else f.template operator()<__half, 128>();
-  }
-}
 
 void check_main(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v) {
   TORCH_CHECK_VALUE(q.is_cuda() && k.device() == q.device() && v.device() == q.device(),
@@ -330,26 +316,27 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tenso
     const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, const at::Tensor& q_idx, const at::Tensor& k_idx,
     const at::Tensor& cu_seqlens, int64_t max_seqlen, int64_t topk, int64_t block_size, double softmax_scale,
     double index_scale, bool warmup, bool return_indices, bool index_grad) {
+  at::Tensor indices;
+  SparseForward r;
   if (warmup) {
     // SPEC 5: dense causal main attention through PyTorch's flash kernel (it keeps the lse), then the
     // KL over the full causal set and its index gradient with our kernels in dense mode.
     check_main(q, k, v);
-    const std::vector<int32_t> cu = check_cu_seqlens(cu_seqlens, q.size(0), max_seqlen);
+    check_cu_seqlens(cu_seqlens, q.size(0), max_seqlen);  // before flash reads it
     c10::cuda::CUDAGuard guard(q.device());
-    at::Tensor indices = return_indices
-                             ? select_blocks_cuda(q_idx, k_idx, cu_seqlens, max_seqlen, topk, block_size, index_scale)
-                             : at::empty({q_idx.size(1), q.size(0), 0}, q.options().dtype(at::kInt));
+    indices = return_indices
+                  ? select_blocks_cuda(q_idx, k_idx, cu_seqlens, max_seqlen, topk, block_size, index_scale)
+                  : at::empty({q_idx.size(1), q.size(0), 0}, q.options().dtype(at::kInt));
     auto [out, lse] = dense_attention_forward(q, k, v, cu_seqlens, max_seqlen, softmax_scale);
     auto shape_only = at::empty({q_idx.size(1), q.size(0), 1}, q.options().dtype(at::kInt));
-    SparseForward r = sparse_forward_cuda(q, k, v, q_idx, k_idx, shape_only, cu_seqlens, max_seqlen, block_size,
-                                          softmax_scale, index_scale, index_grad, /*dense=*/true, lse);
-    at::Tensor kl = r.kl_rows.sum() / double(r.kl_rows.numel());
-    auto none = [&] { return at::empty({0}, q.options().dtype(at::kFloat)); };
-    return {out, kl, indices, lse, r.lse_idx, index_grad ? r.kl_dq_idx : none(), index_grad ? r.kl_dk_idx : none()};
+    r = sparse_forward_cuda(q, k, v, q_idx, k_idx, shape_only, cu_seqlens, max_seqlen, block_size, softmax_scale,
+                            index_scale, index_grad, /*dense=*/true, lse);
+    r.out = out;  // the KL-only pass returns the given lse and no output
+  } else {
+    indices = select_blocks_cuda(q_idx, k_idx, cu_seqlens, max_seqlen, topk, block_size, index_scale);
+    r = sparse_forward_cuda(q, k, v, q_idx, k_idx, indices, cu_seqlens, max_seqlen, block_size, softmax_scale,
+                            index_scale, index_grad);
   }
-  at::Tensor indices = select_blocks_cuda(q_idx, k_idx, cu_seqlens, max_seqlen, topk, block_size, index_scale);
-  SparseForward r = sparse_forward_cuda(q, k, v, q_idx, k_idx, indices, cu_seqlens, max_seqlen, block_size,
-                                        softmax_scale, index_scale, index_grad);
   // SPEC 4: kl = sum over rows / rows, rows = T * Hi (a fixed-order reduction: deterministic).
   at::Tensor kl = r.kl_rows.sum() / double(r.kl_rows.numel());
   auto none = [&] { return at::empty({0}, q.options().dtype(at::kFloat)); };  // distinct: outputs must not alias
