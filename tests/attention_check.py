@@ -64,3 +64,43 @@ def assert_lse_close(name, got, exact, rtol=1e-4):
     err = (got[~inf].double() - exact[~inf].double()).abs()
     bound = rtol * (1 + exact[~inf].double().abs())
     assert (err <= bound).all(), f"{name}: max error {err.max().item():.3g}"
+
+
+def reference_forward(q, k, v, qi, ki, idx, cu, bs, scale, iscale):
+    """Exact (out, lse, kl, lse_idx) and the same-precision out and lse over selection `idx` (None: the
+    dense causal set of warmup)."""
+    exact_out, exact_lse = run_ref(ref.sparse_fwd, q, k, v, idx, cu, bs, scale)
+    exact_kl, exact_lse_idx = run_ref(ref.index_kl, q, k, exact_lse, qi, ki, idx, cu, bs, scale, iscale)
+    with low_precision():
+        lowp_out, lowp_lse = run_ref(ref.sparse_fwd, q, k, v, idx, cu, bs, scale, dtype=q.dtype)
+    return (exact_out, exact_lse, exact_kl, exact_lse_idx), (lowp_out, lowp_lse)
+
+
+def assert_forward_close(out, kl, lse, lse_idx, exact, lowp_out):
+    """out by the STYLE rule, lse and lse_idx to fp32 accumulation error, kl to 1e-3 relative."""
+    exact_out, exact_lse, exact_kl, exact_lse_idx = exact
+    assert_close_style("out", out, exact_out, lowp_out, out.dtype)
+    assert_lse_close("lse", lse, exact_lse)
+    assert_lse_close("lse_idx", lse_idx, exact_lse_idx)
+    assert kl.dtype == torch.float32 and kl.dim() == 0
+    assert abs(kl.item() - exact_kl.item()) <= 1e-3 * abs(exact_kl.item()) + 1e-5, (kl.item(), exact_kl.item())
+
+
+def assert_grads_close(grads, dout, dkl, q, k, v, qi, ki, idx, cu, bs, scale, iscale):
+    """The five gradients (dq, dk, dv, dq_idx, dk_idx) for (dout, dkl) against the exact reference, by
+    the STYLE rule; the KL's gradients on the scale d_kl / rows."""
+    dtype = q.dtype
+    _, lse = run_ref(ref.sparse_fwd, q, k, v, idx, cu, bs, scale)
+    exact = run_ref(ref.sparse_bwd, dout, q, k, v, lse, idx, cu, bs, scale)
+    _, lse_idx = run_ref(ref.index_kl, q, k, lse, qi, ki, idx, cu, bs, scale, iscale)
+    exact += run_ref(ref.index_kl_bwd, dkl, q, k, lse, qi, ki, lse_idx, idx, cu, bs, scale, iscale)
+    with low_precision():
+        _, lse_l = run_ref(ref.sparse_fwd, q, k, v, idx, cu, bs, scale, dtype=dtype)
+        lowp = run_ref(ref.sparse_bwd, dout, q, k, v, lse_l, idx, cu, bs, scale, dtype=dtype)
+        _, lse_idx_l = run_ref(ref.index_kl, q, k, lse_l, qi, ki, idx, cu, bs, scale, iscale, dtype=dtype)
+        lowp += run_ref(ref.index_kl_bwd, dkl, q, k, lse_l, qi, ki, lse_idx_l, idx, cu, bs, scale, iscale,
+                        dtype=dtype)
+    kl_unit = abs(dkl.item()) / (q.shape[0] * qi.shape[1])  # d_kl / rows
+    for name, got, e, lp in zip(("dq", "dk", "dv", "dq_idx", "dk_idx"), grads, exact, lowp):
+        assert got.dtype == dtype and got.shape == e.shape
+        assert_close_style(name, got, e, lp, dtype, unit=kl_unit if name.endswith("_idx") else 1.0)

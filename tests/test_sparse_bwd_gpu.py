@@ -5,7 +5,7 @@ import pytest
 import torch
 
 import msa
-from attention_check import assert_close_style, low_precision, run_ref
+from attention_check import assert_close_style, assert_grads_close, low_precision, run_ref
 from helpers import HEADS, make_inputs, make_packed, poison_allocator
 from msa import reference as ref
 
@@ -25,23 +25,9 @@ def _grads(q, k, v, qi, ki, cu, mx, topk, bs, seed):
 
 
 def _check_grads(q, k, v, qi, ki, cu, mx, topk, bs, seed):
-    dtype = q.dtype
     scale, iscale = 1 / math.sqrt(q.shape[-1]), 1 / math.sqrt(qi.shape[-1])
     grads, dout, dkl, idx = _grads(q, k, v, qi, ki, cu, mx, topk, bs, seed)
-    _, lse = run_ref(ref.sparse_fwd, q, k, v, idx, cu, bs, scale)
-    exact = run_ref(ref.sparse_bwd, dout, q, k, v, lse, idx, cu, bs, scale)
-    _, lse_idx = run_ref(ref.index_kl, q, k, lse, qi, ki, idx, cu, bs, scale, iscale)
-    exact += run_ref(ref.index_kl_bwd, dkl, q, k, lse, qi, ki, lse_idx, idx, cu, bs, scale, iscale)
-    with low_precision():
-        _, lse_l = run_ref(ref.sparse_fwd, q, k, v, idx, cu, bs, scale, dtype=dtype)
-        lowp = run_ref(ref.sparse_bwd, dout, q, k, v, lse_l, idx, cu, bs, scale, dtype=dtype)
-        _, lse_idx_l = run_ref(ref.index_kl, q, k, lse_l, qi, ki, idx, cu, bs, scale, iscale, dtype=dtype)
-        lowp += run_ref(ref.index_kl_bwd, dkl, q, k, lse_l, qi, ki, lse_idx_l, idx, cu, bs, scale, iscale,
-                        dtype=dtype)
-    kl_unit = abs(dkl.item()) / (q.shape[0] * qi.shape[1])  # d_kl / rows
-    for name, got, e, lp in zip(("dq", "dk", "dv", "dq_idx", "dk_idx"), grads, exact, lowp):
-        assert got.dtype == dtype and got.shape == e.shape
-        assert_close_style(name, got, e, lp, dtype, unit=kl_unit if name.endswith("_idx") else 1.0)
+    assert_grads_close(grads, dout, dkl, q, k, v, qi, ki, idx, cu, bs, scale, iscale)
 
 
 CASES = [  # (B, N, D, Di, block_size, topk)

@@ -5,7 +5,8 @@ import pytest
 import torch
 
 import msa
-from attention_check import assert_close_style, assert_lse_close, low_precision, run_ref
+from attention_check import (assert_close_style, assert_forward_close, assert_lse_close, low_precision,
+                             reference_forward, run_ref)
 from helpers import HEADS, make_inputs, make_packed, poison_allocator
 from msa import reference as ref
 
@@ -14,21 +15,13 @@ ops = torch.ops.msa
 
 
 def _fwd_case(q, k, v, qi, ki, cu, mx, topk, bs):
-    dtype = q.dtype
     scale, iscale = 1 / math.sqrt(q.shape[-1]), 1 / math.sqrt(qi.shape[-1])
     poison_allocator()
     out, kl, idx, lse, lse_idx = ops.msa_fwd(q, k, v, qi, ki, cu, mx, topk, bs, scale, iscale, False, True,
                                              False)[:5]
     # The oracle attends to the kernel's own selection (checked against SPEC 2 in test_index_topk_gpu).
-    exact_out, exact_lse = run_ref(ref.sparse_fwd, q, k, v, idx, cu, bs, scale)
-    exact_kl, exact_lse_idx = run_ref(ref.index_kl, q, k, exact_lse, qi, ki, idx, cu, bs, scale, iscale)
-    with low_precision():
-        lowp_out, _ = run_ref(ref.sparse_fwd, q, k, v, idx, cu, bs, scale, dtype=dtype)
-    assert_close_style("out", out, exact_out, lowp_out, dtype)
-    assert_lse_close("lse", lse, exact_lse)
-    assert_lse_close("lse_idx", lse_idx, exact_lse_idx)
-    assert kl.dtype == torch.float32 and kl.dim() == 0
-    assert abs(kl.item() - exact_kl.item()) <= 1e-3 * abs(exact_kl.item()) + 1e-5, (kl.item(), exact_kl.item())
+    exact, (lowp_out, _) = reference_forward(q, k, v, qi, ki, idx, cu, bs, scale, iscale)
+    assert_forward_close(out, kl, lse, lse_idx, exact, lowp_out)
     again = ops.msa_fwd(q, k, v, qi, ki, cu, mx, topk, bs, scale, iscale, False, True, False)[:5]
     for name, a, b in zip(("out", "kl", "indices", "lse", "lse_idx"), (out, kl, idx, lse, lse_idx), again):
         assert torch.equal(a, b), f"{name} differs between two runs"

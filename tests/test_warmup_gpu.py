@@ -6,29 +6,21 @@ import pytest
 import torch
 
 import msa
-from attention_check import assert_close_style, assert_lse_close, low_precision, run_ref
+from attention_check import assert_forward_close, assert_grads_close, reference_forward
 from helpers import HEADS, make_inputs, make_packed, poison_allocator
-from msa import reference as ref
 
 pytestmark = pytest.mark.gpu
 ops = torch.ops.msa
 
 
 def _check(q, k, v, qi, ki, cu, mx, topk, bs, seed):
-    dtype = q.dtype
     scale, iscale = 1 / math.sqrt(q.shape[-1]), 1 / math.sqrt(qi.shape[-1])
     poison_allocator()
     out, kl, idx, lse, lse_idx, g_q, g_k = ops.msa_fwd(q, k, v, qi, ki, cu, mx, topk, bs, scale, iscale, True, False,
                                                         True)
     assert idx.shape == (qi.shape[1], q.shape[0], 0)
-    exact_out, exact_lse = run_ref(ref.sparse_fwd, q, k, v, None, cu, bs, scale)
-    exact_kl, exact_lse_idx = run_ref(ref.index_kl, q, k, exact_lse, qi, ki, None, cu, bs, scale, iscale)
-    with low_precision():
-        lowp_out, lowp_lse = run_ref(ref.sparse_fwd, q, k, v, None, cu, bs, scale, dtype=dtype)
-    assert_close_style("out", out, exact_out, lowp_out, dtype)
-    assert_lse_close("lse", lse, exact_lse)
-    assert_lse_close("lse_idx", lse_idx, exact_lse_idx)
-    assert abs(kl.item() - exact_kl.item()) <= 1e-3 * abs(exact_kl.item()) + 1e-5, (kl.item(), exact_kl.item())
+    exact, (lowp_out, _) = reference_forward(q, k, v, qi, ki, None, cu, bs, scale, iscale)
+    assert_forward_close(out, kl, lse, lse_idx, exact, lowp_out)
     again = ops.msa_fwd(q, k, v, qi, ki, cu, mx, topk, bs, scale, iscale, True, False, True)
     for name, a, b in zip(("out", "kl", "lse", "lse_idx"), (out, kl, lse, lse_idx), (again[0], again[1], again[3],
                                                                                      again[4])):
@@ -40,16 +32,7 @@ def _check(q, k, v, qi, ki, cu, mx, topk, bs, seed):
     dout = torch.randn(o2.shape, generator=g).to(o2)
     dkl = torch.tensor(1.5, device=q.device)
     grads = torch.autograd.grad((o2, kl2), leaves, (dout, dkl))
-    exact = run_ref(ref.sparse_bwd, dout, q, k, v, exact_lse, None, cu, bs, scale)
-    exact += run_ref(ref.index_kl_bwd, dkl, q, k, exact_lse, qi, ki, exact_lse_idx, None, cu, bs, scale, iscale)
-    with low_precision():
-        lowp = run_ref(ref.sparse_bwd, dout, q, k, v, lowp_lse, None, cu, bs, scale, dtype=dtype)
-        _, lowp_lse_idx = run_ref(ref.index_kl, q, k, lowp_lse, qi, ki, None, cu, bs, scale, iscale, dtype=dtype)
-        lowp += run_ref(ref.index_kl_bwd, dkl, q, k, lowp_lse, qi, ki, lowp_lse_idx, None, cu, bs, scale, iscale,
-                        dtype=dtype)
-    kl_unit = dkl.item() / (q.shape[0] * qi.shape[1])
-    for name, got, e, lp in zip(("dq", "dk", "dv", "dq_idx", "dk_idx"), grads, exact, lowp):
-        assert_close_style(name, got, e, lp, dtype, unit=kl_unit if name.endswith("_idx") else 1.0)
+    assert_grads_close(grads, dout, dkl, q, k, v, qi, ki, None, cu, bs, scale, iscale)
 
 
 CASES = [(2, 1, 64, 64, 128), (1, 300, 128, 64, 64), (2, 700, 64, 128, 128), (1, 2048, 128, 128, 128)]
