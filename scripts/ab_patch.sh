@@ -12,7 +12,7 @@ MSA_PYTEST_ARGS="tests/test_errors.py" bash "$here/gpu_check.sh" "$LOG/a" "$@" >
 echo "A: $(tr '\n' ' ' < "$LOG/a/summary.txt")"
 patch -p1 --forward < "$PATCH" > "$LOG/patch.txt" 2>&1 || { echo "patch does not apply"; cat "$LOG/patch.txt"; exit 2; }
 base=$(cat .msa_commit 2>/dev/null || echo unknown)
-MSA_COMMIT="$base+$(basename "$PATCH" .patch)" MSA_PYTEST_ARGS="tests -m gpu" \
+MSA_COMMIT="$base-$(basename "$PATCH" .patch)" MSA_PYTEST_ARGS="tests -m gpu" \
   bash "$here/gpu_check.sh" "$LOG/b" "$@" > /dev/null 2>&1
 rc=$?
 echo "B: $(tr '\n' ' ' < "$LOG/b/summary.txt")"

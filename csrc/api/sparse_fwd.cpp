@@ -28,7 +28,7 @@ int64_t partial_budget() {
   const long long v = env != nullptr ? std::atoll(env) : 0;
   return v > 0 ? int64_t(v) : kPartialBudget;
 }
-constexpr int kUnitsPerItem = 1024;  // hot blocks split into items of this many units (<= kMaxItemUnits)
+constexpr int kUnitsPerItem = 128;  // hot blocks split into items of this many units (<= kMaxItemUnits)
 
 void check_main(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v) {
   TORCH_CHECK_VALUE(q.is_cuda() && k.device() == q.device() && v.device() == q.device(),

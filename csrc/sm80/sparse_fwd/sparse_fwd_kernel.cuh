@@ -32,7 +32,7 @@ struct SparseFwdShape {
   static constexpr int kKeys = 128;     // MMA columns: one block (block_size 64 uses the first half)
   static constexpr int kMaxRows = 128;
   static constexpr int kMaxUnits = 32;     // per tile
-  static constexpr int kMaxItemUnits = 1024;  // per work item (units_per_item <= this)
+  static constexpr int kMaxItemUnits = 128;  // per work item (units_per_item <= this)
   static constexpr int kMaxDi = 128;
   // The stats pass prefetches the next step's rows (two stages); the output pass keeps one stage so
   // that K, V, K_idx and its KL tiles fit next to it.
@@ -102,6 +102,9 @@ __global__ void __launch_bounds__(SparseFwdShape::kThreads) sparse_fwd_kernel(Sp
   const int R = sparse_rows_per_tile(Gu);
   const int U = min(R / Gu, Sh::kMaxUnits);
   const bool index = p.q_idx != nullptr;
+  // KL terms in the MMA register layout when a unit's heads sit in one warp's rows (J = 1, Gu a power
+  // of two <= 8); otherwise P goes through shared memory and a per-unit loop.
+  const bool fast_kl = kOut && index && J == 1 && (Gu == 1 || Gu == 2 || Gu == 4 || Gu == 8);
   const int di = p.di, di_chunks = p.di / 8;
 
   const int tid = threadIdx.x, warp = tid / 32, lane = tid % 32;
@@ -210,8 +213,7 @@ __global__ void __launch_bounds__(SparseFwdShape::kThreads) sparse_fwd_kernel(Sp
       cp_async_commit();
       cp_async_wait<1>();
     } else {
-      if (step > 0) fetch_step(step, 0);  // the previous step is past the barrier that ends its row reads
-      cp_async_commit();
+      cp_async_commit();  // this step's rows were fetched during the previous step (after its Q K^T)
       cp_async_wait<0>();
     }
     __syncthreads();
@@ -244,12 +246,14 @@ __global__ void __launch_bounds__(SparseFwdShape::kThreads) sparse_fwd_kernel(Sp
       }
 
       // Main logits: warp w takes rows [16w, 16w + 16) against all keys.
-      if (warp * 16 < R && (kOut || p.main_stats)) {
-        float c[16][4];
+      const bool active = warp * 16 < R && (kOut || p.main_stats);
+      const int row0 = warp * 16 + g, row1 = row0 + 8;
+      float c[16][4];
 #pragma unroll
-        for (int n = 0; n < 16; ++n)
+      for (int n = 0; n < 16; ++n)
 #pragma unroll
-          for (int e = 0; e < 4; ++e) c[n][e] = 0.f;
+        for (int e = 0; e < 4; ++e) c[n][e] = 0.f;
+      if (active) {
 #pragma unroll
         for (int ks = 0; ks < D / 16; ++ks) {
           uint32_t a[4];
@@ -264,7 +268,20 @@ __global__ void __launch_bounds__(SparseFwdShape::kThreads) sparse_fwd_kernel(Sp
             }
           }
         }
-        const int row0 = warp * 16 + g, row1 = row0 + 8;
+      }
+      float e0 = 0.f, e1 = 0.f;
+      if constexpr (kOut) {
+        // One stage: once every warp has read this step's Q, Q_idx and lse, the next step's rows are
+        // fetched into the same buffers while P V and the KL terms of this step run.
+        if (active) {
+          e0 = sLseb[row0] * kLog2e;
+          e1 = sLseb[row1] * kLog2e;
+        }
+        __syncthreads();
+        if (step + 1 < steps) fetch_step(step + 1, 0);
+        cp_async_commit();
+      }
+      if (active) {
         const int u0 = max(sRowU[row0], 0), u1 = max(sRowU[row1], 0);
         const int hh0 = sRowH[row0], hh1 = sRowH[row1];
         const int lim0 = sRowU[row0] >= 0 ? key_limit(u0, nu) : -1;
@@ -306,7 +323,6 @@ __global__ void __launch_bounds__(SparseFwdShape::kThreads) sparse_fwd_kernel(Sp
             if (lim1 >= 0) p.stats[int64_t(sEntry[u1]) * G + j * Gu + hh1] = make_float2(m1, l1);
           }
         } else {
-          const float e0 = sLseb[row0] * kLog2e, e1 = sLseb[row1] * kLog2e;
 #pragma unroll
           for (int n = 0; n < 16; ++n) {
             c[n][0] = exp2f(c[n][0] - e0);
@@ -314,7 +330,7 @@ __global__ void __launch_bounds__(SparseFwdShape::kThreads) sparse_fwd_kernel(Sp
             c[n][2] = exp2f(c[n][2] - e1);
             c[n][3] = exp2f(c[n][3] - e1);
           }
-          if (index) {
+          if (index && !fast_kl) {
 #pragma unroll
             for (int n = 0; n < 16; ++n) {
               const int col = n * 8 + 2 * tq;
@@ -357,6 +373,79 @@ __global__ void __launch_bounds__(SparseFwdShape::kThreads) sparse_fwd_kernel(Sp
             for (int n = 0; n < D / 8; ++n) dst[n * 4 + tq] = pack2<T>(o[n][2], o[n][3]);
           }
           }
+          if (fast_kl) {
+            // Pm * G per (unit, key): the unit's rows differ in the low log2(Gu) bits of g (lane bits 2..).
+            // (In place: after P V the probabilities in c are not needed any more.)
+            float (&v)[16][4] = c;
+            // Reduce-scatter over the unit's Gu lanes (lane bits 2.. = low bits gi of g): at bit b the
+            // lane keeps one n-tile of each pair (n, n | b) and sends the other, so afterwards slot n
+            // (low log2(Gu) bits zero) of lane gi holds the unit's sum for n-tile n + gi.
+            const int gi = g & (Gu - 1);
+#pragma unroll
+            for (int b = 1; b <= 4; b <<= 1) {
+              if (b < Gu) {
+                const bool hi = (gi & b) != 0;
+#pragma unroll
+                for (int n = 0; n < 16; ++n) {
+                  if ((n & (2 * b - 1)) == 0) {
+#pragma unroll
+                    for (int e = 0; e < 4; ++e) {
+                      const float send = hi ? v[n][e] : v[n | b][e];
+                      const float keep = hi ? v[n | b][e] : v[n][e];
+                      v[n][e] = keep + __shfl_xor_sync(0xffffffffu, send, 4 * b);
+                    }
+                  }
+                }
+              }
+            }
+            const int uu0 = sRowU[row0], uu1 = sRowU[row1];
+            const bool grad = p.dsi_part != nullptr;
+            float li0 = 0.f, li1 = 0.f;
+            if (grad && uu0 >= 0 && uu0 < nu) li0 = p.lse_idx[int64_t(r) * p.total_tokens + sTok[uu0]] * kLog2e;
+            if (grad && uu1 >= 0 && uu1 < nu) li1 = p.lse_idx[int64_t(r) * p.total_tokens + sTok[uu1]] * kLog2e;
+            const int64_t el0 = (uu0 >= 0 && uu0 < nu) ? sEntry[uu0] : -1;
+            const int64_t el1 = (uu1 >= 0 && uu1 < nu) ? sEntry[uu1] : -1;
+            const float inv_g = 1.f / float(G);
+            float acc0 = 0.f, acc1 = 0.f;
+#pragma unroll
+            for (int n = 0; n < 16; ++n) {
+              if ((n & (Gu - 1)) == 0) {
+                const int tile_n = n + gi;
+#pragma unroll
+                for (int e = 0; e < 4; ++e) {
+                  const bool second = e >= 2;
+                  const int u = second ? uu1 : uu0;
+                  if (u >= 0) {
+                    const int col = tile_n * 8 + 2 * tq + (e & 1);
+                    const float pm = v[n][e] * inv_g;
+                    const float si = sSi[u * Sh::kKeys + col];
+                    const float term = pm > 0.f ? pm * (__logf(pm) - si) : 0.f;
+                    if (second) acc1 += term; else acc0 += term;
+                    if (grad) {  // SPEC 4: Pidx - P (times d_kl / rows later); 0 past the visible keys
+                      const int lim = second ? lim1 : lim0;
+                      const T x = T(col <= lim ? exp2f(si * kLog2e - (second ? li1 : li0)) - pm : 0.f);
+                      sDsi[SwizzledTile<Sh::kKeys>::offset(u, col / 8) + col % 8] = x;
+                      const int64_t el = second ? el1 : el0;
+                      if (el >= 0) static_cast<T*>(p.dsi_part)[el * Sh::kKeys + col] = x;
+                    }
+                  }
+                }
+              }
+            }
+#pragma unroll
+            for (int off = 1; off <= 2; off <<= 1) {
+              acc0 += __shfl_xor_sync(0xffffffffu, acc0, off);
+              acc1 += __shfl_xor_sync(0xffffffffu, acc1, off);
+            }
+            for (int off = 4; off < 4 * Gu; off <<= 1) {
+              acc0 += __shfl_xor_sync(0xffffffffu, acc0, off);
+              acc1 += __shfl_xor_sync(0xffffffffu, acc1, off);
+            }
+            if (tq == 0 && gi == 0) {
+              if (el0 >= 0) p.kl_part[el0] = acc0;
+              if (el1 >= 0) p.kl_part[el1] = acc1;
+            }
+          }
         }
       }
       __syncthreads();
@@ -388,7 +477,7 @@ __global__ void __launch_bounds__(SparseFwdShape::kThreads) sparse_fwd_kernel(Sp
 #pragma unroll
           for (int off = 16; off >= 1; off >>= 1) l += __shfl_xor_sync(0xffffffffu, l, off);
           if (lane == 0) p.idx_stats[sEntry[u]] = make_float2(m, l);
-        } else {
+        } else if (!fast_kl) {
           const float inv_g = 1.f / float(G);
           const bool grad = p.dsi_part != nullptr;
           const float lse_idx2 = grad ? p.lse_idx[int64_t(r) * p.total_tokens + sTok[u]] * kLog2e : 0.f;
