@@ -5,12 +5,14 @@
 // G = Hq / Hi query heads, split over J = max(1, Hkv / Hi) kv heads of Gu = G / J heads each. The
 // CTA keeps the block's K (and V, and the index key block) in shared memory and streams tiles of
 // gathered units through it: R = Gu * U main rows (<= 128, eight warps of 16) and U <= 32 index rows
-// per step; a step is (tile, kv head of the group). The stats pass fetches the next step's rows while
-// the current one computes (two stages); the output pass has one stage (shared memory).
+// per step; a step is (tile, kv head of the group). Both passes keep one buffer of rows and fetch the
+// next step's rows as soon as every warp has read this step's (right after Q K^T), so the gather
+// overlaps the rest of the step. The stats pass fits two CTAs per SM (<= 128 registers, ~108 KB).
 //
 // Two passes over the same items (kOut = false, then true):
 //  - stats pass: per (entry, head) the max and the sum of exp of the block's logits (log2 domain),
-//    and the same for the index logits; a combine turns them into lse and lse_idx;
+//    and the same for the index logits (per warp over its 16 keys in registers, then merged per unit
+//    in shared memory); a combine turns them into lse and lse_idx;
 //  - output pass: P = exp(s - lse) with the final lse, the partial output P V per (entry, head), and
 //    per entry sum_j Pm_j (ln Pm_j - S_idx_j), Pm = the group's mean of P (needs all G heads: they
 //    meet in shared memory). The combine sums the partials in slot order: deterministic. With
@@ -34,23 +36,22 @@ struct SparseFwdShape {
   static constexpr int kMaxUnits = 32;     // per tile
   static constexpr int kMaxItemUnits = 128;  // per work item (units_per_item <= this)
   static constexpr int kMaxDi = 128;
-  // The stats pass prefetches the next step's rows (two stages); the output pass keeps one stage so
-  // that K, V, K_idx and its KL tiles fit next to it.
-  template <bool kOut>
-  static constexpr int stages() { return kOut ? 1 : 2; }
+  static constexpr int kWarps = kThreads / 32;
   template <typename T, int D, bool kOut>
-  struct Smem {  // byte offsets
+  struct Smem {  // byte offsets; the stats pass has no V, S_idx, P or dsi tiles (two CTAs per SM)
     static constexpr int k = 0;
     static constexpr int v = k + kKeys * D * int(sizeof(T));
     static constexpr int ki = v + (kOut ? kKeys * D * int(sizeof(T)) : 0);
     static constexpr int q = ki + kKeys * kMaxDi * int(sizeof(T));
-    static constexpr int qi = q + stages<kOut>() * kMaxRows * D * int(sizeof(T));
-    static constexpr int si = qi + stages<kOut>() * kMaxUnits * kMaxDi * int(sizeof(T));
-    static constexpr int p = si + kMaxUnits * kKeys * 4;
+    static constexpr int qi = q + kMaxRows * D * int(sizeof(T));
+    static constexpr int si = qi + kMaxUnits * kMaxDi * int(sizeof(T));
+    // Output pass: index logits per (unit, key). Stats pass: per (warp, unit) max and sum of the index
+    // logits over the warp's 16 keys.
+    static constexpr int p = si + (kOut ? kMaxUnits * kKeys * 4 : kWarps * kMaxUnits * 8);
     static constexpr int psum = p + (kOut ? kMaxRows * kKeys * int(sizeof(T)) : 0);  // P in the input dtype
     static constexpr int dsi = psum + (kOut ? kMaxUnits * kKeys * 4 : 0);
     static constexpr int lse = dsi + (kOut ? kMaxUnits * kKeys * int(sizeof(T)) : 0);
-    static constexpr int unit = lse + stages<kOut>() * kMaxRows * 4;
+    static constexpr int unit = lse + (kOut ? kMaxRows * 4 : 0);
     static constexpr int rows = unit + 2 * kMaxItemUnits * 4;  // row -> (unit, head) tables
     static constexpr int bytes = rows + 2 * kMaxRows * 4;
   };
@@ -63,7 +64,7 @@ constexpr float kFwdNegInf = -__builtin_huge_valf();
 __host__ __device__ inline int sparse_rows_per_tile(int gu) { return gu >= 4 ? 128 : 32 * gu; }
 
 template <typename T, int D, bool kOut>
-__global__ void __launch_bounds__(SparseFwdShape::kThreads) sparse_fwd_kernel(SparseFwdParams p) {
+__global__ void __launch_bounds__(SparseFwdShape::kThreads, kOut ? 1 : 2) sparse_fwd_kernel(SparseFwdParams p) {
   using Sh = SparseFwdShape;
   using L = typename Sh::template Smem<T, D, kOut>;
   using Tile = SwizzledTile<D>;
@@ -74,7 +75,8 @@ __global__ void __launch_bounds__(SparseFwdShape::kThreads) sparse_fwd_kernel(Sp
   T* sKi = reinterpret_cast<T*>(smem + L::ki);
   T* sQ = reinterpret_cast<T*>(smem + L::q);
   T* sQi = reinterpret_cast<T*>(smem + L::qi);
-  float* sSi = reinterpret_cast<float*>(smem + L::si);
+  float* sSi = reinterpret_cast<float*>(smem + L::si);      // output pass
+  float2* sIPart = reinterpret_cast<float2*>(smem + L::si);  // stats pass
   T* sP = reinterpret_cast<T*>(smem + L::p);
   float* sPsum = reinterpret_cast<float*>(smem + L::psum);
   T* sDsi = reinterpret_cast<T*>(smem + L::dsi);
@@ -105,7 +107,8 @@ __global__ void __launch_bounds__(SparseFwdShape::kThreads) sparse_fwd_kernel(Sp
   // KL terms in the MMA register layout when a unit's heads sit in one warp's rows (J = 1, Gu a power
   // of two <= 8); otherwise P goes through shared memory and a per-unit loop.
   const bool fast_kl = kOut && index && J == 1 && (Gu == 1 || Gu == 2 || Gu == 4 || Gu == 8);
-  const int di = p.di, di_chunks = p.di / 8;
+  const int di = p.di, di_chunks = p.di / 8;  // Di is 64 or 128: 8 or 16 chunks of 16 bytes
+  const int dc_shift = di_chunks == 16 ? 4 : 3;
 
   const int tid = threadIdx.x, warp = tid / 32, lane = tid % 32;
   const int g = lane / 4, tq = lane % 4;
@@ -147,7 +150,7 @@ __global__ void __launch_bounds__(SparseFwdShape::kThreads) sparse_fwd_kernel(Sp
   if (index) {
     const T* src = KI + int64_t(seq_start + key0) * p.ki_stride_t + int64_t(kih) * p.ki_stride_h;
     for (int i = tid; i < Sh::kKeys * di_chunks; i += Sh::kThreads) {
-      const int row = i / di_chunks, c = i % di_chunks;
+      const int row = i >> dc_shift, c = i & (di_chunks - 1);
       const bool ok = row < blen;
       cp_async_16(sKi + swizzled_offset(row, c, di), src + int64_t(ok ? row : 0) * p.ki_stride_t + c * 8, ok);
     }
@@ -157,11 +160,11 @@ __global__ void __launch_bounds__(SparseFwdShape::kThreads) sparse_fwd_kernel(Sp
   // Steps = (tile, kv head of the group); the next step's rows are fetched while this one computes.
   const int n_tiles = (n_units + U - 1) / U;
   const int steps = n_tiles * J;
-  auto fetch_step = [&](int s, int buf) {
+  auto fetch_step = [&](int s) {
     const int tile = s / J, j = s % J;
     const int ub = tile * U, nu = min(U, n_units - ub);
     const int h0 = r * G + j * Gu;
-    T* q_dst = sQ + buf * Sh::kMaxRows * D;
+    T* q_dst = sQ;
     for (int i = tid; i < R * kChunks; i += Sh::kThreads) {
       const int row = i / kChunks, c = i % kChunks;
       const int u = sRowU[row];
@@ -173,33 +176,31 @@ __global__ void __launch_bounds__(SparseFwdShape::kThreads) sparse_fwd_kernel(Sp
       for (int row = tid; row < R; row += Sh::kThreads) {
         const int u = sRowU[row];
         const bool ok = u >= 0 && u < nu;
-        cp_async_4(sLse + buf * Sh::kMaxRows + row,
+        cp_async_4(sLse + row,
                    p.lse + (ok ? int64_t(h0 + sRowH[row]) * p.total_tokens + sTokAll[ub + u] : 0), ok);
       }
     }
     if (index && j == 0) {
-      T* qi_dst = sQi + buf * Sh::kMaxUnits * Sh::kMaxDi;
+      T* qi_dst = sQi;
       for (int i = tid; i < Sh::kMaxUnits * di_chunks; i += Sh::kThreads) {
-        const int u = i / di_chunks, c = i % di_chunks;
+        const int u = i >> dc_shift, c = i & (di_chunks - 1);
         const bool ok = u < nu;
         const T* src = QI + int64_t(ok ? sTokAll[ub + u] : 0) * p.qi_stride_t + int64_t(r) * p.qi_stride_h + c * 8;
         cp_async_16(qi_dst + swizzled_offset(u, c, di), src, ok);
       }
     }
   };
-  fetch_step(0, 0);
+  fetch_step(0);
   cp_async_commit();
 
   for (int step = 0; step < steps; ++step) {
-    const int tile = step / J, j = step % J, buf = Sh::template stages<kOut>() == 2 ? step & 1 : 0;
+    const int tile = step / J, j = step % J;
     const int ub = tile * U;
     const int nu = min(U, n_units - ub);
     const int* sEntry = sEntryAll + ub;
     const int* sTok = sTokAll + ub;
-    const int h0 = r * G + j * Gu;  // first query head of this step
-    T* sQb = sQ + buf * Sh::kMaxRows * D;
-    T* sQib = sQi + buf * Sh::kMaxUnits * Sh::kMaxDi;
-    const float* sLseb = sLse + buf * Sh::kMaxRows;
+    const T* sQb = sQ;
+    const T* sQib = sQi;
     // Last visible key (block-relative) for a unit of this tile, -1 when the unit slot is empty.
     auto key_limit = [&](int u, int nu_) {
       return u < nu_ ? min(blen - 1, sTok[u] - seq_start - key0) : -1;
@@ -208,14 +209,8 @@ __global__ void __launch_bounds__(SparseFwdShape::kThreads) sparse_fwd_kernel(Sp
       load_kv(j);
       cp_async_commit();
     }
-    if constexpr (Sh::template stages<kOut>() == 2) {
-      if (step + 1 < steps) fetch_step(step + 1, buf ^ 1);
-      cp_async_commit();
-      cp_async_wait<1>();
-    } else {
-      cp_async_commit();  // this step's rows were fetched during the previous step (after its Q K^T)
-      cp_async_wait<0>();
-    }
+    cp_async_commit();  // this step's rows were fetched during the previous step (after its Q K^T)
+    cp_async_wait<0>();
     __syncthreads();
 
       // Index logits of the tile's units (once per tile): warp w takes keys [16w, 16w + 16).
@@ -233,14 +228,54 @@ __global__ void __launch_bounds__(SparseFwdShape::kThreads) sparse_fwd_kernel(Sp
             MmaOp<T>::run(ci[0], a, b[0], b[1]);
             MmaOp<T>::run(ci[1], a, b[2], b[3]);
           }
+          if constexpr (kOut) {
 #pragma unroll
-          for (int n = 0; n < 2; ++n) {
-            const int col = warp * 16 + n * 8 + 2 * tq;
-            const int row = mt * 16 + g;
-            sSi[row * Sh::kKeys + col] = ci[n][0] * p.index_scale;
-            sSi[row * Sh::kKeys + col + 1] = ci[n][1] * p.index_scale;
-            sSi[(row + 8) * Sh::kKeys + col] = ci[n][2] * p.index_scale;
-            sSi[(row + 8) * Sh::kKeys + col + 1] = ci[n][3] * p.index_scale;
+            for (int n = 0; n < 2; ++n) {
+              const int col = warp * 16 + n * 8 + 2 * tq;
+              const int row = mt * 16 + g;
+              sSi[row * Sh::kKeys + col] = ci[n][0] * p.index_scale;
+              sSi[row * Sh::kKeys + col + 1] = ci[n][1] * p.index_scale;
+              sSi[(row + 8) * Sh::kKeys + col] = ci[n][2] * p.index_scale;
+              sSi[(row + 8) * Sh::kKeys + col + 1] = ci[n][3] * p.index_scale;
+            }
+          } else {
+            // Max and sum of exp of the index logits (log2 domain) of units mt * 16 + g and + 8 over this
+            // warp's 16 keys; merged per unit after the step's last barrier.
+            const int ua = mt * 16 + g, ub2 = ua + 8;
+            const int lima = key_limit(ua, nu), limb = key_limit(ub2, nu);
+            float x[2][4];
+            float ma = kFwdNegInf, mb = kFwdNegInf;
+#pragma unroll
+            for (int n = 0; n < 2; ++n) {
+              const int col = warp * 16 + n * 8 + 2 * tq;
+              x[n][0] = col <= lima ? ci[n][0] * p.index_scale * kLog2e : kFwdNegInf;
+              x[n][1] = col + 1 <= lima ? ci[n][1] * p.index_scale * kLog2e : kFwdNegInf;
+              x[n][2] = col <= limb ? ci[n][2] * p.index_scale * kLog2e : kFwdNegInf;
+              x[n][3] = col + 1 <= limb ? ci[n][3] * p.index_scale * kLog2e : kFwdNegInf;
+              ma = fmaxf(ma, fmaxf(x[n][0], x[n][1]));
+              mb = fmaxf(mb, fmaxf(x[n][2], x[n][3]));
+            }
+#pragma unroll
+            for (int off = 1; off <= 2; off <<= 1) {
+              ma = fmaxf(ma, __shfl_xor_sync(0xffffffffu, ma, off));
+              mb = fmaxf(mb, __shfl_xor_sync(0xffffffffu, mb, off));
+            }
+            const float ba = ma == kFwdNegInf ? 0.f : ma, bb = mb == kFwdNegInf ? 0.f : mb;
+            float la = 0.f, lb = 0.f;
+#pragma unroll
+            for (int n = 0; n < 2; ++n) {
+              la += exp2f(x[n][0] - ba) + exp2f(x[n][1] - ba);
+              lb += exp2f(x[n][2] - bb) + exp2f(x[n][3] - bb);
+            }
+#pragma unroll
+            for (int off = 1; off <= 2; off <<= 1) {
+              la += __shfl_xor_sync(0xffffffffu, la, off);
+              lb += __shfl_xor_sync(0xffffffffu, lb, off);
+            }
+            if (tq == 0) {
+              sIPart[warp * Sh::kMaxUnits + ua] = make_float2(ma, la);
+              sIPart[warp * Sh::kMaxUnits + ub2] = make_float2(mb, lb);
+            }
           }
         }
       }
@@ -271,16 +306,16 @@ __global__ void __launch_bounds__(SparseFwdShape::kThreads) sparse_fwd_kernel(Sp
       }
       float e0 = 0.f, e1 = 0.f;
       if constexpr (kOut) {
-        // One stage: once every warp has read this step's Q, Q_idx and lse, the next step's rows are
-        // fetched into the same buffers while P V and the KL terms of this step run.
         if (active) {
-          e0 = sLseb[row0] * kLog2e;
-          e1 = sLseb[row1] * kLog2e;
+          e0 = sLse[row0] * kLog2e;
+          e1 = sLse[row1] * kLog2e;
         }
-        __syncthreads();
-        if (step + 1 < steps) fetch_step(step + 1, 0);
-        cp_async_commit();
       }
+      // One buffer: once every warp has read this step's Q, Q_idx and lse, the next step's rows are
+      // fetched into it while the rest of this step runs.
+      __syncthreads();
+      if (step + 1 < steps) fetch_step(step + 1);
+      cp_async_commit();
       if (active) {
         const int u0 = max(sRowU[row0], 0), u1 = max(sRowU[row1], 0);
         const int hh0 = sRowH[row0], hh1 = sRowH[row1];
@@ -461,23 +496,30 @@ __global__ void __launch_bounds__(SparseFwdShape::kThreads) sparse_fwd_kernel(Sp
         }
       }
 
-    // Per unit, once the tile's last kv head is done (warp w takes units w, w + 4, ...; lane takes keys
-    // lane + 32 i): index stats or KL terms.
-    if (index && j == J - 1) {
-      for (int u = warp; u < nu; u += Sh::kThreads / 32) {
+    if constexpr (!kOut) {
+      // Index stats per unit: merge the warps' (max, sum) over their 16 keys each, in warp order.
+      if (index && j == 0) {
+        const int nw = min(Sh::kWarps, p.block_size / 16);
+        for (int u = tid; u < nu; u += Sh::kThreads) {
+          float m = kFwdNegInf;
+          for (int w2 = 0; w2 < nw; ++w2) m = fmaxf(m, sIPart[w2 * Sh::kMaxUnits + u].x);
+          float l = 0.f;
+          for (int w2 = 0; w2 < nw; ++w2) {
+            const float2 part = sIPart[w2 * Sh::kMaxUnits + u];
+            if (part.x != kFwdNegInf) l += part.y * exp2f(part.x - m);
+          }
+          p.idx_stats[sEntry[u]] = make_float2(m, l);
+        }
+      }
+    }
+
+    // Per unit, once the tile's last kv head is done (warp w takes units w, w + 8, ...; lane takes keys
+    // lane + 32 i): KL terms, when the register path above does not apply.
+    if (kOut && index && j == J - 1) {
+      for (int u = warp; u < nu && !fast_kl; u += Sh::kThreads / 32) {
         const int lim = key_limit(u, nu);
         const float* si = sSi + u * Sh::kKeys;
-        if constexpr (!kOut) {
-          float m = kFwdNegInf;
-          for (int col = lane; col <= lim; col += 32) m = fmaxf(m, si[col] * kLog2e);
-#pragma unroll
-          for (int off = 16; off >= 1; off >>= 1) m = fmaxf(m, __shfl_xor_sync(0xffffffffu, m, off));
-          float l = 0.f;
-          for (int col = lane; col <= lim; col += 32) l += exp2f(si[col] * kLog2e - m);
-#pragma unroll
-          for (int off = 16; off >= 1; off >>= 1) l += __shfl_xor_sync(0xffffffffu, l, off);
-          if (lane == 0) p.idx_stats[sEntry[u]] = make_float2(m, l);
-        } else if (!fast_kl) {
+        {
           const float inv_g = 1.f / float(G);
           const bool grad = p.dsi_part != nullptr;
           const float lse_idx2 = grad ? p.lse_idx[int64_t(r) * p.total_tokens + sTok[u]] * kLog2e : 0.f;
@@ -554,6 +596,9 @@ cudaError_t launch_sparse_fwd_pass(const SparseFwdParams& p, cudaStream_t stream
   constexpr int smem = SparseFwdShape::Smem<T, D, kOut>::bytes;
   auto kernel = sparse_fwd_kernel<T, D, kOut>;
   cudaError_t err = cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, smem);
+  // The stats pass runs two CTAs per SM: ask for the largest shared-memory carve-out.
+  if (err == cudaSuccess)
+    err = cudaFuncSetAttribute(kernel, cudaFuncAttributePreferredSharedMemoryCarveout, cudaSharedmemCarveoutMaxShared);
   if (err != cudaSuccess) return err;
   kernel<<<p.work.max_items, SparseFwdShape::kThreads, smem, stream>>>(p);
   return cudaGetLastError();
