@@ -30,13 +30,16 @@
 namespace msa::sm80 {
 
 struct SparseFwdShape {
-  static constexpr int kThreads = 256;  // eight warps, 16 main rows each
+  // Stats pass: eight warps of 16 rows x all 128 keys (two CTAs per SM). Output pass: sixteen warps,
+  // a pair per 16 rows that splits the keys for Q K^T and the KL terms and D for P V (P meets in
+  // shared memory), so that each thread holds 64 accumulators and 16 warps fit in the registers.
+  template <bool kOut>
+  static constexpr int threads() { return kOut ? 512 : 256; }
   static constexpr int kKeys = 128;     // MMA columns: one block (block_size 64 uses the first half)
   static constexpr int kMaxRows = 128;
   static constexpr int kMaxUnits = 32;     // per tile
   static constexpr int kMaxItemUnits = 128;  // per work item (units_per_item <= this)
   static constexpr int kMaxDi = 128;
-  static constexpr int kWarps = kThreads / 32;
   template <typename T, int D, bool kOut>
   struct Smem {  // byte offsets; the stats pass has no V, S_idx, P or dsi tiles (two CTAs per SM)
     static constexpr int k = 0;
@@ -47,11 +50,12 @@ struct SparseFwdShape {
     static constexpr int si = qi + kMaxUnits * kMaxDi * int(sizeof(T));
     // Output pass: index logits per (unit, key). Stats pass: per (warp, unit) max and sum of the index
     // logits over the warp's 16 keys.
-    static constexpr int p = si + (kOut ? kMaxUnits * kKeys * 4 : kWarps * kMaxUnits * 8);
+    static constexpr int p = si + (kOut ? kMaxUnits * kKeys * 4 : 8 * kMaxUnits * 8);
     static constexpr int psum = p + (kOut ? kMaxRows * kKeys * int(sizeof(T)) : 0);  // P in the input dtype
     static constexpr int dsi = psum + (kOut ? kMaxUnits * kKeys * 4 : 0);
     static constexpr int lse = dsi + (kOut ? kMaxUnits * kKeys * int(sizeof(T)) : 0);
-    static constexpr int unit = lse + (kOut ? kMaxRows * 4 : 0);
+    static constexpr int kl = lse + (kOut ? kMaxRows * 4 : 0);  // per key half and unit: the KL sums
+    static constexpr int unit = kl + (kOut ? 2 * kMaxUnits * 4 : 0);
     static constexpr int rows = unit + 2 * kMaxItemUnits * 4;  // row -> (unit, head) tables
     static constexpr int bytes = rows + 2 * kMaxRows * 4;
   };
@@ -64,10 +68,15 @@ constexpr float kFwdNegInf = -__builtin_huge_valf();
 __host__ __device__ inline int sparse_rows_per_tile(int gu) { return gu >= 4 ? 128 : 32 * gu; }
 
 template <typename T, int D, bool kOut>
-__global__ void __launch_bounds__(SparseFwdShape::kThreads, kOut ? 1 : 2) sparse_fwd_kernel(SparseFwdParams p) {
+__global__ void __launch_bounds__(SparseFwdShape::threads<kOut>(), kOut ? 1 : 2) sparse_fwd_kernel(SparseFwdParams p) {
   using Sh = SparseFwdShape;
   using L = typename Sh::template Smem<T, D, kOut>;
   using Tile = SwizzledTile<D>;
+  using PTile = SwizzledTile<Sh::kKeys>;  // P and dsi tiles: rows x 128 keys
+  constexpr int kThreadsT = Sh::template threads<kOut>();
+  constexpr int kWarpsT = kThreadsT / 32;
+  constexpr int kN8 = kOut ? 8 : 16;    // n8 key tiles per warp
+  constexpr int kDo = kOut ? D / 2 : D;  // P V output columns per warp
   constexpr int kChunks = Tile::kChunks;
   extern __shared__ __align__(128) unsigned char smem[];
   T* sK = reinterpret_cast<T*>(smem + L::k);
@@ -81,6 +90,7 @@ __global__ void __launch_bounds__(SparseFwdShape::kThreads, kOut ? 1 : 2) sparse
   float* sPsum = reinterpret_cast<float*>(smem + L::psum);
   T* sDsi = reinterpret_cast<T*>(smem + L::dsi);
   float* sLse = reinterpret_cast<float*>(smem + L::lse);
+  float* sKl = reinterpret_cast<float*>(smem + L::kl);
   int* sEntryAll = reinterpret_cast<int*>(smem + L::unit);  // the item's units: local entry ids, tokens
   int* sTokAll = sEntryAll + Sh::kMaxItemUnits;
   int* sRowU = reinterpret_cast<int*>(smem + L::rows);  // tile row -> unit (-1: padding) and head in unit
@@ -112,6 +122,9 @@ __global__ void __launch_bounds__(SparseFwdShape::kThreads, kOut ? 1 : 2) sparse
 
   const int tid = threadIdx.x, warp = tid / 32, lane = tid % 32;
   const int g = lane / 4, tq = lane % 4;
+  // Row group (16 rows), key half (output pass: also the half of D in P V), first key, and the 16 keys
+  // of the index logits of this warp.
+  const int rg = warp % 8, kh = warp / 8, kb = kh * kN8 * 8, kw = warp % 8;
   const T* Q = static_cast<const T*>(p.q);
   const T* K = static_cast<const T*>(p.k);
   const T* V = static_cast<const T*>(p.v);
@@ -119,7 +132,7 @@ __global__ void __launch_bounds__(SparseFwdShape::kThreads, kOut ? 1 : 2) sparse
   const T* KI = static_cast<const T*>(p.k_idx);
 
   // Row -> (unit, head) once: the hot loops below do no runtime division.
-  for (int row = tid; row < Sh::kMaxRows; row += Sh::kThreads) {
+  for (int row = tid; row < Sh::kMaxRows; row += kThreadsT) {
     const int u = row / Gu;
     sRowU[row] = (row < R && u < U) ? u : -1;
     sRowH[row] = row % Gu;
@@ -127,7 +140,7 @@ __global__ void __launch_bounds__(SparseFwdShape::kThreads, kOut ? 1 : 2) sparse
 
   // The item's unit table, once.
   const int n_units = u_end - u_begin;
-  for (int i = tid; i < n_units; i += Sh::kThreads) {
+  for (int i = tid; i < n_units; i += kThreadsT) {
     const int e = w.entries[u_begin + i];
     const int t = (e / p.topk) % p.total_tokens;
     sEntryAll[i] = (r * p.chunk_tokens + (t - p.chunk_begin)) * p.topk + e % p.topk;  // chunk-local entry
@@ -138,7 +151,7 @@ __global__ void __launch_bounds__(SparseFwdShape::kThreads, kOut ? 1 : 2) sparse
     const int kvh = (r * G + j * Gu) / (p.hq / p.hkv);
     const T* ks = K + int64_t(seq_start + key0) * p.k_stride_t + int64_t(kvh) * p.k_stride_h;
     const T* vs = V + int64_t(seq_start + key0) * p.v_stride_t + int64_t(kvh) * p.v_stride_h;
-    for (int i = tid; i < Sh::kKeys * kChunks; i += Sh::kThreads) {
+    for (int i = tid; i < Sh::kKeys * kChunks; i += kThreadsT) {
       const int row = i / kChunks, c = i % kChunks;
       const bool ok = row < blen;
       const int rr = ok ? row : 0;
@@ -149,7 +162,7 @@ __global__ void __launch_bounds__(SparseFwdShape::kThreads, kOut ? 1 : 2) sparse
   load_kv(0);
   if (index) {
     const T* src = KI + int64_t(seq_start + key0) * p.ki_stride_t + int64_t(kih) * p.ki_stride_h;
-    for (int i = tid; i < Sh::kKeys * di_chunks; i += Sh::kThreads) {
+    for (int i = tid; i < Sh::kKeys * di_chunks; i += kThreadsT) {
       const int row = i >> dc_shift, c = i & (di_chunks - 1);
       const bool ok = row < blen;
       cp_async_16(sKi + swizzled_offset(row, c, di), src + int64_t(ok ? row : 0) * p.ki_stride_t + c * 8, ok);
@@ -165,7 +178,7 @@ __global__ void __launch_bounds__(SparseFwdShape::kThreads, kOut ? 1 : 2) sparse
     const int ub = tile * U, nu = min(U, n_units - ub);
     const int h0 = r * G + j * Gu;
     T* q_dst = sQ;
-    for (int i = tid; i < R * kChunks; i += Sh::kThreads) {
+    for (int i = tid; i < R * kChunks; i += kThreadsT) {
       const int row = i / kChunks, c = i % kChunks;
       const int u = sRowU[row];
       const bool ok = u >= 0 && u < nu;
@@ -173,7 +186,7 @@ __global__ void __launch_bounds__(SparseFwdShape::kThreads, kOut ? 1 : 2) sparse
       cp_async_16(q_dst + Tile::offset(row, c), src, ok);
     }
     if constexpr (kOut) {
-      for (int row = tid; row < R; row += Sh::kThreads) {
+      for (int row = tid; row < R; row += kThreadsT) {
         const int u = sRowU[row];
         const bool ok = u >= 0 && u < nu;
         cp_async_4(sLse + row,
@@ -182,7 +195,7 @@ __global__ void __launch_bounds__(SparseFwdShape::kThreads, kOut ? 1 : 2) sparse
     }
     if (index && j == 0) {
       T* qi_dst = sQi;
-      for (int i = tid; i < Sh::kMaxUnits * di_chunks; i += Sh::kThreads) {
+      for (int i = tid; i < Sh::kMaxUnits * di_chunks; i += kThreadsT) {
         const int u = i >> dc_shift, c = i & (di_chunks - 1);
         const bool ok = u < nu;
         const T* src = QI + int64_t(ok ? sTokAll[ub + u] : 0) * p.qi_stride_t + int64_t(r) * p.qi_stride_h + c * 8;
@@ -199,8 +212,6 @@ __global__ void __launch_bounds__(SparseFwdShape::kThreads, kOut ? 1 : 2) sparse
     const int nu = min(U, n_units - ub);
     const int* sEntry = sEntryAll + ub;
     const int* sTok = sTokAll + ub;
-    const T* sQb = sQ;
-    const T* sQib = sQi;
     // Last visible key (block-relative) for a unit of this tile, -1 when the unit slot is empty.
     auto key_limit = [&](int u, int nu_) {
       return u < nu_ ? min(blen - 1, sTok[u] - seq_start - key0) : -1;
@@ -213,294 +224,304 @@ __global__ void __launch_bounds__(SparseFwdShape::kThreads, kOut ? 1 : 2) sparse
     cp_async_wait<0>();
     __syncthreads();
 
-      // Index logits of the tile's units (once per tile): warp w takes keys [16w, 16w + 16).
-      if (index && j == 0 && warp * 16 < p.block_size) {
-        for (int mt = 0; mt * 16 < nu; ++mt) {
-          float ci[2][4];
+    // Index logits of the tile's units (once per tile): warp w takes keys [16 (w % 8), +16) and, in
+    // the output pass (16 warps), the units' m-tiles w / 8, w / 8 + 2, ...
+    if (index && j == 0 && kw * 16 < p.block_size) {
+      for (int mt = warp / 8; mt * 16 < nu; mt += kWarpsT / 8) {
+        float ci[2][4];
 #pragma unroll
-          for (int n = 0; n < 2; ++n)
+        for (int n = 0; n < 2; ++n)
 #pragma unroll
-            for (int e = 0; e < 4; ++e) ci[n][e] = 0.f;
-          for (int ks = 0; ks < di / 16; ++ks) {
-            uint32_t a[4], b[4];
-            ldmatrix_x4(a, sQib + swizzled_offset(mt * 16 + lane % 16, ks * 2 + lane / 16, di));
-            ldmatrix_x4(b, sKi + swizzled_offset(warp * 16 + (lane % 8) + (lane / 16) * 8, ks * 2 + (lane / 8) % 2, di));
-            MmaOp<T>::run(ci[0], a, b[0], b[1]);
-            MmaOp<T>::run(ci[1], a, b[2], b[3]);
-          }
-          if constexpr (kOut) {
-#pragma unroll
-            for (int n = 0; n < 2; ++n) {
-              const int col = warp * 16 + n * 8 + 2 * tq;
-              const int row = mt * 16 + g;
-              sSi[row * Sh::kKeys + col] = ci[n][0] * p.index_scale;
-              sSi[row * Sh::kKeys + col + 1] = ci[n][1] * p.index_scale;
-              sSi[(row + 8) * Sh::kKeys + col] = ci[n][2] * p.index_scale;
-              sSi[(row + 8) * Sh::kKeys + col + 1] = ci[n][3] * p.index_scale;
-            }
-          } else {
-            // Max and sum of exp of the index logits (log2 domain) of units mt * 16 + g and + 8 over this
-            // warp's 16 keys; merged per unit after the step's last barrier.
-            const int ua = mt * 16 + g, ub2 = ua + 8;
-            const int lima = key_limit(ua, nu), limb = key_limit(ub2, nu);
-            float x[2][4];
-            float ma = kFwdNegInf, mb = kFwdNegInf;
-#pragma unroll
-            for (int n = 0; n < 2; ++n) {
-              const int col = warp * 16 + n * 8 + 2 * tq;
-              x[n][0] = col <= lima ? ci[n][0] * p.index_scale * kLog2e : kFwdNegInf;
-              x[n][1] = col + 1 <= lima ? ci[n][1] * p.index_scale * kLog2e : kFwdNegInf;
-              x[n][2] = col <= limb ? ci[n][2] * p.index_scale * kLog2e : kFwdNegInf;
-              x[n][3] = col + 1 <= limb ? ci[n][3] * p.index_scale * kLog2e : kFwdNegInf;
-              ma = fmaxf(ma, fmaxf(x[n][0], x[n][1]));
-              mb = fmaxf(mb, fmaxf(x[n][2], x[n][3]));
-            }
-#pragma unroll
-            for (int off = 1; off <= 2; off <<= 1) {
-              ma = fmaxf(ma, __shfl_xor_sync(0xffffffffu, ma, off));
-              mb = fmaxf(mb, __shfl_xor_sync(0xffffffffu, mb, off));
-            }
-            const float ba = ma == kFwdNegInf ? 0.f : ma, bb = mb == kFwdNegInf ? 0.f : mb;
-            float la = 0.f, lb = 0.f;
-#pragma unroll
-            for (int n = 0; n < 2; ++n) {
-              la += exp2f(x[n][0] - ba) + exp2f(x[n][1] - ba);
-              lb += exp2f(x[n][2] - bb) + exp2f(x[n][3] - bb);
-            }
-#pragma unroll
-            for (int off = 1; off <= 2; off <<= 1) {
-              la += __shfl_xor_sync(0xffffffffu, la, off);
-              lb += __shfl_xor_sync(0xffffffffu, lb, off);
-            }
-            if (tq == 0) {
-              sIPart[warp * Sh::kMaxUnits + ua] = make_float2(ma, la);
-              sIPart[warp * Sh::kMaxUnits + ub2] = make_float2(mb, lb);
-            }
-          }
+          for (int e = 0; e < 4; ++e) ci[n][e] = 0.f;
+        for (int ks = 0; ks < di / 16; ++ks) {
+          uint32_t a[4], b[4];
+          ldmatrix_x4(a, sQi + swizzled_offset(mt * 16 + lane % 16, ks * 2 + lane / 16, di));
+          ldmatrix_x4(b, sKi + swizzled_offset(kw * 16 + (lane % 8) + (lane / 16) * 8, ks * 2 + (lane / 8) % 2, di));
+          MmaOp<T>::run(ci[0], a, b[0], b[1]);
+          MmaOp<T>::run(ci[1], a, b[2], b[3]);
         }
-      }
-
-      // Main logits: warp w takes rows [16w, 16w + 16) against all keys.
-      const bool active = warp * 16 < R && (kOut || p.main_stats);
-      const int row0 = warp * 16 + g, row1 = row0 + 8;
-      float c[16][4];
+        if constexpr (kOut) {
 #pragma unroll
-      for (int n = 0; n < 16; ++n)
-#pragma unroll
-        for (int e = 0; e < 4; ++e) c[n][e] = 0.f;
-      if (active) {
-#pragma unroll
-        for (int ks = 0; ks < D / 16; ++ks) {
-          uint32_t a[4];
-          ldmatrix_x4(a, sQb + Tile::offset(warp * 16 + lane % 16, ks * 2 + lane / 16));
-#pragma unroll
-          for (int np = 0; np < 8; ++np) {
-            if (2 * np < nk8) {
-              uint32_t b[4];
-              ldmatrix_x4(b, sK + Tile::offset(np * 16 + (lane % 8) + (lane / 16) * 8, ks * 2 + (lane / 8) % 2));
-              MmaOp<T>::run(c[2 * np], a, b[0], b[1]);
-              MmaOp<T>::run(c[2 * np + 1], a, b[2], b[3]);
-            }
-          }
-        }
-      }
-      float e0 = 0.f, e1 = 0.f;
-      if constexpr (kOut) {
-        if (active) {
-          e0 = sLse[row0] * kLog2e;
-          e1 = sLse[row1] * kLog2e;
-        }
-      }
-      // One buffer: once every warp has read this step's Q, Q_idx and lse, the next step's rows are
-      // fetched into it while the rest of this step runs.
-      __syncthreads();
-      if (step + 1 < steps) fetch_step(step + 1);
-      cp_async_commit();
-      if (active) {
-        const int u0 = max(sRowU[row0], 0), u1 = max(sRowU[row1], 0);
-        const int hh0 = sRowH[row0], hh1 = sRowH[row1];
-        const int lim0 = sRowU[row0] >= 0 ? key_limit(u0, nu) : -1;
-        const int lim1 = sRowU[row1] >= 0 ? key_limit(u1, nu) : -1;
-#pragma unroll
-        for (int n = 0; n < 16; ++n) {
-          const int col = n * 8 + 2 * tq;
-          c[n][0] = col <= lim0 ? c[n][0] * p.scale_log2 : kFwdNegInf;
-          c[n][1] = col + 1 <= lim0 ? c[n][1] * p.scale_log2 : kFwdNegInf;
-          c[n][2] = col <= lim1 ? c[n][2] * p.scale_log2 : kFwdNegInf;
-          c[n][3] = col + 1 <= lim1 ? c[n][3] * p.scale_log2 : kFwdNegInf;
-        }
-        if constexpr (!kOut) {
-          float m0 = kFwdNegInf, m1 = kFwdNegInf;
-#pragma unroll
-          for (int n = 0; n < 16; ++n) {
-            m0 = fmaxf(m0, fmaxf(c[n][0], c[n][1]));
-            m1 = fmaxf(m1, fmaxf(c[n][2], c[n][3]));
-          }
-#pragma unroll
-          for (int off = 1; off <= 2; off <<= 1) {
-            m0 = fmaxf(m0, __shfl_xor_sync(0xffffffffu, m0, off));
-            m1 = fmaxf(m1, __shfl_xor_sync(0xffffffffu, m1, off));
-          }
-          const float b0 = m0 == kFwdNegInf ? 0.f : m0, b1 = m1 == kFwdNegInf ? 0.f : m1;
-          float l0 = 0.f, l1 = 0.f;
-#pragma unroll
-          for (int n = 0; n < 16; ++n) {
-            l0 += exp2f(c[n][0] - b0) + exp2f(c[n][1] - b0);
-            l1 += exp2f(c[n][2] - b1) + exp2f(c[n][3] - b1);
-          }
-#pragma unroll
-          for (int off = 1; off <= 2; off <<= 1) {
-            l0 += __shfl_xor_sync(0xffffffffu, l0, off);
-            l1 += __shfl_xor_sync(0xffffffffu, l1, off);
-          }
-          if (tq == 0) {
-            if (lim0 >= 0) p.stats[int64_t(sEntry[u0]) * G + j * Gu + hh0] = make_float2(m0, l0);
-            if (lim1 >= 0) p.stats[int64_t(sEntry[u1]) * G + j * Gu + hh1] = make_float2(m1, l1);
+          for (int n = 0; n < 2; ++n) {
+            const int col = kw * 16 + n * 8 + 2 * tq;
+            const int row = mt * 16 + g;
+            sSi[row * Sh::kKeys + col] = ci[n][0] * p.index_scale;
+            sSi[row * Sh::kKeys + col + 1] = ci[n][1] * p.index_scale;
+            sSi[(row + 8) * Sh::kKeys + col] = ci[n][2] * p.index_scale;
+            sSi[(row + 8) * Sh::kKeys + col + 1] = ci[n][3] * p.index_scale;
           }
         } else {
+          // Max and sum of exp of the index logits (log2 domain) of units mt * 16 + g and + 8 over this
+          // warp's 16 keys; merged per unit after the step's last barrier.
+          const int ua = mt * 16 + g, ub2 = ua + 8;
+          const int lima = key_limit(ua, nu), limb = key_limit(ub2, nu);
+          float x[2][4];
+          float ma = kFwdNegInf, mb = kFwdNegInf;
 #pragma unroll
-          for (int n = 0; n < 16; ++n) {
-            c[n][0] = exp2f(c[n][0] - e0);
-            c[n][1] = exp2f(c[n][1] - e0);
-            c[n][2] = exp2f(c[n][2] - e1);
-            c[n][3] = exp2f(c[n][3] - e1);
+          for (int n = 0; n < 2; ++n) {
+            const int col = kw * 16 + n * 8 + 2 * tq;
+            x[n][0] = col <= lima ? ci[n][0] * p.index_scale * kLog2e : kFwdNegInf;
+            x[n][1] = col + 1 <= lima ? ci[n][1] * p.index_scale * kLog2e : kFwdNegInf;
+            x[n][2] = col <= limb ? ci[n][2] * p.index_scale * kLog2e : kFwdNegInf;
+            x[n][3] = col + 1 <= limb ? ci[n][3] * p.index_scale * kLog2e : kFwdNegInf;
+            ma = fmaxf(ma, fmaxf(x[n][0], x[n][1]));
+            mb = fmaxf(mb, fmaxf(x[n][2], x[n][3]));
           }
-          if (index && !fast_kl) {
 #pragma unroll
-            for (int n = 0; n < 16; ++n) {
-              const int col = n * 8 + 2 * tq;
-              *reinterpret_cast<uint32_t*>(sP + row0 * Sh::kKeys + col) = pack2<T>(c[n][0], c[n][1]);
-              *reinterpret_cast<uint32_t*>(sP + row1 * Sh::kKeys + col) = pack2<T>(c[n][2], c[n][3]);
-            }
+          for (int off = 1; off <= 2; off <<= 1) {
+            ma = fmaxf(ma, __shfl_xor_sync(0xffffffffu, ma, off));
+            mb = fmaxf(mb, __shfl_xor_sync(0xffffffffu, mb, off));
           }
-          if (p.write_out) {  // false: KL only (warmup), no P V
-          float o[D / 8][4];
+          const float ba = ma == kFwdNegInf ? 0.f : ma, bb = mb == kFwdNegInf ? 0.f : mb;
+          float la = 0.f, lb = 0.f;
 #pragma unroll
-          for (int n = 0; n < D / 8; ++n)
-#pragma unroll
-            for (int e = 0; e < 4; ++e) o[n][e] = 0.f;
-#pragma unroll
-          for (int kk = 0; kk < 8; ++kk) {  // 16 keys per step
-            if (2 * kk < nk8) {
-              uint32_t a[4];
-              a[0] = pack2<T>(c[2 * kk][0], c[2 * kk][1]);
-              a[1] = pack2<T>(c[2 * kk][2], c[2 * kk][3]);
-              a[2] = pack2<T>(c[2 * kk + 1][0], c[2 * kk + 1][1]);
-              a[3] = pack2<T>(c[2 * kk + 1][2], c[2 * kk + 1][3]);
-#pragma unroll
-              for (int dp = 0; dp < D / 16; ++dp) {
-                uint32_t b[4];
-                ldmatrix_x4_trans(b, sV + Tile::offset(kk * 16 + (lane % 8) + ((lane / 8) % 2) * 8, dp * 2 + lane / 16));
-                MmaOp<T>::run(o[2 * dp], a, b[0], b[1]);
-                MmaOp<T>::run(o[2 * dp + 1], a, b[2], b[3]);
-              }
-            }
+          for (int n = 0; n < 2; ++n) {
+            la += exp2f(x[n][0] - ba) + exp2f(x[n][1] - ba);
+            lb += exp2f(x[n][2] - bb) + exp2f(x[n][3] - bb);
           }
-          T* part = static_cast<T*>(p.out_part);
-          if (lim0 >= 0) {
-            uint32_t* dst = reinterpret_cast<uint32_t*>(part + (int64_t(sEntry[u0]) * G + j * Gu + hh0) * D);
 #pragma unroll
-            for (int n = 0; n < D / 8; ++n) dst[n * 4 + tq] = pack2<T>(o[n][0], o[n][1]);
+          for (int off = 1; off <= 2; off <<= 1) {
+            la += __shfl_xor_sync(0xffffffffu, la, off);
+            lb += __shfl_xor_sync(0xffffffffu, lb, off);
           }
-          if (lim1 >= 0) {
-            uint32_t* dst = reinterpret_cast<uint32_t*>(part + (int64_t(sEntry[u1]) * G + j * Gu + hh1) * D);
-#pragma unroll
-            for (int n = 0; n < D / 8; ++n) dst[n * 4 + tq] = pack2<T>(o[n][2], o[n][3]);
+          if (tq == 0) {
+            sIPart[kw * Sh::kMaxUnits + ua] = make_float2(ma, la);
+            sIPart[kw * Sh::kMaxUnits + ub2] = make_float2(mb, lb);
           }
+        }
+      }
+    }
+
+    // Main logits: warp (rg, kh) takes rows [16 rg, 16 rg + 16) against keys [kb, kb + 8 kN8).
+    const bool live = rg * 16 < R;
+    const bool active = live && (kOut || p.main_stats);
+    const int row0 = rg * 16 + g, row1 = row0 + 8;
+    float c[kN8][4];
+#pragma unroll
+    for (int n = 0; n < kN8; ++n)
+#pragma unroll
+      for (int e = 0; e < 4; ++e) c[n][e] = 0.f;
+    if (active) {
+#pragma unroll
+      for (int ks = 0; ks < D / 16; ++ks) {
+        uint32_t a[4];
+        ldmatrix_x4(a, sQ + Tile::offset(rg * 16 + lane % 16, ks * 2 + lane / 16));
+#pragma unroll
+        for (int np = 0; np < kN8 / 2; ++np) {
+          if (kb / 8 + 2 * np < nk8) {
+            uint32_t b[4];
+            ldmatrix_x4(b, sK + Tile::offset(kb + np * 16 + (lane % 8) + (lane / 16) * 8, ks * 2 + (lane / 8) % 2));
+            MmaOp<T>::run(c[2 * np], a, b[0], b[1]);
+            MmaOp<T>::run(c[2 * np + 1], a, b[2], b[3]);
           }
-          if (fast_kl) {
-            // Pm * G per (unit, key): the unit's rows differ in the low log2(Gu) bits of g (lane bits 2..).
-            // (In place: after P V the probabilities in c are not needed any more.)
-            float (&v)[16][4] = c;
-            // Reduce-scatter over the unit's Gu lanes (lane bits 2.. = low bits gi of g): at bit b the
-            // lane keeps one n-tile of each pair (n, n | b) and sends the other, so afterwards slot n
-            // (low log2(Gu) bits zero) of lane gi holds the unit's sum for n-tile n + gi.
-            const int gi = g & (Gu - 1);
+        }
+      }
+    }
+    float e0 = 0.f, e1 = 0.f;
+    if constexpr (kOut) {
+      if (live) {
+        e0 = sLse[row0] * kLog2e;
+        e1 = sLse[row1] * kLog2e;
+      }
+    }
+    // One buffer: once every warp has read this step's Q, Q_idx and lse, the next step's rows are
+    // fetched into it while the rest of this step runs.
+    __syncthreads();
+    if (step + 1 < steps) fetch_step(step + 1);
+    cp_async_commit();
+
+    const int u0 = max(sRowU[row0], 0), u1 = max(sRowU[row1], 0);
+    const int hh0 = sRowH[row0], hh1 = sRowH[row1];
+    const int lim0 = live && sRowU[row0] >= 0 ? key_limit(u0, nu) : -1;
+    const int lim1 = live && sRowU[row1] >= 0 ? key_limit(u1, nu) : -1;
+    if (active) {
 #pragma unroll
-            for (int b = 1; b <= 4; b <<= 1) {
-              if (b < Gu) {
-                const bool hi = (gi & b) != 0;
+      for (int n = 0; n < kN8; ++n) {
+        const int col = kb + n * 8 + 2 * tq;
+        c[n][0] = col <= lim0 ? c[n][0] * p.scale_log2 : kFwdNegInf;
+        c[n][1] = col + 1 <= lim0 ? c[n][1] * p.scale_log2 : kFwdNegInf;
+        c[n][2] = col <= lim1 ? c[n][2] * p.scale_log2 : kFwdNegInf;
+        c[n][3] = col + 1 <= lim1 ? c[n][3] * p.scale_log2 : kFwdNegInf;
+      }
+    }
+    if constexpr (!kOut) {
+      if (active) {
+        float m0 = kFwdNegInf, m1 = kFwdNegInf;
 #pragma unroll
-                for (int n = 0; n < 16; ++n) {
-                  if ((n & (2 * b - 1)) == 0) {
+        for (int n = 0; n < kN8; ++n) {
+          m0 = fmaxf(m0, fmaxf(c[n][0], c[n][1]));
+          m1 = fmaxf(m1, fmaxf(c[n][2], c[n][3]));
+        }
 #pragma unroll
-                    for (int e = 0; e < 4; ++e) {
-                      const float send = hi ? v[n][e] : v[n | b][e];
-                      const float keep = hi ? v[n | b][e] : v[n][e];
-                      v[n][e] = keep + __shfl_xor_sync(0xffffffffu, send, 4 * b);
-                    }
+        for (int off = 1; off <= 2; off <<= 1) {
+          m0 = fmaxf(m0, __shfl_xor_sync(0xffffffffu, m0, off));
+          m1 = fmaxf(m1, __shfl_xor_sync(0xffffffffu, m1, off));
+        }
+        const float b0 = m0 == kFwdNegInf ? 0.f : m0, b1 = m1 == kFwdNegInf ? 0.f : m1;
+        float l0 = 0.f, l1 = 0.f;
+#pragma unroll
+        for (int n = 0; n < kN8; ++n) {
+          l0 += exp2f(c[n][0] - b0) + exp2f(c[n][1] - b0);
+          l1 += exp2f(c[n][2] - b1) + exp2f(c[n][3] - b1);
+        }
+#pragma unroll
+        for (int off = 1; off <= 2; off <<= 1) {
+          l0 += __shfl_xor_sync(0xffffffffu, l0, off);
+          l1 += __shfl_xor_sync(0xffffffffu, l1, off);
+        }
+        if (tq == 0) {
+          if (lim0 >= 0) p.stats[int64_t(sEntry[u0]) * G + j * Gu + hh0] = make_float2(m0, l0);
+          if (lim1 >= 0) p.stats[int64_t(sEntry[u1]) * G + j * Gu + hh1] = make_float2(m1, l1);
+        }
+      }
+    } else {
+      if (active) {
+#pragma unroll
+        for (int n = 0; n < kN8; ++n) {
+          c[n][0] = exp2f(c[n][0] - e0);
+          c[n][1] = exp2f(c[n][1] - e0);
+          c[n][2] = exp2f(c[n][2] - e1);
+          c[n][3] = exp2f(c[n][3] - e1);
+        }
+        // P in the input dtype: the A operand of P V (both key halves of the rows meet here) and, off
+        // the register path, the KL terms' input.
+#pragma unroll
+        for (int n = 0; n < kN8; ++n) {
+          const int col = kb + n * 8 + 2 * tq;
+          *reinterpret_cast<uint32_t*>(sP + PTile::offset(row0, col / 8) + col % 8) = pack2<T>(c[n][0], c[n][1]);
+          *reinterpret_cast<uint32_t*>(sP + PTile::offset(row1, col / 8) + col % 8) = pack2<T>(c[n][2], c[n][3]);
+        }
+        if (fast_kl) {
+          // Pm * G per (unit, key): the unit's rows differ in the low log2(Gu) bits of g (lane bits 2..).
+          // (In place: P V reads P from shared memory.)
+          float (&v)[kN8][4] = c;
+          // Reduce-scatter over the unit's Gu lanes (lane bits 2.. = low bits gi of g): at bit b the
+          // lane keeps one n-tile of each pair (n, n | b) and sends the other, so afterwards slot n
+          // (low log2(Gu) bits zero) of lane gi holds the unit's sum for n-tile n + gi.
+          const int gi = g & (Gu - 1);
+#pragma unroll
+          for (int b = 1; b <= 4; b <<= 1) {
+            if (b < Gu) {
+              const bool hi = (gi & b) != 0;
+#pragma unroll
+              for (int n = 0; n < kN8; ++n) {
+                if ((n & (2 * b - 1)) == 0) {
+#pragma unroll
+                  for (int e = 0; e < 4; ++e) {
+                    const float send = hi ? v[n][e] : v[n | b][e];
+                    const float keep = hi ? v[n | b][e] : v[n][e];
+                    v[n][e] = keep + __shfl_xor_sync(0xffffffffu, send, 4 * b);
                   }
                 }
               }
             }
-            const int uu0 = sRowU[row0], uu1 = sRowU[row1];
-            const bool grad = p.dsi_part != nullptr;
-            float li0 = 0.f, li1 = 0.f;
-            if (grad && uu0 >= 0 && uu0 < nu) li0 = p.lse_idx[int64_t(r) * p.total_tokens + sTok[uu0]] * kLog2e;
-            if (grad && uu1 >= 0 && uu1 < nu) li1 = p.lse_idx[int64_t(r) * p.total_tokens + sTok[uu1]] * kLog2e;
-            const int64_t el0 = (uu0 >= 0 && uu0 < nu) ? sEntry[uu0] : -1;
-            const int64_t el1 = (uu1 >= 0 && uu1 < nu) ? sEntry[uu1] : -1;
-            const float inv_g = 1.f / float(G);
-            float acc0 = 0.f, acc1 = 0.f;
+          }
+          const int uu0 = sRowU[row0], uu1 = sRowU[row1];
+          const bool grad = p.dsi_part != nullptr;
+          float li0 = 0.f, li1 = 0.f;
+          if (grad && uu0 >= 0 && uu0 < nu) li0 = p.lse_idx[int64_t(r) * p.total_tokens + sTok[uu0]] * kLog2e;
+          if (grad && uu1 >= 0 && uu1 < nu) li1 = p.lse_idx[int64_t(r) * p.total_tokens + sTok[uu1]] * kLog2e;
+          const int64_t el0 = (uu0 >= 0 && uu0 < nu) ? sEntry[uu0] : -1;
+          const int64_t el1 = (uu1 >= 0 && uu1 < nu) ? sEntry[uu1] : -1;
+          const float inv_g = 1.f / float(G);
+          float acc0 = 0.f, acc1 = 0.f;
 #pragma unroll
-            for (int n = 0; n < 16; ++n) {
-              if ((n & (Gu - 1)) == 0) {
-                const int tile_n = n + gi;
+          for (int n = 0; n < kN8; ++n) {
+            if ((n & (Gu - 1)) == 0) {
+              const int tile_n = n + gi;
 #pragma unroll
-                for (int e = 0; e < 4; ++e) {
-                  const bool second = e >= 2;
-                  const int u = second ? uu1 : uu0;
-                  if (u >= 0) {
-                    const int col = tile_n * 8 + 2 * tq + (e & 1);
-                    const float pm = v[n][e] * inv_g;
-                    const float si = sSi[u * Sh::kKeys + col];
-                    const float term = pm > 0.f ? pm * (__logf(pm) - si) : 0.f;
-                    if (second) acc1 += term; else acc0 += term;
-                    if (grad) {  // SPEC 4: Pidx - P (times d_kl / rows later); 0 past the visible keys
-                      const int lim = second ? lim1 : lim0;
-                      const T x = T(col <= lim ? exp2f(si * kLog2e - (second ? li1 : li0)) - pm : 0.f);
-                      sDsi[SwizzledTile<Sh::kKeys>::offset(u, col / 8) + col % 8] = x;
-                      const int64_t el = second ? el1 : el0;
-                      if (el >= 0) static_cast<T*>(p.dsi_part)[el * Sh::kKeys + col] = x;
-                    }
+              for (int e = 0; e < 4; ++e) {
+                const bool second = e >= 2;
+                const int u = second ? uu1 : uu0;
+                if (u >= 0) {
+                  const int col = kb + tile_n * 8 + 2 * tq + (e & 1);
+                  const float pm = v[n][e] * inv_g;
+                  const float si = sSi[u * Sh::kKeys + col];
+                  const float term = pm > 0.f ? pm * (__logf(pm) - si) : 0.f;
+                  if (second) acc1 += term; else acc0 += term;
+                  if (grad) {  // SPEC 4: Pidx - P (times d_kl / rows later); 0 past the visible keys
+                    const int lim = second ? lim1 : lim0;
+                    const T x = T(col <= lim ? exp2f(si * kLog2e - (second ? li1 : li0)) - pm : 0.f);
+                    sDsi[PTile::offset(u, col / 8) + col % 8] = x;
+                    const int64_t el = second ? el1 : el0;
+                    if (el >= 0) static_cast<T*>(p.dsi_part)[el * Sh::kKeys + col] = x;
                   }
                 }
               }
             }
+          }
 #pragma unroll
-            for (int off = 1; off <= 2; off <<= 1) {
-              acc0 += __shfl_xor_sync(0xffffffffu, acc0, off);
-              acc1 += __shfl_xor_sync(0xffffffffu, acc1, off);
-            }
-            for (int off = 4; off < 4 * Gu; off <<= 1) {
-              acc0 += __shfl_xor_sync(0xffffffffu, acc0, off);
-              acc1 += __shfl_xor_sync(0xffffffffu, acc1, off);
-            }
-            if (tq == 0 && gi == 0) {
-              if (el0 >= 0) p.kl_part[el0] = acc0;
-              if (el1 >= 0) p.kl_part[el1] = acc1;
-            }
+          for (int off = 1; off <= 2; off <<= 1) {
+            acc0 += __shfl_xor_sync(0xffffffffu, acc0, off);
+            acc1 += __shfl_xor_sync(0xffffffffu, acc1, off);
+          }
+          for (int off = 4; off < 4 * Gu; off <<= 1) {
+            acc0 += __shfl_xor_sync(0xffffffffu, acc0, off);
+            acc1 += __shfl_xor_sync(0xffffffffu, acc1, off);
+          }
+          if (tq == 0 && gi == 0) {  // this key half's KL sum per unit; the halves are added below
+            if (el0 >= 0) sKl[kh * Sh::kMaxUnits + uu0] = acc0;
+            if (el1 >= 0) sKl[kh * Sh::kMaxUnits + uu1] = acc1;
           }
         }
       }
-      __syncthreads();
-      if constexpr (kOut) {
-        if (index && J > 1) {  // the group's heads meet here: sum this pass's heads per (unit, key)
-          for (int i = tid; i < U * Sh::kKeys; i += Sh::kThreads) {
-            const int u = i / Sh::kKeys, col = i % Sh::kKeys;
-            float s = 0.f;
-            for (int hh = 0; hh < Gu; ++hh) s += float(sP[(u * Gu + hh) * Sh::kKeys + col]);
-            sPsum[i] = j == 0 ? s : sPsum[i] + s;
+      __syncthreads();  // P of both key halves
+      if (live && p.write_out) {  // false: KL only (warmup), no P V
+        // P V for this warp's half of D over all keys of the block.
+        float o[kDo / 8][4];
+#pragma unroll
+        for (int n = 0; n < kDo / 8; ++n)
+#pragma unroll
+          for (int e = 0; e < 4; ++e) o[n][e] = 0.f;
+#pragma unroll
+        for (int kk = 0; kk < 8; ++kk) {  // 16 keys per step
+          if (2 * kk < nk8) {
+            uint32_t a[4];
+            ldmatrix_x4(a, sP + PTile::offset(rg * 16 + lane % 16, kk * 2 + lane / 16));
+#pragma unroll
+            for (int dp = 0; dp < kDo / 16; ++dp) {
+              uint32_t b[4];
+              ldmatrix_x4_trans(b, sV + Tile::offset(kk * 16 + (lane % 8) + ((lane / 8) % 2) * 8,
+                                                     kh * (kDo / 8) + dp * 2 + lane / 16));
+              MmaOp<T>::run(o[2 * dp], a, b[0], b[1]);
+              MmaOp<T>::run(o[2 * dp + 1], a, b[2], b[3]);
+            }
           }
-          __syncthreads();
+        }
+        T* part = static_cast<T*>(p.out_part);
+        if (lim0 >= 0) {
+          uint32_t* dst = reinterpret_cast<uint32_t*>(part + (int64_t(sEntry[u0]) * G + j * Gu + hh0) * D + kh * kDo);
+#pragma unroll
+          for (int n = 0; n < kDo / 8; ++n) dst[n * 4 + tq] = pack2<T>(o[n][0], o[n][1]);
+        }
+        if (lim1 >= 0) {
+          uint32_t* dst = reinterpret_cast<uint32_t*>(part + (int64_t(sEntry[u1]) * G + j * Gu + hh1) * D + kh * kDo);
+#pragma unroll
+          for (int n = 0; n < kDo / 8; ++n) dst[n * 4 + tq] = pack2<T>(o[n][2], o[n][3]);
         }
       }
+    }
+    __syncthreads();
+    if constexpr (kOut) {
+      if (fast_kl) {  // the KL sum per unit: both key halves, in a fixed order
+        for (int u = tid; u < nu; u += kThreadsT) p.kl_part[sEntry[u]] = sKl[u] + sKl[Sh::kMaxUnits + u];
+      }
+      if (index && J > 1) {  // the group's heads meet here: sum this pass's heads per (unit, key)
+        for (int i = tid; i < U * Sh::kKeys; i += kThreadsT) {
+          const int u = i / Sh::kKeys, col = i % Sh::kKeys;
+          float s = 0.f;
+          for (int hh = 0; hh < Gu; ++hh) s += float(sP[PTile::offset(u * Gu + hh, col / 8) + col % 8]);
+          sPsum[i] = j == 0 ? s : sPsum[i] + s;
+        }
+        __syncthreads();
+      }
+    }
 
     if constexpr (!kOut) {
       // Index stats per unit: merge the warps' (max, sum) over their 16 keys each, in warp order.
       if (index && j == 0) {
-        const int nw = min(Sh::kWarps, p.block_size / 16);
-        for (int u = tid; u < nu; u += Sh::kThreads) {
+        const int nw = min(8, p.block_size / 16);
+        for (int u = tid; u < nu; u += kThreadsT) {
           float m = kFwdNegInf;
           for (int w2 = 0; w2 < nw; ++w2) m = fmaxf(m, sIPart[w2 * Sh::kMaxUnits + u].x);
           float l = 0.f;
@@ -513,75 +534,73 @@ __global__ void __launch_bounds__(SparseFwdShape::kThreads, kOut ? 1 : 2) sparse
       }
     }
 
-    // Per unit, once the tile's last kv head is done (warp w takes units w, w + 8, ...; lane takes keys
+    // Per unit, once the tile's last kv head is done (warp w takes units w, w + 16, ...; lane takes keys
     // lane + 32 i): KL terms, when the register path above does not apply.
     if (kOut && index && j == J - 1) {
-      for (int u = warp; u < nu && !fast_kl; u += Sh::kThreads / 32) {
+      for (int u = warp; u < nu && !fast_kl; u += kWarpsT) {
         const int lim = key_limit(u, nu);
         const float* si = sSi + u * Sh::kKeys;
-        {
-          const float inv_g = 1.f / float(G);
-          const bool grad = p.dsi_part != nullptr;
-          const float lse_idx2 = grad ? p.lse_idx[int64_t(r) * p.total_tokens + sTok[u]] * kLog2e : 0.f;
-          const int64_t el = sEntry[u];
-          float acc = 0.f;
-          for (int col = lane; col < (grad ? Sh::kKeys : lim + 1); col += 32) {
-            float pm = 0.f, dsi = 0.f;
-            if (col <= lim) {
-              float s = 0.f;
-              if (J > 1) {
-                s = sPsum[u * Sh::kKeys + col];
-              } else {
-                for (int hh = 0; hh < Gu; ++hh) s += float(sP[(u * Gu + hh) * Sh::kKeys + col]);
-              }
-              pm = s * inv_g;
-              if (pm > 0.f) acc += pm * (__logf(pm) - si[col]);
-              dsi = exp2f(si[col] * kLog2e - lse_idx2) - pm;  // SPEC 4: Pidx - P (times d_kl / rows later)
+        const float inv_g = 1.f / float(G);
+        const bool grad = p.dsi_part != nullptr;
+        const float lse_idx2 = grad ? p.lse_idx[int64_t(r) * p.total_tokens + sTok[u]] * kLog2e : 0.f;
+        const int64_t el = sEntry[u];
+        float acc = 0.f;
+        for (int col = lane; col < (grad ? Sh::kKeys : lim + 1); col += 32) {
+          float pm = 0.f, dsi = 0.f;
+          if (col <= lim) {
+            float s = 0.f;
+            if (J > 1) {
+              s = sPsum[u * Sh::kKeys + col];
+            } else {
+              for (int hh = 0; hh < Gu; ++hh) s += float(sP[PTile::offset(u * Gu + hh, col / 8) + col % 8]);
             }
-            if (grad) {
-              const T x = T(dsi);
-              sDsi[SwizzledTile<Sh::kKeys>::offset(u, col / 8) + col % 8] = x;
-              static_cast<T*>(p.dsi_part)[el * Sh::kKeys + col] = x;
+            pm = s * inv_g;
+            if (pm > 0.f) acc += pm * (__logf(pm) - si[col]);
+            dsi = exp2f(si[col] * kLog2e - lse_idx2) - pm;  // SPEC 4: Pidx - P (times d_kl / rows later)
+          }
+          if (grad) {
+            const T x = T(dsi);
+            sDsi[PTile::offset(u, col / 8) + col % 8] = x;
+            static_cast<T*>(p.dsi_part)[el * Sh::kKeys + col] = x;
+          }
+        }
+#pragma unroll
+        for (int off = 16; off >= 1; off >>= 1) acc += __shfl_xor_sync(0xffffffffu, acc, off);
+        if (lane == 0) p.kl_part[el] = acc;
+      }
+      if (p.dsi_part != nullptr) {
+        // dq_idx of the tile's units: dsi (units x keys) K_idx (keys x Di); warp w takes the units'
+        // m-tile w / 8 and Di / 8 columns.
+        __syncthreads();
+        const int ncols = di / 8;  // 16 or 8
+        const int mt = warp / 8;
+        if (mt * 16 < nu) {
+          float dq[4][4];
+#pragma unroll
+          for (int n = 0; n < 4; ++n)
+#pragma unroll
+            for (int e = 0; e < 4; ++e) dq[n][e] = 0.f;
+          for (int kk = 0; kk * 16 < p.block_size; ++kk) {
+            uint32_t a[4];
+            ldmatrix_x4(a, sDsi + PTile::offset(mt * 16 + lane % 16, kk * 2 + lane / 16));
+#pragma unroll
+            for (int np = 0; np < 2; ++np) {
+              if (np * 16 < ncols) {
+                uint32_t b[4];
+                ldmatrix_x4_trans(b, sKi + swizzled_offset(kk * 16 + (lane % 8) + ((lane / 8) % 2) * 8,
+                                                           (kw * ncols) / 8 + np * 2 + lane / 16, di));
+                MmaOp<T>::run(dq[2 * np], a, b[0], b[1]);
+                MmaOp<T>::run(dq[2 * np + 1], a, b[2], b[3]);
+              }
             }
           }
+          const int uq0 = mt * 16 + g, uq1 = uq0 + 8;
 #pragma unroll
-          for (int off = 16; off >= 1; off >>= 1) acc += __shfl_xor_sync(0xffffffffu, acc, off);
-          if (lane == 0) p.kl_part[el] = acc;
-        }
-      }
-      if constexpr (kOut) {
-        if (p.dsi_part != nullptr) {
-          // dq_idx of the tile's units: dsi (units x keys) K_idx (keys x Di); warp w takes Di / 8 columns.
-          __syncthreads();
-          const int ncols = di / 8;  // 16 or 8
-          for (int mt = 0; mt * 16 < nu; ++mt) {
-            float dq[4][4];
-#pragma unroll
-            for (int n = 0; n < 4; ++n)
-#pragma unroll
-              for (int e = 0; e < 4; ++e) dq[n][e] = 0.f;
-            for (int kk = 0; kk * 16 < p.block_size; ++kk) {
-              uint32_t a[4];
-              ldmatrix_x4(a, sDsi + SwizzledTile<Sh::kKeys>::offset(mt * 16 + lane % 16, kk * 2 + lane / 16));
-#pragma unroll
-              for (int np = 0; np < 2; ++np) {
-                if (np * 16 < ncols) {
-                  uint32_t b[4];
-                  ldmatrix_x4_trans(b, sKi + swizzled_offset(kk * 16 + (lane % 8) + ((lane / 8) % 2) * 8,
-                                                             (warp * ncols) / 8 + np * 2 + lane / 16, di));
-                  MmaOp<T>::run(dq[2 * np], a, b[0], b[1]);
-                  MmaOp<T>::run(dq[2 * np + 1], a, b[2], b[3]);
-                }
-              }
-            }
-            const int u0 = mt * 16 + g, u1 = u0 + 8;
-#pragma unroll
-            for (int n = 0; n < 4; ++n) {
-              if (n * 8 < ncols) {
-                const int col = warp * ncols + n * 8 + 2 * tq;
-                if (u0 < nu) atomic_add2(p.dqi_accum + (int64_t(sTok[u0]) * p.hi + r) * di + col, dq[n][0], dq[n][1]);
-                if (u1 < nu) atomic_add2(p.dqi_accum + (int64_t(sTok[u1]) * p.hi + r) * di + col, dq[n][2], dq[n][3]);
-              }
+          for (int n = 0; n < 4; ++n) {
+            if (n * 8 < ncols) {
+              const int col = kw * ncols + n * 8 + 2 * tq;
+              if (uq0 < nu) atomic_add2(p.dqi_accum + (int64_t(sTok[uq0]) * p.hi + r) * di + col, dq[n][0], dq[n][1]);
+              if (uq1 < nu) atomic_add2(p.dqi_accum + (int64_t(sTok[uq1]) * p.hi + r) * di + col, dq[n][2], dq[n][3]);
             }
           }
         }
@@ -600,7 +619,7 @@ cudaError_t launch_sparse_fwd_pass(const SparseFwdParams& p, cudaStream_t stream
   if (err == cudaSuccess)
     err = cudaFuncSetAttribute(kernel, cudaFuncAttributePreferredSharedMemoryCarveout, cudaSharedmemCarveoutMaxShared);
   if (err != cudaSuccess) return err;
-  kernel<<<p.work.max_items, SparseFwdShape::kThreads, smem, stream>>>(p);
+  kernel<<<p.work.max_items, SparseFwdShape::threads<kOut>(), smem, stream>>>(p);
   return cudaGetLastError();
 }
 
