@@ -1,7 +1,7 @@
 // Index top-k (SPEC 2), portable sm80 path: scores on tensor cores (mma.sync), causal max-pool per
 // block, streaming exp-free top-k. No score matrix ever reaches global memory.
 //
-// A CTA owns 128 query rows (64 when the grid is under one wave): TM = rows / Hr tokens x the
+// A CTA owns 256 query rows (128 when the grid is under one wave): TM = rows / Hr tokens x the
 // Hr = Hi / Hki index heads that share one index key head (so one K tile feeds all of them). Every
 // block before a row's own block is fully visible, and the own block is forced in, so the CTA scores
 // blocks [0, local block of its last token) with no causal mask at all; a row skips the blocks at or
@@ -22,16 +22,19 @@ constexpr float kNegInf = -__builtin_huge_valf();
 
 template <int Warps>
 struct IndexTopkShape {
-  // 8 warps x 16 rows share every K tile (half the L2 traffic of 4); 4 warps when the grid is small.
+  // A warp owns 32 rows (two m16 tiles: every K fragment feeds two MMAs, a quarter of an ldmatrix per
+  // MMA with the rows' Q in registers). 8 warps (256 rows, one CTA per SM) share every K tile; 4 warps
+  // (128 rows, two CTAs per SM) when the grid is small.
   static constexpr int kWarps = Warps;
   static constexpr int kThreads = kWarps * 32;
-  static constexpr int kRows = kWarps * 16;
+  static constexpr int kRows = kWarps * 32;
   static constexpr int kKeys = 64;      // keys per pipelined sub-tile (a block is 1 or 2 of them)
+  static constexpr int kStages = 3;     // K sub-tiles in flight: one barrier per sub-tile
   static constexpr int kSlots = 32;     // heap slots per row in shared memory (>= topk - 1)
   template <int D, typename T>
   static constexpr int q_bytes() { return kRows * D * int(sizeof(T)); }
   template <int D, typename T>
-  static constexpr int k_bytes() { return 2 * kKeys * D * int(sizeof(T)); }
+  static constexpr int k_bytes() { return kStages * kKeys * D * int(sizeof(T)); }
   static constexpr int list_bytes() { return kRows * kSlots * 8; }
   template <int D, typename T>
   static constexpr int smem_bytes() { return q_bytes<D, T>() + k_bytes<D, T>() + list_bytes(); }
@@ -76,7 +79,7 @@ struct SmemTopHeap {
 };
 
 template <typename T, int D, int Warps>
-__global__ void __launch_bounds__(IndexTopkShape<Warps>::kThreads, 16 / Warps) index_topk_kernel(IndexTopkParams p) {
+__global__ void __launch_bounds__(IndexTopkShape<Warps>::kThreads, 8 / Warps) index_topk_kernel(IndexTopkParams p) {
   using S = IndexTopkShape<Warps>;
   using Tile = SwizzledTile<D>;
   constexpr int kChunks = Tile::kChunks;
@@ -127,74 +130,98 @@ __global__ void __launch_bounds__(IndexTopkShape<Warps>::kThreads, 16 / Warps) i
   };
   if (total > 0) load_k(0, 0);
   cp_async_commit();
+  if (total > 1) load_k(1, 1);
+  cp_async_commit();
   if (tid < S::kRows) SmemTopHeap{sScore + tid * S::kSlots, sBlock + tid * S::kSlots, p.topk - 1}.init();
-  cp_async_wait<1>();
+  cp_async_wait<2>();  // Q
   __syncthreads();
 
-  uint32_t a[D / 16][4];  // this warp's 16 query rows, all of Di, in registers for the whole loop
+  // This warp's 32 query rows (two m-tiles), all of Di, in registers for the whole loop.
+  uint32_t a[2][D / 16][4];
 #pragma unroll
-  for (int ks = 0; ks < D / 16; ++ks)
-    ldmatrix_x4(a[ks], sQ + Tile::offset(warp * 16 + (lane % 16), ks * 2 + lane / 16));
+  for (int mt = 0; mt < 2; ++mt)
+#pragma unroll
+    for (int ks = 0; ks < D / 16; ++ks)
+      ldmatrix_x4(a[mt][ks], sQ + Tile::offset(warp * 32 + mt * 16 + (lane % 16), ks * 2 + lane / 16));
 
-  // Lane t = 0 of each quad keeps the list of row g, lane t = 1 that of row g + 8 (SPEC 2 order).
-  const int my_row = warp * 16 + lane / 4 + 8 * (lane & 1);
+  // Lane tq of each quad keeps the list of row g + 8 (tq & 1) of m-tile tq / 2 (SPEC 2 order).
+  const int g = lane / 4, tq = lane % 4;
+  const int my_row = warp * 32 + (tq / 2) * 16 + g + 8 * (tq & 1);
   const int my_local = (tok0 + my_row / hr) / p.block_size;
   SmemTopHeap heap{sScore + my_row * S::kSlots, sBlock + my_row * S::kSlots, p.topk - 1};
   static_assert(S::kSlots >= 31, "heap must hold topk - 1 <= 31 entries");
-  float thr[2] = {p.topk > 1 ? kNegInf : kPosInf, p.topk > 1 ? kNegInf : kPosInf};
-  float bmax[2] = {kNegInf, kNegInf};
+  float thr[4], bmax[4];
+#pragma unroll
+  for (int i = 0; i < 4; ++i) {
+    thr[i] = p.topk > 1 ? kNegInf : kPosInf;
+    bmax[i] = kNegInf;
+  }
   const bool positive = p.scale >= 0.f;  // S = scale * <q, k>: max of S is scale * (max or min) of <q, k>
 
   for (int it = 0; it < total; ++it) {
-    if (it + 1 < total) load_k(it + 1, (it + 1) & 1);
-    cp_async_commit();
+    // Sub-tile it has landed (it + 1 may still be in flight); after the barrier every warp is done
+    // with it - 1, whose stage the load of it + 2 refills.
     cp_async_wait<1>();
     __syncthreads();
-    const T* k = sK + (it & 1) * S::kKeys * D;
-    float c[8][4];
+    if (it + 2 < total) load_k(it + 2, (it + 2) % S::kStages);
+    cp_async_commit();
+    const T* k = sK + (it % S::kStages) * S::kKeys * D;
+    float c[2][8][4];
 #pragma unroll
-    for (int n8 = 0; n8 < 8; ++n8)
+    for (int mt = 0; mt < 2; ++mt)
 #pragma unroll
-      for (int e = 0; e < 4; ++e) c[n8][e] = 0.f;
+      for (int n8 = 0; n8 < 8; ++n8)
+#pragma unroll
+        for (int e = 0; e < 4; ++e) c[mt][n8][e] = 0.f;
 #pragma unroll
     for (int ks = 0; ks < D / 16; ++ks) {
 #pragma unroll
       for (int np = 0; np < 4; ++np) {
         uint32_t b[4];
         ldmatrix_x4(b, k + Tile::offset(np * 16 + (lane % 8) + (lane / 16) * 8, ks * 2 + (lane / 8) % 2));
-        MmaOp<T>::run(c[2 * np], a[ks], b[0], b[1]);
-        MmaOp<T>::run(c[2 * np + 1], a[ks], b[2], b[3]);
+#pragma unroll
+        for (int mt = 0; mt < 2; ++mt) {
+          MmaOp<T>::run(c[mt][2 * np], a[mt][ks], b[0], b[1]);
+          MmaOp<T>::run(c[mt][2 * np + 1], a[mt][ks], b[2], b[3]);
+        }
       }
     }
-    __syncthreads();  // the stage read here is refilled by the next iteration's load
-    float m0 = positive ? kNegInf : kPosInf, m1 = m0;
+    // Row max (min for a negative scale) of the sub-tile: m[2 mt + h] for row g + 8 h of m-tile mt.
+    float m[4];
 #pragma unroll
-    for (int n8 = 0; n8 < 8; ++n8) {
-      if (positive) {
-        m0 = fmaxf(m0, fmaxf(c[n8][0], c[n8][1]));
-        m1 = fmaxf(m1, fmaxf(c[n8][2], c[n8][3]));
-      } else {
-        m0 = fminf(m0, fminf(c[n8][0], c[n8][1]));
-        m1 = fminf(m1, fminf(c[n8][2], c[n8][3]));
+    for (int i = 0; i < 4; ++i) m[i] = positive ? kNegInf : kPosInf;
+#pragma unroll
+    for (int mt = 0; mt < 2; ++mt)
+#pragma unroll
+      for (int n8 = 0; n8 < 8; ++n8) {
+        if (positive) {
+          m[2 * mt] = fmaxf(m[2 * mt], fmaxf(c[mt][n8][0], c[mt][n8][1]));
+          m[2 * mt + 1] = fmaxf(m[2 * mt + 1], fmaxf(c[mt][n8][2], c[mt][n8][3]));
+        } else {
+          m[2 * mt] = fminf(m[2 * mt], fminf(c[mt][n8][0], c[mt][n8][1]));
+          m[2 * mt + 1] = fminf(m[2 * mt + 1], fminf(c[mt][n8][2], c[mt][n8][3]));
+        }
       }
-    }
 #pragma unroll
-    for (int off = 1; off <= 2; off <<= 1) {
-      const float o0 = __shfl_xor_sync(0xffffffffu, m0, off), o1 = __shfl_xor_sync(0xffffffffu, m1, off);
-      m0 = positive ? fmaxf(m0, o0) : fminf(m0, o0);
-      m1 = positive ? fmaxf(m1, o1) : fminf(m1, o1);
-    }
-    bmax[0] = fmaxf(bmax[0], p.scale * m0);
-    bmax[1] = fmaxf(bmax[1], p.scale * m1);
+    for (int off = 1; off <= 2; off <<= 1)
+#pragma unroll
+      for (int i = 0; i < 4; ++i) {
+        const float o = __shfl_xor_sync(0xffffffffu, m[i], off);
+        m[i] = positive ? fmaxf(m[i], o) : fminf(m[i], o);
+      }
+#pragma unroll
+    for (int i = 0; i < 4; ++i) bmax[i] = fmaxf(bmax[i], p.scale * m[i]);
     if (it % sub == sub - 1) {
       const int b = it / sub;
-      const bool hi = lane & 1;  // selects, not a runtime index: keeps the arrays in registers
-      const float s = hi ? bmax[1] : bmax[0];
-      float t = hi ? thr[1] : thr[0];
-      if ((lane & 2) == 0 && b < my_local && s > t) t = heap.replace_root(s, b);
-      thr[0] = __shfl_sync(0xffffffffu, t, lane & ~3);
-      thr[1] = __shfl_sync(0xffffffffu, t, (lane & ~3) | 1);
-      bmax[0] = bmax[1] = kNegInf;
+      // Selects, not a runtime index: keeps the arrays in registers.
+      const float s = tq == 0 ? bmax[0] : tq == 1 ? bmax[1] : tq == 2 ? bmax[2] : bmax[3];
+      float t = tq == 0 ? thr[0] : tq == 1 ? thr[1] : tq == 2 ? thr[2] : thr[3];
+      if (b < my_local && s > t) t = heap.replace_root(s, b);
+#pragma unroll
+      for (int i = 0; i < 4; ++i) {
+        thr[i] = __shfl_sync(0xffffffffu, t, (lane & ~3) | i);
+        bmax[i] = kNegInf;
+      }
     }
   }
 
@@ -241,15 +268,15 @@ cudaError_t launch_index_topk_shape(const IndexTopkParams& p, cudaStream_t strea
 template <typename T, int D>
 cudaError_t launch_index_topk(const IndexTopkParams& p, cudaStream_t stream) {
   const int hr = p.num_heads / p.num_key_heads;
-  // 128-row tiles move half the K bytes per FLOP, but a grid of them under one wave (2 CTAs per SM)
-  // is dominated by its longest tiles: use 64-row tiles there (measured: benchmarks/NOTES.md, v4-v5).
+  // 256-row tiles move half the K bytes per FLOP of 128-row ones, but a grid of them under one wave
+  // (1 CTA per SM) is dominated by its longest tiles: use 128-row tiles there (benchmarks/NOTES.md).
   int device = 0, sms = 0;
   cudaError_t err = cudaGetDevice(&device);
   if (err == cudaSuccess) err = cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, device);
   if (err != cudaSuccess) return err;
   const int tm8 = IndexTopkShape<8>::kRows / hr;
   const int64_t ctas8 = int64_t((p.max_seqlen + tm8 - 1) / tm8) * p.num_seqs * p.num_key_heads;
-  if (ctas8 >= int64_t(2) * sms || IndexTopkShape<4>::kRows / hr == 0) {
+  if (ctas8 >= int64_t(sms) || IndexTopkShape<4>::kRows / hr == 0) {
     return launch_index_topk_shape<T, D, 8>(p, stream, (p.max_seqlen + tm8 - 1) / tm8);
   }
   const int tm4 = IndexTopkShape<4>::kRows / hr;
