@@ -2,14 +2,12 @@
 //
 // A CTA owns one key of the reverse index (index group r, kv block) and every unit that selected it,
 // for each of the group's kv heads in turn; dK and dV of the block stay in registers for the whole
-// key (16 warps: warp w owns keys [16 (w % 8), +16) and half w / 8 of D), so each block's gradient
-// leaves the CTA once. Hot keys come first in the grid (block-major order). Per tile of R = 64
-// gathered rows:
-//   row phase  (warp: 16 rows x 32 keys): S = Q K^T, P = exp(S - lse), dP = dO V^T,
+// key (warp w owns keys [16w, 16w + 16)), so each block's gradient leaves the CTA once. Hot keys come
+// first in the grid (block-major order). Per tile of R = 64 gathered rows:
+//   row phase  (warp: 16 rows x 64 keys): S = Q K^T, P = exp(S - lse), dP = dO V^T,
 //              dS = P (dP - delta); P and dS go to shared memory in the input dtype;
-//   key phase  (warp: 16 keys x D/2): dV += P^T dO, dK += dS^T Q   (transposed ldmatrix reads);
-//   dQ         (warp: 16 rows x D/4): dQ = dS K, added to the fp32 dq accumulator.
-// 64 accumulators per thread for dK and dV: 16 warps fit in the registers (128 per thread).
+//   key phase  (warp: 16 keys): dV += P^T dO, dK += dS^T Q   (transposed ldmatrix reads);
+//   dQ         (warp: 16 rows x 64 of D): dQ = dS K, added to the fp32 dq accumulator.
 // The per-row softmax statistics come from the forward (lse) and a preprocess (delta = rowsum(dO O)).
 #pragma once
 #include <cuda_runtime.h>
@@ -21,7 +19,7 @@
 namespace msa::sm80 {
 
 struct SparseBwdShape {
-  static constexpr int kThreads = 512;
+  static constexpr int kThreads = 256;
   static constexpr int kKeys = 128;
   static constexpr int kRows = 64;
   template <typename T, int D>
@@ -77,8 +75,7 @@ __global__ void __launch_bounds__(SparseBwdShape::kThreads, 1) sparse_bwd_kernel
 
   const int tid = threadIdx.x, warp = tid / 32, lane = tid % 32;
   const int g = lane / 4, tq = lane % 4;
-  const int rw = warp % 4, quarter = warp / 4;  // row phase / dQ: 16-row slab, quarter of the keys / of D
-  const int kw = warp % 8, dh = warp / 8;       // key phase: 16 keys, half of D
+  const int rw = warp % 4, half = warp / 4;  // row phase / dQ: 16-row slab, half of the keys / of D
   const T* Q = static_cast<const T*>(p.q);
   const T* K = static_cast<const T*>(p.k);
   const T* V = static_cast<const T*>(p.v);
@@ -87,9 +84,9 @@ __global__ void __launch_bounds__(SparseBwdShape::kThreads, 1) sparse_bwd_kernel
   for (int j = 0; j < J; ++j) {
     const int h0 = r * G + j * Gu;
     const int kvh = h0 / (p.hq / p.hkv);
-    float dk[D / 16][4], dv[D / 16][4];
+    float dk[D / 8][4], dv[D / 8][4];
 #pragma unroll
-    for (int n = 0; n < D / 16; ++n)
+    for (int n = 0; n < D / 8; ++n)
 #pragma unroll
       for (int e = 0; e < 4; ++e) dk[n][e] = dv[n][e] = 0.f;
 
@@ -152,13 +149,16 @@ __global__ void __launch_bounds__(SparseBwdShape::kThreads, 1) sparse_bwd_kernel
       const float* sLseb = sLse + buf * Sh::kRows;
       const float* sDeltab = sDelta + buf * Sh::kRows;
 
-      // Row phase: rows [16 rw, +16), keys [32 quarter, +32).
+      // Row phase: rows [16 rw, +16), keys [64 half, +64) in two steps of 32 (registers: dK and dV
+      // already hold 128 per thread).
       const int row0 = rw * 16 + g, row1 = row0 + 8;
       const int tr0 = sTokb[row0], tr1 = sTokb[row1];
       const int lim0 = tr0 >= 0 ? min(blen - 1, tr0 - seq_start - key0) : -1;
       const int lim1 = tr1 >= 0 ? min(blen - 1, tr1 - seq_start - key0) : -1;
-      {
-        const int kbase = quarter * 32;
+#pragma unroll 1
+      for (int kq = 0; kq < 2; ++kq) {
+        const int kbase = half * 64 + kq * 32;
+        if (kbase >= p.block_size) break;
         float s[4][4], dp[4][4];
 #pragma unroll
         for (int n = 0; n < 4; ++n)
@@ -201,35 +201,35 @@ __global__ void __launch_bounds__(SparseBwdShape::kThreads, 1) sparse_bwd_kernel
       }
       __syncthreads();
 
-      // Key phase: keys [16 kw, +16), D columns [D/2 dh, +D/2): dV += P^T dO, dK += dS^T Q.
-      if (kw * 16 < p.block_size) {
+      // Key phase: keys [16 warp, +16): dV += P^T dO, dK += dS^T Q over the tile's rows.
+      if (warp * 16 < p.block_size) {
 #pragma unroll 1
         for (int kr = 0; kr < Sh::kRows / 16; ++kr) {  // 16 rows per MMA k-step
           uint32_t ap[4], as[4];
           // A = P^T (m = keys, k = rows) from the [row][key] tile: transposed 8x8 loads.
           const int arow = kr * 16 + (lane % 8) + ((lane / 16) * 8);
-          const int acol = kw * 2 + (lane / 8) % 2;
+          const int acol = warp * 2 + (lane / 8) % 2;
           ldmatrix_x4_trans(ap, sP + KTile::offset(arow, acol));
           ldmatrix_x4_trans(as, sdS + KTile::offset(arow, acol));
 #pragma unroll
-          for (int dpair = 0; dpair < D / 32; ++dpair) {
+          for (int dpair = 0; dpair < D / 16; ++dpair) {
             uint32_t b[4];
             const int brow = kr * 16 + (lane % 8) + ((lane / 8) % 2) * 8;
-            const int bcol = dh * (D / 16) + dpair * 2 + lane / 16;
-            ldmatrix_x4_trans(b, sdOb + Tile::offset(brow, bcol));
+            ldmatrix_x4_trans(b, sdOb + Tile::offset(brow, dpair * 2 + lane / 16));
             MmaOp<T>::run(dv[2 * dpair], ap, b[0], b[1]);
             MmaOp<T>::run(dv[2 * dpair + 1], ap, b[2], b[3]);
-            ldmatrix_x4_trans(b, sQb + Tile::offset(brow, bcol));
+            ldmatrix_x4_trans(b, sQb + Tile::offset(brow, dpair * 2 + lane / 16));
             MmaOp<T>::run(dk[2 * dpair], as, b[0], b[1]);
             MmaOp<T>::run(dk[2 * dpair + 1], as, b[2], b[3]);
           }
         }
       }
 
-      // dQ: rows [16 rw, +16), D columns [D/4 quarter, +D/4): dQ = scale * dS K.
+      // dQ: rows [16 rw, +16), D columns [D/2 half, +D/2) in steps of D/4: dQ = scale * dS K.
       constexpr int kQuarter = D / 4;
-      {
-        const int c0 = quarter * kQuarter;
+#pragma unroll 1
+      for (int dh = 0; dh < 2; ++dh) {
+        const int c0 = half * (D / 2) + dh * kQuarter;
         float dq[kQuarter / 8][4];
 #pragma unroll
         for (int n = 0; n < kQuarter / 8; ++n)
@@ -264,11 +264,11 @@ __global__ void __launch_bounds__(SparseBwdShape::kThreads, 1) sparse_bwd_kernel
     }
 
     // The block's dK (scaled) and dV for this kv head; other groups on the same kv head add theirs.
-    if (kw * 16 < p.block_size) {
-      const int k0 = kw * 16 + g, k1 = k0 + 8;
+    if (warp * 16 < p.block_size) {
+      const int k0 = warp * 16 + g, k1 = k0 + 8;
 #pragma unroll
-      for (int n = 0; n < D / 16; ++n) {
-        const int col = dh * (D / 2) + n * 8 + 2 * tq;
+      for (int n = 0; n < D / 8; ++n) {
+        const int col = n * 8 + 2 * tq;
         if (k0 < blen) {
           const int64_t o = (int64_t(seq_start + key0 + k0) * p.hkv + kvh) * D + col;
           atomic_add2(p.dk_accum + o, dk[n][0] * p.scale, dk[n][1] * p.scale);
