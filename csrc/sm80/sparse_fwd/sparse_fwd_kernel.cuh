@@ -106,7 +106,6 @@ __global__ void __launch_bounds__(SparseFwdShape::threads<kOut>(), kOut ? 1 : 2)
   const int r = key / w.max_blocks, gb = key % w.max_blocks;
   const BlockSpan span = block_span(w.block_offsets, p.cu_seqlens, p.num_seqs, gb, p.block_size);
   const int seq_start = span.seq_start, key0 = span.key0, blen = span.blen;
-  const int nk8 = p.block_size / 8;  // live n8 column tiles
 
   const int G = p.hq / p.hi;
   const int J = p.hkv > p.hi ? p.hkv / p.hi : 1;
@@ -117,8 +116,11 @@ __global__ void __launch_bounds__(SparseFwdShape::threads<kOut>(), kOut ? 1 : 2)
   // KL terms in the MMA register layout when a unit's heads sit in one warp's rows (J = 1, Gu a power
   // of two <= 8); otherwise P goes through shared memory and a per-unit loop.
   const bool fast_kl = kOut && index && J == 1 && (Gu == 1 || Gu == 2 || Gu == 4 || Gu == 8);
-  const int di = p.di, di_chunks = p.di / 8;  // Di is 64 or 128: 8 or 16 chunks of 16 bytes
-  const int dc_shift = di_chunks == 16 ? 4 : 3;
+  // Loops run over compile-time extents (the whole 128-key tile, Di = 128): shorter blocks and Di = 64
+  // are zero-filled in shared memory and masked, so the MMA loops have no runtime bounds or branches.
+  using ITile = SwizzledTile<Sh::kMaxDi>;  // index tiles, Di = 64 padded with zeros
+  constexpr int kIChunks = Sh::kMaxDi / 8;
+  const int di = p.di, di_chunks = p.di / 8;  // Di is 64 or 128
 
   const int tid = threadIdx.x, warp = tid / 32, lane = tid % 32;
   const int g = lane / 4, tq = lane % 4;
@@ -162,10 +164,10 @@ __global__ void __launch_bounds__(SparseFwdShape::threads<kOut>(), kOut ? 1 : 2)
   load_kv(0);
   if (index) {
     const T* src = KI + int64_t(seq_start + key0) * p.ki_stride_t + int64_t(kih) * p.ki_stride_h;
-    for (int i = tid; i < Sh::kKeys * di_chunks; i += kThreadsT) {
-      const int row = i >> dc_shift, c = i & (di_chunks - 1);
-      const bool ok = row < blen;
-      cp_async_16(sKi + swizzled_offset(row, c, di), src + int64_t(ok ? row : 0) * p.ki_stride_t + c * 8, ok);
+    for (int i = tid; i < Sh::kKeys * kIChunks; i += kThreadsT) {
+      const int row = i / kIChunks, c = i % kIChunks;
+      const bool ok = row < blen && c < di_chunks;
+      cp_async_16(sKi + ITile::offset(row, c), src + (ok ? int64_t(row) * p.ki_stride_t + c * 8 : 0), ok);
     }
   }
   __syncthreads();  // the unit table is read by every thread below
@@ -195,11 +197,11 @@ __global__ void __launch_bounds__(SparseFwdShape::threads<kOut>(), kOut ? 1 : 2)
     }
     if (index && j == 0) {
       T* qi_dst = sQi;
-      for (int i = tid; i < Sh::kMaxUnits * di_chunks; i += kThreadsT) {
-        const int u = i >> dc_shift, c = i & (di_chunks - 1);
-        const bool ok = u < nu;
-        const T* src = QI + int64_t(ok ? sTokAll[ub + u] : 0) * p.qi_stride_t + int64_t(r) * p.qi_stride_h + c * 8;
-        cp_async_16(qi_dst + swizzled_offset(u, c, di), src, ok);
+      for (int i = tid; i < Sh::kMaxUnits * kIChunks; i += kThreadsT) {
+        const int u = i / kIChunks, c = i % kIChunks;
+        const bool ok = u < nu && c < di_chunks;
+        const T* src = QI + (ok ? int64_t(sTokAll[ub + u]) * p.qi_stride_t + int64_t(r) * p.qi_stride_h + c * 8 : 0);
+        cp_async_16(qi_dst + ITile::offset(u, c), src, ok);
       }
     }
   };
@@ -233,10 +235,11 @@ __global__ void __launch_bounds__(SparseFwdShape::threads<kOut>(), kOut ? 1 : 2)
         for (int n = 0; n < 2; ++n)
 #pragma unroll
           for (int e = 0; e < 4; ++e) ci[n][e] = 0.f;
-        for (int ks = 0; ks < di / 16; ++ks) {
+#pragma unroll
+        for (int ks = 0; ks < Sh::kMaxDi / 16; ++ks) {
           uint32_t a[4], b[4];
-          ldmatrix_x4(a, sQi + swizzled_offset(mt * 16 + lane % 16, ks * 2 + lane / 16, di));
-          ldmatrix_x4(b, sKi + swizzled_offset(kw * 16 + (lane % 8) + (lane / 16) * 8, ks * 2 + (lane / 8) % 2, di));
+          ldmatrix_x4(a, sQi + ITile::offset(mt * 16 + lane % 16, ks * 2 + lane / 16));
+          ldmatrix_x4(b, sKi + ITile::offset(kw * 16 + (lane % 8) + (lane / 16) * 8, ks * 2 + (lane / 8) % 2));
           MmaOp<T>::run(ci[0], a, b[0], b[1]);
           MmaOp<T>::run(ci[1], a, b[2], b[3]);
         }
@@ -308,12 +311,10 @@ __global__ void __launch_bounds__(SparseFwdShape::threads<kOut>(), kOut ? 1 : 2)
         ldmatrix_x4(a, sQ + Tile::offset(rg * 16 + lane % 16, ks * 2 + lane / 16));
 #pragma unroll
         for (int np = 0; np < kN8 / 2; ++np) {
-          if (kb / 8 + 2 * np < nk8) {
-            uint32_t b[4];
-            ldmatrix_x4(b, sK + Tile::offset(kb + np * 16 + (lane % 8) + (lane / 16) * 8, ks * 2 + (lane / 8) % 2));
-            MmaOp<T>::run(c[2 * np], a, b[0], b[1]);
-            MmaOp<T>::run(c[2 * np + 1], a, b[2], b[3]);
-          }
+          uint32_t b[4];
+          ldmatrix_x4(b, sK + Tile::offset(kb + np * 16 + (lane % 8) + (lane / 16) * 8, ks * 2 + (lane / 8) % 2));
+          MmaOp<T>::run(c[2 * np], a, b[0], b[1]);
+          MmaOp<T>::run(c[2 * np + 1], a, b[2], b[3]);
         }
       }
     }
@@ -475,17 +476,15 @@ __global__ void __launch_bounds__(SparseFwdShape::threads<kOut>(), kOut ? 1 : 2)
           for (int e = 0; e < 4; ++e) o[n][e] = 0.f;
 #pragma unroll
         for (int kk = 0; kk < 8; ++kk) {  // 16 keys per step
-          if (2 * kk < nk8) {
-            uint32_t a[4];
-            ldmatrix_x4(a, sP + PTile::offset(rg * 16 + lane % 16, kk * 2 + lane / 16));
+          uint32_t a[4];
+          ldmatrix_x4(a, sP + PTile::offset(rg * 16 + lane % 16, kk * 2 + lane / 16));
 #pragma unroll
-            for (int dp = 0; dp < kDo / 16; ++dp) {
-              uint32_t b[4];
-              ldmatrix_x4_trans(b, sV + Tile::offset(kk * 16 + (lane % 8) + ((lane / 8) % 2) * 8,
-                                                     kh * (kDo / 8) + dp * 2 + lane / 16));
-              MmaOp<T>::run(o[2 * dp], a, b[0], b[1]);
-              MmaOp<T>::run(o[2 * dp + 1], a, b[2], b[3]);
-            }
+          for (int dp = 0; dp < kDo / 16; ++dp) {
+            uint32_t b[4];
+            ldmatrix_x4_trans(b, sV + Tile::offset(kk * 16 + (lane % 8) + ((lane / 8) % 2) * 8,
+                                                   kh * (kDo / 8) + dp * 2 + lane / 16));
+            MmaOp<T>::run(o[2 * dp], a, b[0], b[1]);
+            MmaOp<T>::run(o[2 * dp + 1], a, b[2], b[3]);
           }
         }
         T* part = static_cast<T*>(p.out_part);
@@ -572,36 +571,32 @@ __global__ void __launch_bounds__(SparseFwdShape::threads<kOut>(), kOut ? 1 : 2)
         // dq_idx of the tile's units: dsi (units x keys) K_idx (keys x Di); warp w takes the units'
         // m-tile w / 8 and Di / 8 columns.
         __syncthreads();
-        const int ncols = di / 8;  // 16 or 8
         const int mt = warp / 8;
-        if (mt * 16 < nu) {
+        if (mt * 16 < nu && kw * 16 < di) {  // 16 columns of Di per warp
           float dq[4][4];
 #pragma unroll
           for (int n = 0; n < 4; ++n)
 #pragma unroll
             for (int e = 0; e < 4; ++e) dq[n][e] = 0.f;
-          for (int kk = 0; kk * 16 < p.block_size; ++kk) {
+#pragma unroll
+          for (int kk = 0; kk < Sh::kKeys / 16; ++kk) {
             uint32_t a[4];
             ldmatrix_x4(a, sDsi + PTile::offset(mt * 16 + lane % 16, kk * 2 + lane / 16));
 #pragma unroll
             for (int np = 0; np < 2; ++np) {
-              if (np * 16 < ncols) {
-                uint32_t b[4];
-                ldmatrix_x4_trans(b, sKi + swizzled_offset(kk * 16 + (lane % 8) + ((lane / 8) % 2) * 8,
-                                                           (kw * ncols) / 8 + np * 2 + lane / 16, di));
-                MmaOp<T>::run(dq[2 * np], a, b[0], b[1]);
-                MmaOp<T>::run(dq[2 * np + 1], a, b[2], b[3]);
-              }
+              uint32_t b[4];
+              ldmatrix_x4_trans(b, sKi + ITile::offset(kk * 16 + (lane % 8) + ((lane / 8) % 2) * 8,
+                                                       kw * 2 + np * 2 + lane / 16));
+              MmaOp<T>::run(dq[2 * np], a, b[0], b[1]);
+              MmaOp<T>::run(dq[2 * np + 1], a, b[2], b[3]);
             }
           }
           const int uq0 = mt * 16 + g, uq1 = uq0 + 8;
 #pragma unroll
           for (int n = 0; n < 4; ++n) {
-            if (n * 8 < ncols) {
-              const int col = kw * ncols + n * 8 + 2 * tq;
-              if (uq0 < nu) atomic_add2(p.dqi_accum + (int64_t(sTok[uq0]) * p.hi + r) * di + col, dq[n][0], dq[n][1]);
-              if (uq1 < nu) atomic_add2(p.dqi_accum + (int64_t(sTok[uq1]) * p.hi + r) * di + col, dq[n][2], dq[n][3]);
-            }
+            const int col = kw * 16 + n * 8 + 2 * tq;
+            if (uq0 < nu) atomic_add2(p.dqi_accum + (int64_t(sTok[uq0]) * p.hi + r) * di + col, dq[n][0], dq[n][1]);
+            if (uq1 < nu) atomic_add2(p.dqi_accum + (int64_t(sTok[uq1]) * p.hi + r) * di + col, dq[n][2], dq[n][3]);
           }
         }
       }
