@@ -158,13 +158,21 @@ __global__ void __launch_bounds__(SparseBwdShape::kThreads, 1) sparse_bwd_kernel
 #pragma unroll 1
       for (int kq = 0; kq < 2; ++kq) {
         const int kbase = half * 64 + kq * 32;
-        if (kbase >= p.block_size) break;
+        if (kbase >= p.block_size) {  // block_size 64: zeros, so that dQ runs over a fixed 128 keys
+#pragma unroll
+          for (int n = 0; n < 4; ++n) {
+            const int c8 = (kbase + n * 8) / 8;
+            *reinterpret_cast<uint32_t*>(sdS + KTile::offset(row0, c8) + 2 * tq) = 0u;
+            *reinterpret_cast<uint32_t*>(sdS + KTile::offset(row1, c8) + 2 * tq) = 0u;
+          }
+          continue;
+        }
         float s[4][4], dp[4][4];
 #pragma unroll
         for (int n = 0; n < 4; ++n)
 #pragma unroll
           for (int e = 0; e < 4; ++e) s[n][e] = dp[n][e] = 0.f;
-#pragma unroll 1
+#pragma unroll 2
         for (int ks = 0; ks < D / 16; ++ks) {
           uint32_t aq[4], ad[4];
           ldmatrix_x4(aq, sQb + Tile::offset(rw * 16 + lane % 16, ks * 2 + lane / 16));
@@ -235,8 +243,8 @@ __global__ void __launch_bounds__(SparseBwdShape::kThreads, 1) sparse_bwd_kernel
         for (int n = 0; n < kQuarter / 8; ++n)
 #pragma unroll
           for (int e = 0; e < 4; ++e) dq[n][e] = 0.f;
-#pragma unroll 1
-        for (int kk = 0; kk * 16 < p.block_size; ++kk) {
+#pragma unroll
+        for (int kk = 0; kk < Sh::kKeys / 16; ++kk) {  // zeros past block_size (row phase)
           uint32_t a[4];
           ldmatrix_x4(a, sdS + KTile::offset(rw * 16 + lane % 16, kk * 2 + lane / 16));
 #pragma unroll

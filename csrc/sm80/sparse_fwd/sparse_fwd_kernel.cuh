@@ -573,27 +573,23 @@ __global__ void __launch_bounds__(SparseFwdShape::threads<kOut>(), kOut ? 1 : 2)
         __syncthreads();
         const int mt = warp / 8;
         if (mt * 16 < nu && kw * 16 < di) {  // 16 columns of Di per warp
-          float dq[4][4];
+          float dq[2][4];
 #pragma unroll
-          for (int n = 0; n < 4; ++n)
+          for (int n = 0; n < 2; ++n)
 #pragma unroll
             for (int e = 0; e < 4; ++e) dq[n][e] = 0.f;
 #pragma unroll
           for (int kk = 0; kk < Sh::kKeys / 16; ++kk) {
             uint32_t a[4];
             ldmatrix_x4(a, sDsi + PTile::offset(mt * 16 + lane % 16, kk * 2 + lane / 16));
-#pragma unroll
-            for (int np = 0; np < 2; ++np) {
-              uint32_t b[4];
-              ldmatrix_x4_trans(b, sKi + ITile::offset(kk * 16 + (lane % 8) + ((lane / 8) % 2) * 8,
-                                                       kw * 2 + np * 2 + lane / 16));
-              MmaOp<T>::run(dq[2 * np], a, b[0], b[1]);
-              MmaOp<T>::run(dq[2 * np + 1], a, b[2], b[3]);
-            }
+            uint32_t b[4];
+            ldmatrix_x4_trans(b, sKi + ITile::offset(kk * 16 + (lane % 8) + ((lane / 8) % 2) * 8, kw * 2 + lane / 16));
+            MmaOp<T>::run(dq[0], a, b[0], b[1]);
+            MmaOp<T>::run(dq[1], a, b[2], b[3]);
           }
           const int uq0 = mt * 16 + g, uq1 = uq0 + 8;
 #pragma unroll
-          for (int n = 0; n < 4; ++n) {
+          for (int n = 0; n < 2; ++n) {
             const int col = kw * 16 + n * 8 + 2 * tq;
             if (uq0 < nu) atomic_add2(p.dqi_accum + (int64_t(sTok[uq0]) * p.hi + r) * di + col, dq[n][0], dq[n][1]);
             if (uq1 < nu) atomic_add2(p.dqi_accum + (int64_t(sTok[uq1]) * p.hi + r) * di + col, dq[n][2], dq[n][3]);
