@@ -120,7 +120,7 @@ struct SparseFwdParams {
   float* dqi_accum;        // (T, Hi, Di) fp32
 };
 
-// dk_idx of the KL for d_kl = 1 (unscaled), per key of one chunk: sum over the key's entries of
+// dk_idx of the KL for d_kl = 1 (unscaled), over the work items of one chunk: per key, the sum over its entries of
 // dsi[entry, key j] * q_idx[token], added to dki_accum[block token j, index key head].
 struct IndexDkParams {
   const void* q_idx;
@@ -163,7 +163,8 @@ struct SparseCombineParams {
 namespace msa {
 
 // Sparse backward of the main branch (SPEC 3): dq, dk, dv accumulate in fp32 buffers (contiguous
-// (T, Hq, D) and (T, Hkv, D)); the reverse index gives, per key, the tokens that selected the block.
+// (T, Hq, D) and (T, Hkv, D)); the reverse index gives, per key, the tokens that selected the block, and
+// its work list splits a key's tokens into items of at most units_per_item (one CTA each).
 struct SparseBwdParams {
   const void* q;
   const void* k;
@@ -176,6 +177,11 @@ struct SparseBwdParams {
   const int32_t* offsets;        // (Hi * max_blocks + 1)
   const int32_t* tokens;         // tokens per key, ascending
   const int32_t* block_offsets;  // (num_seqs + 1)
+  const int32_t* item_offsets;   // (num_keys + 1): item_offsets[num_keys] = number of items
+  const int2* items;             // (key, first row) per item: hot keys split into several CTAs
+  int num_keys;
+  int units_per_item;
+  int max_items;                 // grid size: an upper bound on item_offsets[num_keys]
   float* dq_accum;
   float* dk_accum;
   float* dv_accum;

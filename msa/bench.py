@@ -189,6 +189,18 @@ def run(args):
                         do, q, k, v, o, l, idx[0], cu, N, c["block_size"], c["D"] ** -0.5), saved)
                     row["sparse_bwd_tflops"] = 2.5 * 4 * c["D"] * att / row["sparse_bwd"] / 1e9
                     del saved
+                    # The same with an attention sink: every row's first slot becomes block 0, so one key per
+                    # index group is selected by every token (the backward splits it over many CTAs).
+                    progress(f"[{step}/{steps}] N={N}: sparse bwd with a sink")
+                    sink = idx[0].clone()
+                    sink[..., 0] = 0  # rows are ascending with the local block in: slot 0 is their smallest block
+                    saved = []
+                    for q, k, v in flat:
+                        out, lse = torch.ops.msa.sparse_fwd(q, k, v, sink, cu, N, c["block_size"], c["D"] ** -0.5)
+                        saved.append((torch.randn_like(out), q, k, v, out, lse))
+                    row["sparse_bwd_sink"] = timer(lambda do, q, k, v, o, l: torch.ops.msa.sparse_bwd(
+                        do, q, k, v, o, l, sink, cu, N, c["block_size"], c["D"] ** -0.5), saved)
+                    del saved, sink
             if on_gpu and "msa_fwdbwd" in row:
                 # Peak memory of one fwd+bwd above the inputs: workspace plus out, kl and the five gradients.
                 x = sets[0]
@@ -231,7 +243,7 @@ def table(rows, device):
         cols += [("index top-k ms", "index_topk", ".3f"), ("index TFLOP/s", "index_tflops", ".3g"),
                  ("reverse index ms", "reverse_index", ".3f"), ("sparse fwd ms", "sparse_fwd", ".3f"),
                  ("sparse fwd TFLOP/s", "sparse_fwd_tflops", ".3g"), ("sparse bwd ms", "sparse_bwd", ".3f"),
-                 ("sparse bwd TFLOP/s", "sparse_bwd_tflops", ".3g"), ("msa fwd+bwd peak above inputs GiB", "peak_extra_gib", ".2f"),
+                 ("sparse bwd TFLOP/s", "sparse_bwd_tflops", ".3g"), ("sparse bwd, sink ms", "sparse_bwd_sink", ".3f"), ("msa fwd+bwd peak above inputs GiB", "peak_extra_gib", ".2f"),
                  ("workspace GiB (peak - out - grads)", "workspace_gib", ".2f")]
     lines = ["| " + " | ".join(c[0] for c in cols) + " |", "|" + "---|" * len(cols)]
     for r in rows:
@@ -256,7 +268,8 @@ def header(device, argv):
         f"median ms; TFLOP/s: dense = 3.5 * 2N^2*D*Hq / time, attended = 3.5 * 4*D*sum|T| / time, "
         f"index = 2*Di*Hi*N(N+1)/2 / time (SPEC 8); sparse fwd = 1.5 * 4*D*sum|T| / time (QK^T twice, PV once: "
         f"stats pass + output pass; msa fwd adds the selection and the index/KL terms); sparse bwd = 2.5 * 4*D*sum|T| "
-        f"/ time (main dq, dk, dv; the KL's index gradient is computed in the forward)",
+        f"/ time (main dq, dk, dv; the KL's index gradient is computed in the forward); sparse bwd, sink = the same "
+        f"selection with block 0 in every row (one key per index group selected by every token)",
         *[f"- note: {n}" for n in notes]])
 
 

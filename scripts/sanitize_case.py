@@ -29,5 +29,8 @@ for dtype, di, bs, topk, lengths in [(torch.bfloat16, 128, 128, 16, [700, 129, 1
         # The main branch alone (no index branch in the kernels).
         out, lse = torch.ops.msa.sparse_fwd(q, k, v, idx2, cu, max(lengths), bs, 0.088)
         torch.ops.msa.sparse_bwd(torch.randn_like(out), q, k, v, out, lse, idx2, cu, max(lengths), bs, 0.088)
+        os.environ["MSA_BWD_UNITS_PER_ITEM"] = "5"  # every key split over several backward CTAs
+        torch.ops.msa.sparse_bwd(torch.randn_like(out), q, k, v, out, lse, idx2, cu, max(lengths), bs, 0.088)
+        del os.environ["MSA_BWD_UNITS_PER_ITEM"]
     torch.cuda.synchronize()
 print("sanitize case done")

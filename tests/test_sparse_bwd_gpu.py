@@ -77,16 +77,40 @@ def test_sparse_attention_backward(heads):
     q, k, v, _, _, cu, mx = make_packed(lengths, heads, 64, 64, dtype=torch.bfloat16, device="cuda", seed=4)
     g = torch.Generator().manual_seed(1)
     idx = torch.cat([torch.randint(-1, -(-n // 64) + 1, (heads[2], n, 4), generator=g) for n in lengths], 1)
-    idx = idx.to(torch.int32).cuda()
+    _check_sparse_backward(q, k, v, idx.to(torch.int32).cuda(), cu, mx, 64)
+
+
+def _check_sparse_backward(q, k, v, idx, cu, mx, bs):
+    """sparse_attention's dq, dk, dv for a random dout against the float64 reference."""
+    scale = 1 / math.sqrt(q.shape[-1])
     leaves = [x.detach().requires_grad_(True) for x in (q, k, v)]
-    out, lse = msa.sparse_attention(*leaves, idx, block_size=64, return_lse=True, cu_seqlens=cu, max_seqlen=mx)
+    out, lse = msa.sparse_attention(*leaves, idx, block_size=bs, return_lse=True, cu_seqlens=cu, max_seqlen=mx)
     dout = torch.randn_like(out)
     grads = torch.autograd.grad(out, leaves, dout)
-    exact = run_ref(ref.sparse_bwd, dout, q, k, v, lse.double(), idx, cu, 64, 0.125)
+    exact = run_ref(ref.sparse_bwd, dout, q, k, v, lse.double(), idx, cu, bs, scale)
     with low_precision():
-        lowp = run_ref(ref.sparse_bwd, dout, q, k, v, lse, idx, cu, 64, 0.125, dtype=torch.bfloat16)
+        lowp = run_ref(ref.sparse_bwd, dout, q, k, v, lse, idx, cu, bs, scale, dtype=torch.bfloat16)
     for name, got, e, lp in zip(("dq", "dk", "dv"), grads, exact, lowp):
         assert_close_style(name, got, e, lp, torch.bfloat16)
+
+
+@pytest.mark.parametrize("per_item", [None, "7", "64"])
+def test_hot_block_split(monkeypatch, per_item):
+    """Every token selects block 0 (an attention sink) and its own block: the backward splits that key
+    over many CTAs (small MSA_BWD_UNITS_PER_ITEM forces it; the default splits past 2048 tokens), and
+    the split CTAs' dK/dV must add up to the reference."""
+    lengths, bs = [1500, 300, 1], 64
+    q, k, v, _, _, cu, mx = make_packed(lengths, (8, 2, 4, 1), 64, 64, dtype=torch.bfloat16, device="cuda", seed=21)
+    parts = []
+    for n in lengths:
+        local = torch.arange(n) // bs
+        sink = torch.zeros(n, dtype=torch.long)
+        own = torch.where(local > 0, local, torch.full_like(local, -1))
+        parts.append(torch.stack([sink, own], -1)[None].expand(4, n, 2))
+    idx = torch.cat(parts, 1).to(torch.int32).cuda().contiguous()
+    if per_item is not None:
+        monkeypatch.setenv("MSA_BWD_UNITS_PER_ITEM", per_item)
+    _check_sparse_backward(q, k, v, idx, cu, mx, bs)
 
 
 @pytest.mark.parametrize("warmup", [False, True])

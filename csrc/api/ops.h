@@ -33,6 +33,16 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> sparse_backward_cuda(
     const at::Tensor& lse, const at::Tensor& indices, const at::Tensor& cu_seqlens, int64_t max_seqlen,
     int64_t block_size, double softmax_scale);
 
+// The reverse index of a whole selection: per key (index group r, global block) the tokens that selected
+// it, ascending; with units_per_item > 0 also the work list that splits hot keys into items of at most
+// that many tokens (item_offsets (keys + 1), items (max_items, 2) = (key, first row)).
+struct ReverseIndex {
+  at::Tensor offsets, rows, block_offsets, item_offsets, items;
+  int64_t max_blocks = 0, units_per_item = 0, max_items = 0;
+};
+ReverseIndex build_reverse_index(const at::Tensor& indices, const at::Tensor& cu_seqlens, int64_t max_seqlen,
+                                 int64_t block_size, int64_t units_per_item);
+
 std::tuple<at::Tensor, at::Tensor, at::Tensor> reverse_index_cuda(const at::Tensor& indices,
                                                                   const at::Tensor& cu_seqlens,
                                                                   int64_t max_seqlen, int64_t block_size);

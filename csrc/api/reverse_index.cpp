@@ -3,6 +3,7 @@
 #include <c10/cuda/CUDAGuard.h>
 #include <torch/library.h>
 
+#include <algorithm>
 #include <tuple>
 
 #include "api/checks.h"
@@ -12,9 +13,8 @@
 
 namespace msa::api {
 
-std::tuple<at::Tensor, at::Tensor, at::Tensor> reverse_index_cuda(const at::Tensor& indices,
-                                                                  const at::Tensor& cu_seqlens,
-                                                                  int64_t max_seqlen, int64_t block_size) {
+ReverseIndex build_reverse_index(const at::Tensor& indices, const at::Tensor& cu_seqlens, int64_t max_seqlen,
+                                 int64_t block_size, int64_t units_per_item) {
   check_cuda_int32(indices, "indices", 3);
   check_cuda_int32(cu_seqlens, "cu_seqlens", 1);
   TORCH_CHECK_VALUE(indices.device() == cu_seqlens.device(), "cu_seqlens: expected device ", indices.device(),
@@ -25,29 +25,33 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> reverse_index_cuda(const at::Tens
   const int64_t num_seqs = cu_seqlens.size(0) - 1;
   const int64_t max_blocks = tokens / block_size + num_seqs;
   const int64_t entries = heads * tokens * topk;
-  TORCH_CHECK_VALUE(entries < (int64_t(1) << 31) && heads * max_blocks < (int64_t(1) << 30),
+  const int64_t num_keys = heads * max_blocks;
+  TORCH_CHECK_VALUE(entries < (int64_t(1) << 31) && num_keys < (int64_t(1) << 30),
                     "indices: too many entries for the int32 reverse index, shape ", indices.sizes());
 
   c10::cuda::CUDAGuard guard(indices.device());
   auto opts = indices.options();
-  auto offsets = at::empty({heads * max_blocks + 1}, opts);
-  auto rows = at::empty({entries}, opts);
-  auto block_offsets = at::empty({num_seqs + 1}, opts);
+  ReverseIndex ri;
+  ri.max_blocks = max_blocks;
+  ri.offsets = at::empty({num_keys + 1}, opts);
+  ri.rows = at::empty({entries}, opts);
+  ri.block_offsets = at::empty({num_seqs + 1}, opts);
   auto keys = at::empty({2, entries}, opts);
   auto rows_in = at::empty({entries}, opts);
-  const size_t sort_bytes = reverse_index_sort_bytes(int(entries), int(heads * max_blocks));
-  auto sort_temp = at::empty({int64_t(sort_bytes)}, opts.dtype(at::kByte));
+  const size_t sort_bytes = reverse_index_sort_bytes(int(entries), int(num_keys));
+  const size_t scan_bytes = units_per_item > 0 ? reverse_index_scan_bytes(int(num_keys)) : 0;
+  auto temp = at::empty({int64_t(std::max(sort_bytes, scan_bytes))}, opts.dtype(at::kByte));
 
   ReverseIndexParams p{};
   p.indices = indices.data_ptr<int32_t>();
   p.cu_seqlens = cu_seqlens.data_ptr<int32_t>();
-  p.block_offsets = block_offsets.data_ptr<int32_t>();
-  p.offsets = offsets.data_ptr<int32_t>();
-  p.rows = rows.data_ptr<int32_t>();
+  p.block_offsets = ri.block_offsets.data_ptr<int32_t>();
+  p.offsets = ri.offsets.data_ptr<int32_t>();
+  p.rows = ri.rows.data_ptr<int32_t>();
   p.keys_in = keys[0].data_ptr<int32_t>();
   p.keys_out = keys[1].data_ptr<int32_t>();
   p.rows_in = rows_in.data_ptr<int32_t>();
-  p.sort_temp = sort_temp.data_ptr();
+  p.sort_temp = temp.data_ptr();
   p.sort_temp_bytes = sort_bytes;
   p.num_heads = int(heads);
   p.total_tokens = int(tokens);
@@ -57,8 +61,27 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> reverse_index_cuda(const at::Tens
   p.max_blocks = int(max_blocks);
   p.token_begin = 0;
   p.token_end = int(tokens);
+  if (units_per_item > 0) {
+    // The work list: sum over keys of ceil(count / per_item) <= entries / per_item + num_keys items.
+    ri.units_per_item = units_per_item;
+    ri.max_items = entries / units_per_item + num_keys;
+    ri.item_offsets = at::empty({num_keys + 1}, opts);
+    ri.items = at::empty({ri.max_items, 2}, opts);
+    p.item_offsets = ri.item_offsets.data_ptr<int32_t>();
+    p.items = reinterpret_cast<int2*>(ri.items.data_ptr<int32_t>());
+    p.units_per_item = int(units_per_item);
+    p.scan_temp = temp.data_ptr();
+    p.scan_temp_bytes = scan_bytes;
+  }
   MSA_LAUNCH_CHECK(run_reverse_index(p, c10::cuda::getCurrentCUDAStream()), "reverse_index");
-  return {offsets, rows, block_offsets};
+  return ri;
+}
+
+std::tuple<at::Tensor, at::Tensor, at::Tensor> reverse_index_cuda(const at::Tensor& indices,
+                                                                  const at::Tensor& cu_seqlens,
+                                                                  int64_t max_seqlen, int64_t block_size) {
+  ReverseIndex ri = build_reverse_index(indices, cu_seqlens, max_seqlen, block_size, 0);
+  return {ri.offsets, ri.rows, ri.block_offsets};
 }
 
 TORCH_LIBRARY_IMPL(msa, CUDA, m) { m.impl("reverse_index", &reverse_index_cuda); }

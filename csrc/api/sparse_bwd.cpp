@@ -6,6 +6,7 @@
 #include <ATen/ops/_flash_attention_backward.h>
 #include <torch/library.h>
 
+#include <cstdlib>
 #include <optional>
 #include <tuple>
 
@@ -16,6 +17,17 @@
 #include "sm80/sparse_fwd/sparse_fwd.h"
 
 namespace msa::api {
+
+namespace {
+// Tokens per backward work item: a key selected by more tokens (a hot block, an attention sink) is
+// split over several CTAs. MSA_BWD_UNITS_PER_ITEM overrides it (tests force splits with small values).
+constexpr int64_t kBwdUnitsPerItem = 2048;
+int64_t bwd_units_per_item() {
+  const char* env = std::getenv("MSA_BWD_UNITS_PER_ITEM");
+  const long long v = env != nullptr ? std::atoll(env) : 0;
+  return v > 0 ? int64_t(v) : kBwdUnitsPerItem;
+}
+}  // namespace
 
 std::tuple<at::Tensor, at::Tensor, at::Tensor> sparse_backward_cuda(
     const at::Tensor& dout_in, const at::Tensor& q_in, const at::Tensor& k_in, const at::Tensor& v_in,
@@ -43,7 +55,7 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> sparse_backward_cuda(
   c10::cuda::CUDAGuard guard(q_in.device());
   check_smem(q_in, sm80::sparse_smem_bytes(int(D), 2), "the sparse backward");
   const cudaStream_t stream = c10::cuda::getCurrentCUDAStream();
-  auto [offsets, tokens, block_offsets] = reverse_index_cuda(indices, cu_seqlens, max_seqlen, block_size);
+  const ReverseIndex ri = build_reverse_index(indices, cu_seqlens, max_seqlen, block_size, bwd_units_per_item());
   const int64_t S = cu_seqlens.size(0) - 1;
   const at::Tensor q = aligned_rows(q_in), k = aligned_rows(k_in), v = aligned_rows(v_in);
   const at::Tensor dout = aligned_rows(dout_in), out = aligned_rows(out_in);
@@ -83,16 +95,21 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> sparse_backward_cuda(
     p.lse = lse_c.data_ptr<float>();
     p.delta = delta.data_ptr<float>();
     p.cu_seqlens = cu_seqlens.data_ptr<int32_t>();
-    p.offsets = offsets.data_ptr<int32_t>();
-    p.tokens = tokens.data_ptr<int32_t>();
-    p.block_offsets = block_offsets.data_ptr<int32_t>();
+    p.offsets = ri.offsets.data_ptr<int32_t>();
+    p.tokens = ri.rows.data_ptr<int32_t>();
+    p.block_offsets = ri.block_offsets.data_ptr<int32_t>();
+    p.item_offsets = ri.item_offsets.data_ptr<int32_t>();
+    p.items = reinterpret_cast<const int2*>(ri.items.data_ptr<int32_t>());
+    p.num_keys = int(Hi * ri.max_blocks);
+    p.units_per_item = int(ri.units_per_item);
+    p.max_items = int(ri.max_items);
     p.dq_accum = dq.data_ptr<float>();
     p.dk_accum = dk.data_ptr<float>();
     p.dv_accum = dv.data_ptr<float>();
     p.total_tokens = int(T);
     p.num_seqs = int(S);
     p.block_size = int(block_size);
-    p.max_blocks = int(T / block_size + S);
+    p.max_blocks = int(ri.max_blocks);
     p.hq = int(Hq);
     p.hkv = int(Hkv);
     p.hi = int(Hi);

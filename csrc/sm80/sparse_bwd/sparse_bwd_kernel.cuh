@@ -1,9 +1,9 @@
 // Sparse backward of the main branch (SPEC 3), portable sm80 path, KV-outer.
 //
-// A CTA owns one key of the reverse index (index group r, kv block) and every unit that selected it,
-// for each of the group's kv heads in turn; dK and dV of the block stay in registers for the whole
-// key (warp w owns keys [16w, 16w + 16)), so each block's gradient leaves the CTA once. Hot keys come
-// first in the grid (block-major order). Per tile of R = 64 gathered rows:
+// A CTA owns one work item: a key of the reverse index (index group r, kv block) and up to
+// units_per_item of the units that selected it, for each of the group's kv heads in turn; dK and dV of
+// the block stay in registers for the whole item (warp w owns keys [16w, 16w + 16)) and leave the CTA
+// once, added to the fp32 accumulators. Per tile of R = 64 gathered rows:
 //   row phase  (warp: 16 rows x 64 keys): S = Q K^T, P = exp(S - lse), dP = dO V^T,
 //              dS = P (dP - delta); P and dS go to shared memory in the input dtype;
 //   key phase  (warp: 16 keys): dV += P^T dO, dK += dS^T Q   (transposed ldmatrix reads);
@@ -58,11 +58,14 @@ __global__ void __launch_bounds__(SparseBwdShape::kThreads, 1) sparse_bwd_kernel
   float* sDelta = reinterpret_cast<float*>(smem + L::delta);
   int* sTok = reinterpret_cast<int*>(smem + L::tok);
 
-  // Block-major order: every group's block 0 first (the hottest keys), then block 1, ...
-  const int r = blockIdx.x % p.hi, gb = blockIdx.x / p.hi;
-  const int key = r * p.max_blocks + gb;
-  const int u_begin = p.offsets[key], u_end = p.offsets[key + 1];
-  if (u_begin == u_end) return;
+  // One work item: a key's tokens [u_begin, u_end) (a hot key, e.g. an attention sink selected by every
+  // token, is split over several CTAs; their dK/dV meet in the fp32 accumulators).
+  const int item = blockIdx.x;
+  if (item >= p.item_offsets[p.num_keys]) return;
+  const int2 it = p.items[item];
+  const int key = it.x;
+  const int u_begin = it.y, u_end = min(u_begin + p.units_per_item, p.offsets[key + 1]);
+  const int r = key / p.max_blocks, gb = key % p.max_blocks;
   const BlockSpan span = block_span(p.block_offsets, p.cu_seqlens, p.num_seqs, gb, p.block_size);
   const int seq_start = span.seq_start, key0 = span.key0, blen = span.blen;
 
@@ -294,7 +297,7 @@ __global__ void __launch_bounds__(SparseBwdShape::kThreads, 1) sparse_bwd_kernel
 
 template <typename T, int D>
 cudaError_t launch_sparse_bwd(const SparseBwdParams& p, cudaStream_t stream) {
-  const int64_t grid = int64_t(p.hi) * p.max_blocks;
+  const int64_t grid = p.max_items;  // an upper bound on item_offsets[num_keys]
   if (grid == 0) return cudaSuccess;
   constexpr int smem = SparseBwdShape::Smem<T, D>::bytes;
   auto kernel = sparse_bwd_kernel<T, D>;

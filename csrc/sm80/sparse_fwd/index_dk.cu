@@ -1,8 +1,11 @@
 // The KL's k_idx gradient (SPEC 4) for one query chunk, d_kl = 1 and unscaled:
 //   dki[j] += sum over the entries (unit u) that selected j's block of dsi[u, j] * q_idx[u].
-// One CTA per key (index group, kv block) owns the block's 128 x Di accumulator in registers (warp w:
-// keys [16w, 16w + 16)) and streams the key's units in tiles of 16 (the MMA's k dimension), reading
-// the dsi rows the output pass wrote. Several groups and chunks add into one fp32 buffer.
+// A CTA takes kItemsPerCta consecutive items of the forward's work list (items of one key are
+// consecutive and cover its units in order, so a hot key is spread over several CTAs and a CTA's items
+// merge into at most a few key segments). Per segment the block's 128 x Di accumulator stays in
+// registers (warp w: keys [16w, 16w + 16)) while the segment's units stream through in tiles of 16 (the
+// MMA's k dimension), the next tile's dsi rows and q_idx rows fetched while this one computes; the
+// segment ends with one atomic add of the accumulator. Di = 64 is zero-padded to 128 in shared memory.
 #include "common/block_span.h"
 #include "common/mma_sm80.h"
 #include "sm80/sparse_fwd/sparse_fwd.h"
@@ -13,85 +16,98 @@ namespace {
 constexpr int kDkThreads = 256;
 constexpr int kDkKeys = 128;
 constexpr int kDkUnits = 16;
+constexpr int kDkDi = 128;  // shared-memory width of the q_idx tile (Di = 64: zeros)
+constexpr int kItemsPerCta = 8;
 
 template <typename T>
 __global__ void __launch_bounds__(kDkThreads) index_dk_kernel(IndexDkParams p) {
   using KTile = SwizzledTile<kDkKeys>;
-  __shared__ __align__(128) T sDs[kDkUnits * kDkKeys];
-  __shared__ __align__(128) T sQi[kDkUnits * 128];
-  __shared__ int sTok[kDkUnits];
+  using QTile = SwizzledTile<kDkDi>;
+  __shared__ __align__(128) T sDs[2][kDkUnits * kDkKeys];
+  __shared__ __align__(128) T sQi[2][kDkUnits * kDkDi];
   const SparseWork& w = p.work;
-  const int r = blockIdx.x % p.hi, gb = blockIdx.x / p.hi;  // block-major: hot keys first
-  const int key = r * w.max_blocks + gb;
-  const int u_begin = w.offsets[key], u_end = w.offsets[key + 1];
-  if (u_begin == u_end) return;
-  const BlockSpan span = block_span(w.block_offsets, p.cu_seqlens, p.num_seqs, gb, p.block_size);
-  const int seq_start = span.seq_start, key0 = span.key0, blen = span.blen;
+  const int n_items = w.item_offsets[w.num_keys];
+  const int i_begin = blockIdx.x * kItemsPerCta;
+  if (i_begin >= n_items) return;
+  const int i_end = min(i_begin + kItemsPerCta, n_items);
   const int di = p.di, di_chunks = di / 8;
   const int tid = threadIdx.x, warp = tid / 32, lane = tid % 32;
+  const int g = lane / 4, tq = lane % 4;
   const T* QI = static_cast<const T*>(p.q_idx);
   const T* DS = static_cast<const T*>(p.dsi_part);
 
-  float acc[16][4];
-#pragma unroll
-  for (int n = 0; n < 16; ++n)
-#pragma unroll
-    for (int e = 0; e < 4; ++e) acc[n][e] = 0.f;
+  for (int i = i_begin; i < i_end;) {
+    // One key segment: the consecutive items of this key.
+    const int key = w.items[i].x;
+    const int u_begin = w.items[i].y;
+    int j = i + 1;
+    while (j < i_end && w.items[j].x == key) ++j;
+    const int u_end = min(w.items[j - 1].y + w.units_per_item, w.offsets[key + 1]);
+    i = j;
+    const int r = key / w.max_blocks, gb = key % w.max_blocks;
+    const BlockSpan span = block_span(w.block_offsets, p.cu_seqlens, p.num_seqs, gb, p.block_size);
+    const int n_tiles = (u_end - u_begin + kDkUnits - 1) / kDkUnits;
 
-  for (int ub = u_begin; ub < u_end; ub += kDkUnits) {
-    const int nu = min(kDkUnits, u_end - ub);
-    __syncthreads();
-    if (tid < kDkUnits) {
-      int64_t el = -1;
-      int t = -1;
-      if (tid < nu) {
-        const int e = w.entries[ub + tid];
-        const int slot = e % p.topk;
-        t = (e / p.topk) % p.total_tokens;
-        el = (int64_t(r) * p.chunk_tokens + (t - p.chunk_begin)) * p.topk + slot;
+    // Tile t's 16 dsi rows and q_idx rows into buffer b: thread = (unit tid / 16, 16-byte chunk tid % 16).
+    auto fetch = [&](int t, int b) {
+      const int u = tid / 16, c = tid % 16;
+      const int ue = u_begin + t * kDkUnits + u;
+      int64_t el = -1, tok = 0;
+      if (ue < u_end) {
+        const int e = w.entries[ue];
+        const int tt = (e / p.topk) % p.total_tokens;
+        el = (int64_t(r) * p.chunk_tokens + (tt - p.chunk_begin)) * p.topk + e % p.topk;
+        tok = tt;
       }
-      sTok[tid] = t;
-      // Row u of the dsi tile.
-      for (int c = 0; c < kDkKeys / 8; ++c)
-        cp_async_16(sDs + KTile::offset(tid, c), DS + (el >= 0 ? el : 0) * kDkKeys + c * 8, el >= 0);
-    }
-    __syncthreads();
-    for (int i = tid; i < kDkUnits * di_chunks; i += kDkThreads) {
-      const int u = i / di_chunks, c = i % di_chunks;
-      const int t = sTok[u];
-      cp_async_16(sQi + swizzled_offset(u, c, di), QI + int64_t(t >= 0 ? t : 0) * p.qi_stride_t +
-                                                       int64_t(r) * p.qi_stride_h + c * 8, t >= 0);
-    }
-    cp_async_commit();
-    cp_async_wait<0>();
-    __syncthreads();
-    if (warp * 16 < p.block_size) {
-      uint32_t a[4];  // dsi^T: m = keys, k = units
-      ldmatrix_x4_trans(a, sDs + KTile::offset((lane % 8) + (lane / 16) * 8, warp * 2 + (lane / 8) % 2));
+      cp_async_16(&sDs[b][KTile::offset(u, c)], DS + (el >= 0 ? el * kDkKeys + c * 8 : 0), el >= 0);
+      const bool qok = el >= 0 && c < di_chunks;
+      cp_async_16(&sQi[b][QTile::offset(u, c)],
+                  QI + (qok ? tok * p.qi_stride_t + int64_t(r) * p.qi_stride_h + c * 8 : 0), qok);
+    };
+
+    float acc[16][4];
 #pragma unroll
-      for (int dp = 0; dp < 8; ++dp) {
-        if (dp * 16 < di) {
+    for (int n = 0; n < 16; ++n)
+#pragma unroll
+      for (int e = 0; e < 4; ++e) acc[n][e] = 0.f;
+
+    __syncthreads();  // the previous segment is done with both buffers
+    fetch(0, 0);
+    cp_async_commit();
+    for (int t = 0; t < n_tiles; ++t) {
+      if (t + 1 < n_tiles) fetch(t + 1, (t + 1) & 1);
+      cp_async_commit();
+      cp_async_wait<1>();
+      __syncthreads();
+      const T* ds = sDs[t & 1];
+      const T* qi = sQi[t & 1];
+      if (warp * 16 < p.block_size) {
+        uint32_t a[4];  // dsi^T: m = keys, k = units
+        ldmatrix_x4_trans(a, ds + KTile::offset((lane % 8) + (lane / 16) * 8, warp * 2 + (lane / 8) % 2));
+#pragma unroll
+        for (int dp = 0; dp < kDkDi / 16; ++dp) {
           uint32_t b[4];
-          ldmatrix_x4_trans(b, sQi + swizzled_offset((lane % 8) + ((lane / 8) % 2) * 8, dp * 2 + lane / 16, di));
+          ldmatrix_x4_trans(b, qi + QTile::offset((lane % 8) + ((lane / 8) % 2) * 8, dp * 2 + lane / 16));
           MmaOp<T>::run(acc[2 * dp], a, b[0], b[1]);
           MmaOp<T>::run(acc[2 * dp + 1], a, b[2], b[3]);
         }
       }
+      __syncthreads();  // buffer t & 1 is refilled by the fetch of tile t + 2
     }
-  }
-  if (warp * 16 < p.block_size) {
-    const int kih = r / (p.hi / p.hki);
-    const int g = lane / 4, tq = lane % 4;
+
+    if (warp * 16 < p.block_size) {
+      const int kih = r / (p.hi / p.hki);
 #pragma unroll
-    for (int n = 0; n < 16; ++n) {
-      if (n * 8 < di) {
+      for (int n = 0; n < 16; ++n) {
         const int col = n * 8 + 2 * tq;
-        for (int half = 0; half < 2; ++half) {
-          const int kr = warp * 16 + g + 8 * half;
-          if (kr < blen) {
-            float* d = p.dki_accum + (int64_t(seq_start + key0 + kr) * p.hki + kih) * di + col;
-            atomicAdd(d, acc[n][2 * half]);
-            atomicAdd(d + 1, acc[n][2 * half + 1]);
+        if (col < di) {
+#pragma unroll
+          for (int half = 0; half < 2; ++half) {
+            const int kr = warp * 16 + g + 8 * half;
+            if (kr < span.blen) {
+              float* d = p.dki_accum + (int64_t(span.seq_start + span.key0 + kr) * p.hki + kih) * di + col;
+              atomic_add2(d, acc[n][2 * half], acc[n][2 * half + 1]);
+            }
           }
         }
       }
@@ -102,7 +118,7 @@ __global__ void __launch_bounds__(kDkThreads) index_dk_kernel(IndexDkParams p) {
 }  // namespace
 
 cudaError_t launch_index_dk(const IndexDkParams& p, bool bf16, cudaStream_t stream) {
-  const int64_t grid = int64_t(p.hi) * p.work.max_blocks;
+  const int64_t grid = (int64_t(p.work.max_items) + kItemsPerCta - 1) / kItemsPerCta;
   if (grid == 0) return cudaSuccess;
   if (bf16) index_dk_kernel<__nv_bfloat16><<<unsigned(grid), kDkThreads, 0, stream>>>(p);
   else index_dk_kernel<__half><<<unsigned(grid), kDkThreads, 0, stream>>>(p);
