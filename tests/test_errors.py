@@ -164,4 +164,9 @@ def test_cuda_bad_inputs_raise_before_launch():
     good_cu = torch.tensor([0, 130, 260], dtype=torch.int32, device="cuda")
     expect(ValueError, "max_seqlen", lambda: torch.ops.msa.reverse_index(idx, good_cu, 100, 64))
     expect(ValueError, "block_size", lambda: torch.ops.msa.reverse_index(idx, good_cu, 130, 32))
+    # The public sparse_bwd op checks k and v itself: here v has fewer tokens than q and k.
+    q = torch.randn(260, 8, 64, dtype=torch.bfloat16, device="cuda")
+    k, v = torch.randn_like(q[:, :2]), torch.randn(200, 2, 64, dtype=torch.bfloat16, device="cuda")
+    lse = torch.zeros(8, 260, device="cuda")
+    expect(ValueError, "q, k, v", lambda: torch.ops.msa.sparse_bwd(q, q, k, v, q, lse, idx, good_cu, 130, 64, 0.125))
     torch.cuda.synchronize()  # nothing faulted

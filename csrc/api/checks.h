@@ -52,4 +52,23 @@ inline void check_smem(const at::Tensor& x, int64_t needed, const char* what) {
                               "smaller GPUs are not supported yet, see README.md)");
 }
 
+// q, k, v of the sparse kernels: one CUDA device, bf16/fp16, (T, Hq, D) / (T, Hkv, D), D 64 or 128.
+inline void check_qkv_cuda(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v) {
+  TORCH_CHECK_VALUE(q.is_cuda() && k.device() == q.device() && v.device() == q.device(),
+                    "q, k, v: expected one CUDA device, got ", q.device(), ", ", k.device(), ", ", v.device());
+  TORCH_CHECK_TYPE(q.scalar_type() == at::kBFloat16 || q.scalar_type() == at::kHalf,
+                   "q: expected bfloat16 or float16, got ", q.scalar_type());
+  TORCH_CHECK_TYPE(k.scalar_type() == q.scalar_type() && v.scalar_type() == q.scalar_type(),
+                   "k, v: expected dtype ", q.scalar_type());
+  TORCH_CHECK_VALUE(q.dim() == 3 && k.dim() == 3 && k.sizes() == v.sizes() && k.size(0) == q.size(0) &&
+                        k.size(2) == q.size(2),
+                    "q, k, v: expected (T, Hq, D), (T, Hkv, D), (T, Hkv, D), got ", q.sizes(), ", ", k.sizes(), ", ",
+                    v.sizes());
+  TORCH_CHECK_VALUE(q.size(2) == 64 || q.size(2) == 128, "q: expected head dim 64 or 128, got ", q.size(2));
+  TORCH_CHECK_VALUE(q.size(1) % k.size(1) == 0, "k: expected Hkv dividing Hq = ", q.size(1), ", got ", k.size(1));
+  TORCH_CHECK_VALUE(q.stride(-1) == 1 && k.stride(-1) == 1 && v.stride(-1) == 1,
+                    "q, k, v: expected a contiguous last dim");
+}
+
+
 }  // namespace msa::api

@@ -33,6 +33,7 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> sparse_backward_cuda(
     const at::Tensor& dout_in, const at::Tensor& q_in, const at::Tensor& k_in, const at::Tensor& v_in,
     const at::Tensor& out_in, const at::Tensor& lse, const at::Tensor& indices, const at::Tensor& cu_seqlens,
     int64_t max_seqlen, int64_t block_size, double softmax_scale) {
+  check_qkv_cuda(q_in, k_in, v_in);
   TORCH_CHECK_VALUE(q_in.is_cuda() && dout_in.device() == q_in.device() && out_in.device() == q_in.device() &&
                         lse.device() == q_in.device(),
                     "dout, out, lse: expected the device of q, ", q_in.device());

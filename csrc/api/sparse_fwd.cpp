@@ -30,23 +30,6 @@ int64_t partial_budget() {
 }
 constexpr int kUnitsPerItem = 128;  // hot blocks split into items of this many units (<= kMaxItemUnits)
 
-void check_main(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v) {
-  TORCH_CHECK_VALUE(q.is_cuda() && k.device() == q.device() && v.device() == q.device(),
-                    "q, k, v: expected one CUDA device, got ", q.device(), ", ", k.device(), ", ", v.device());
-  TORCH_CHECK_TYPE(q.scalar_type() == at::kBFloat16 || q.scalar_type() == at::kHalf,
-                   "q: expected bfloat16 or float16, got ", q.scalar_type());
-  TORCH_CHECK_TYPE(k.scalar_type() == q.scalar_type() && v.scalar_type() == q.scalar_type(),
-                   "k, v: expected dtype ", q.scalar_type());
-  TORCH_CHECK_VALUE(q.dim() == 3 && k.dim() == 3 && k.sizes() == v.sizes() && k.size(0) == q.size(0) &&
-                        k.size(2) == q.size(2),
-                    "q, k, v: expected (T, Hq, D), (T, Hkv, D), (T, Hkv, D), got ", q.sizes(), ", ", k.sizes(), ", ",
-                    v.sizes());
-  TORCH_CHECK_VALUE(q.size(2) == 64 || q.size(2) == 128, "q: expected head dim 64 or 128, got ", q.size(2));
-  TORCH_CHECK_VALUE(q.size(1) % k.size(1) == 0, "k: expected Hkv dividing Hq = ", q.size(1), ", got ", k.size(1));
-  TORCH_CHECK_VALUE(q.stride(-1) == 1 && k.stride(-1) == 1 && v.stride(-1) == 1,
-                    "q, k, v: expected a contiguous last dim");
-}
-
 }  // namespace
 
 SparseForward sparse_forward_cuda(const at::Tensor& q_in, const at::Tensor& k_in, const at::Tensor& v_in,
@@ -54,7 +37,7 @@ SparseForward sparse_forward_cuda(const at::Tensor& q_in, const at::Tensor& k_in
                                   const at::Tensor& indices, const at::Tensor& cu_seqlens, int64_t max_seqlen,
                                   int64_t block_size, double softmax_scale, double index_scale, bool index_grad,
                                   bool dense, const at::Tensor& lse_given) {
-  check_main(q_in, k_in, v_in);
+  check_qkv_cuda(q_in, k_in, v_in);
   check_cuda_int32(indices, "indices", 3);
   const bool kl_only = lse_given.defined();
   check_cuda_int32(cu_seqlens, "cu_seqlens", 1);
@@ -322,7 +305,7 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tenso
   if (warmup) {
     // SPEC 5: dense causal main attention through PyTorch's flash kernel (it keeps the lse), then the
     // KL over the full causal set and its index gradient with our kernels in dense mode.
-    check_main(q, k, v);
+    check_qkv_cuda(q, k, v);
     check_cu_seqlens(cu_seqlens, q.size(0), max_seqlen);  // before flash reads it
     c10::cuda::CUDAGuard guard(q.device());
     indices = return_indices

@@ -119,4 +119,44 @@ struct SwizzledTile {
   }
 };
 
+// Accumulator fragments (m16n8 tiles, 4 floats per lane) set to zero.
+template <int N>
+__device__ __forceinline__ void zero_acc(float (&acc)[N][4]) {
+#pragma unroll
+  for (int n = 0; n < N; ++n)
+#pragma unroll
+    for (int e = 0; e < 4; ++e) acc[n][e] = 0.f;
+}
+
+// Per row of a warp's m16 x (8 N) fragment array (rows g and g + 8 of the lane, entries 0-1 and 2-3):
+// m = the row's max (-inf when the row is all -inf) and l = sum of exp2(x - m), both reduced over the
+// quad of lanes that holds the row. x is in the log2 domain.
+template <int N>
+__device__ __forceinline__ void quad_row_max_sum(const float (&x)[N][4], float (&m)[2], float (&l)[2]) {
+  m[0] = m[1] = -__builtin_huge_valf();
+#pragma unroll
+  for (int n = 0; n < N; ++n) {
+    m[0] = fmaxf(m[0], fmaxf(x[n][0], x[n][1]));
+    m[1] = fmaxf(m[1], fmaxf(x[n][2], x[n][3]));
+  }
+#pragma unroll
+  for (int off = 1; off <= 2; off <<= 1) {
+    m[0] = fmaxf(m[0], __shfl_xor_sync(0xffffffffu, m[0], off));
+    m[1] = fmaxf(m[1], __shfl_xor_sync(0xffffffffu, m[1], off));
+  }
+  const float b0 = m[0] == -__builtin_huge_valf() ? 0.f : m[0];
+  const float b1 = m[1] == -__builtin_huge_valf() ? 0.f : m[1];
+  l[0] = l[1] = 0.f;
+#pragma unroll
+  for (int n = 0; n < N; ++n) {
+    l[0] += exp2f(x[n][0] - b0) + exp2f(x[n][1] - b0);
+    l[1] += exp2f(x[n][2] - b1) + exp2f(x[n][3] - b1);
+  }
+#pragma unroll
+  for (int off = 1; off <= 2; off <<= 1) {
+    l[0] += __shfl_xor_sync(0xffffffffu, l[0], off);
+    l[1] += __shfl_xor_sync(0xffffffffu, l[1], off);
+  }
+}
+
 }  // namespace msa::sm80

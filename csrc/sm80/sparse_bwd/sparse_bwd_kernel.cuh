@@ -242,10 +242,7 @@ __global__ void __launch_bounds__(SparseBwdShape::kThreads, 1) sparse_bwd_kernel
       for (int dh = 0; dh < 2; ++dh) {
         const int c0 = half * (D / 2) + dh * kQuarter;
         float dq[kQuarter / 8][4];
-#pragma unroll
-        for (int n = 0; n < kQuarter / 8; ++n)
-#pragma unroll
-          for (int e = 0; e < 4; ++e) dq[n][e] = 0.f;
+        zero_acc(dq);
 #pragma unroll
         for (int kk = 0; kk < Sh::kKeys / 16; ++kk) {  // zeros past block_size (row phase)
           uint32_t a[4];

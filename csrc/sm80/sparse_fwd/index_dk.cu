@@ -66,10 +66,7 @@ __global__ void __launch_bounds__(kDkThreads) index_dk_kernel(IndexDkParams p) {
     };
 
     float acc[16][4];
-#pragma unroll
-    for (int n = 0; n < 16; ++n)
-#pragma unroll
-      for (int e = 0; e < 4; ++e) acc[n][e] = 0.f;
+    zero_acc(acc);
 
     __syncthreads();  // the previous segment is done with both buffers
     fetch(0, 0);

@@ -231,10 +231,7 @@ __global__ void __launch_bounds__(SparseFwdShape::threads<kOut>(), kOut ? 1 : 2)
     if (index && j == 0 && kw * 16 < p.block_size) {
       for (int mt = warp / 8; mt * 16 < nu; mt += kWarpsT / 8) {
         float ci[2][4];
-#pragma unroll
-        for (int n = 0; n < 2; ++n)
-#pragma unroll
-          for (int e = 0; e < 4; ++e) ci[n][e] = 0.f;
+        zero_acc(ci);
 #pragma unroll
         for (int ks = 0; ks < Sh::kMaxDi / 16; ++ks) {
           uint32_t a[4], b[4];
@@ -259,7 +256,6 @@ __global__ void __launch_bounds__(SparseFwdShape::threads<kOut>(), kOut ? 1 : 2)
           const int ua = mt * 16 + g, ub2 = ua + 8;
           const int lima = key_limit(ua, nu), limb = key_limit(ub2, nu);
           float x[2][4];
-          float ma = kFwdNegInf, mb = kFwdNegInf;
 #pragma unroll
           for (int n = 0; n < 2; ++n) {
             const int col = kw * 16 + n * 8 + 2 * tq;
@@ -267,29 +263,12 @@ __global__ void __launch_bounds__(SparseFwdShape::threads<kOut>(), kOut ? 1 : 2)
             x[n][1] = col + 1 <= lima ? ci[n][1] * p.index_scale * kLog2e : kFwdNegInf;
             x[n][2] = col <= limb ? ci[n][2] * p.index_scale * kLog2e : kFwdNegInf;
             x[n][3] = col + 1 <= limb ? ci[n][3] * p.index_scale * kLog2e : kFwdNegInf;
-            ma = fmaxf(ma, fmaxf(x[n][0], x[n][1]));
-            mb = fmaxf(mb, fmaxf(x[n][2], x[n][3]));
           }
-#pragma unroll
-          for (int off = 1; off <= 2; off <<= 1) {
-            ma = fmaxf(ma, __shfl_xor_sync(0xffffffffu, ma, off));
-            mb = fmaxf(mb, __shfl_xor_sync(0xffffffffu, mb, off));
-          }
-          const float ba = ma == kFwdNegInf ? 0.f : ma, bb = mb == kFwdNegInf ? 0.f : mb;
-          float la = 0.f, lb = 0.f;
-#pragma unroll
-          for (int n = 0; n < 2; ++n) {
-            la += exp2f(x[n][0] - ba) + exp2f(x[n][1] - ba);
-            lb += exp2f(x[n][2] - bb) + exp2f(x[n][3] - bb);
-          }
-#pragma unroll
-          for (int off = 1; off <= 2; off <<= 1) {
-            la += __shfl_xor_sync(0xffffffffu, la, off);
-            lb += __shfl_xor_sync(0xffffffffu, lb, off);
-          }
+          float m[2], l[2];
+          quad_row_max_sum(x, m, l);
           if (tq == 0) {
-            sIPart[kw * Sh::kMaxUnits + ua] = make_float2(ma, la);
-            sIPart[kw * Sh::kMaxUnits + ub2] = make_float2(mb, lb);
+            sIPart[kw * Sh::kMaxUnits + ua] = make_float2(m[0], l[0]);
+            sIPart[kw * Sh::kMaxUnits + ub2] = make_float2(m[1], l[1]);
           }
         }
       }
@@ -300,10 +279,7 @@ __global__ void __launch_bounds__(SparseFwdShape::threads<kOut>(), kOut ? 1 : 2)
     const bool active = live && (kOut || p.main_stats);
     const int row0 = rg * 16 + g, row1 = row0 + 8;
     float c[kN8][4];
-#pragma unroll
-    for (int n = 0; n < kN8; ++n)
-#pragma unroll
-      for (int e = 0; e < 4; ++e) c[n][e] = 0.f;
+    zero_acc(c);
     if (active) {
 #pragma unroll
       for (int ks = 0; ks < D / 16; ++ks) {
@@ -347,32 +323,11 @@ __global__ void __launch_bounds__(SparseFwdShape::threads<kOut>(), kOut ? 1 : 2)
     }
     if constexpr (!kOut) {
       if (active) {
-        float m0 = kFwdNegInf, m1 = kFwdNegInf;
-#pragma unroll
-        for (int n = 0; n < kN8; ++n) {
-          m0 = fmaxf(m0, fmaxf(c[n][0], c[n][1]));
-          m1 = fmaxf(m1, fmaxf(c[n][2], c[n][3]));
-        }
-#pragma unroll
-        for (int off = 1; off <= 2; off <<= 1) {
-          m0 = fmaxf(m0, __shfl_xor_sync(0xffffffffu, m0, off));
-          m1 = fmaxf(m1, __shfl_xor_sync(0xffffffffu, m1, off));
-        }
-        const float b0 = m0 == kFwdNegInf ? 0.f : m0, b1 = m1 == kFwdNegInf ? 0.f : m1;
-        float l0 = 0.f, l1 = 0.f;
-#pragma unroll
-        for (int n = 0; n < kN8; ++n) {
-          l0 += exp2f(c[n][0] - b0) + exp2f(c[n][1] - b0);
-          l1 += exp2f(c[n][2] - b1) + exp2f(c[n][3] - b1);
-        }
-#pragma unroll
-        for (int off = 1; off <= 2; off <<= 1) {
-          l0 += __shfl_xor_sync(0xffffffffu, l0, off);
-          l1 += __shfl_xor_sync(0xffffffffu, l1, off);
-        }
+        float m[2], l[2];
+        quad_row_max_sum(c, m, l);
         if (tq == 0) {
-          if (lim0 >= 0) p.stats[int64_t(sEntry[u0]) * G + j * Gu + hh0] = make_float2(m0, l0);
-          if (lim1 >= 0) p.stats[int64_t(sEntry[u1]) * G + j * Gu + hh1] = make_float2(m1, l1);
+          if (lim0 >= 0) p.stats[int64_t(sEntry[u0]) * G + j * Gu + hh0] = make_float2(m[0], l[0]);
+          if (lim1 >= 0) p.stats[int64_t(sEntry[u1]) * G + j * Gu + hh1] = make_float2(m[1], l[1]);
         }
       }
     } else {
@@ -470,10 +425,7 @@ __global__ void __launch_bounds__(SparseFwdShape::threads<kOut>(), kOut ? 1 : 2)
       if (live && p.write_out) {  // false: KL only (warmup), no P V
         // P V for this warp's half of D over all keys of the block.
         float o[kDo / 8][4];
-#pragma unroll
-        for (int n = 0; n < kDo / 8; ++n)
-#pragma unroll
-          for (int e = 0; e < 4; ++e) o[n][e] = 0.f;
+        zero_acc(o);
 #pragma unroll
         for (int kk = 0; kk < 8; ++kk) {  // 16 keys per step
           uint32_t a[4];
@@ -574,10 +526,7 @@ __global__ void __launch_bounds__(SparseFwdShape::threads<kOut>(), kOut ? 1 : 2)
         const int mt = warp / 8;
         if (mt * 16 < nu && kw * 16 < di) {  // 16 columns of Di per warp
           float dq[2][4];
-#pragma unroll
-          for (int n = 0; n < 2; ++n)
-#pragma unroll
-            for (int e = 0; e < 4; ++e) dq[n][e] = 0.f;
+          zero_acc(dq);
 #pragma unroll
           for (int kk = 0; kk < Sh::kKeys / 16; ++kk) {
             uint32_t a[4];
