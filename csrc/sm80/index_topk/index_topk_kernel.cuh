@@ -270,16 +270,21 @@ cudaError_t launch_index_topk(const IndexTopkParams& p, cudaStream_t stream) {
   const int hr = p.num_heads / p.num_key_heads;
   // 256-row tiles move half the K bytes per FLOP of 128-row ones, but a grid of them under one wave
   // (1 CTA per SM) is dominated by its longest tiles: use 128-row tiles there (benchmarks/NOTES.md).
-  int device = 0, sms = 0;
+  // The 256-row tile needs 176 KB of shared memory (D = 128): GPUs that offer less per block (A100: 163
+  // KB) take the 128-row tile (112 KB).
+  int device = 0, sms = 0, smem_optin = 0;
   cudaError_t err = cudaGetDevice(&device);
   if (err == cudaSuccess) err = cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, device);
+  if (err == cudaSuccess) err = cudaDeviceGetAttribute(&smem_optin, cudaDevAttrMaxSharedMemoryPerBlockOptin, device);
   if (err != cudaSuccess) return err;
+  const bool fits8 = IndexTopkShape<8>::template smem_bytes<D, T>() <= smem_optin;
   const int tm8 = IndexTopkShape<8>::kRows / hr;
   const int64_t ctas8 = int64_t((p.max_seqlen + tm8 - 1) / tm8) * p.num_seqs * p.num_key_heads;
-  if (ctas8 >= int64_t(sms) || IndexTopkShape<4>::kRows / hr == 0) {
+  if (fits8 && (ctas8 >= int64_t(sms) || IndexTopkShape<4>::kRows / hr == 0)) {
     return launch_index_topk_shape<T, D, 8>(p, stream, (p.max_seqlen + tm8 - 1) / tm8);
   }
   const int tm4 = IndexTopkShape<4>::kRows / hr;
+  if (tm4 == 0) return cudaErrorInvalidValue;  // more than 128 index heads per key head
   return launch_index_topk_shape<T, D, 4>(p, stream, (p.max_seqlen + tm4 - 1) / tm4);
 }
 
