@@ -4,10 +4,13 @@
 // units_per_item of the units that selected it; a unit is (token, group) and holds the group's
 // G = Hq / Hi query heads, split over J = max(1, Hkv / Hi) kv heads of Gu = G / J heads each. The
 // CTA keeps the block's K (and V, and the index key block) in shared memory and streams tiles of
-// gathered units through it: R = Gu * U main rows (<= 128, eight warps of 16) and U <= 32 index rows
+// gathered units through it: R = Gu * U main rows (<= 128, in row groups of 16) and U <= 32 index rows
 // per step; a step is (tile, kv head of the group). Both passes keep one buffer of rows and fetch the
 // next step's rows as soon as every warp has read this step's (right after Q K^T), so the gather
-// overlaps the rest of the step. The stats pass fits two CTAs per SM (<= 128 registers, ~108 KB).
+// overlaps the rest of the step. The stats pass runs eight warps (a row group each) and fits two CTAs
+// per SM (<= 128 registers, 108 KB); the output pass runs sixteen (a pair per row group, see
+// SparseFwdShape) in one CTA per SM (212 KB). MMA loops run over compile-time extents: the whole
+// 128-key tile and Di = 128, shorter blocks and Di = 64 being zero-filled in shared memory.
 //
 // Two passes over the same items (kOut = false, then true):
 //  - stats pass: per (entry, head) the max and the sum of exp of the block's logits (log2 domain),
