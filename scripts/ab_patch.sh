@@ -2,7 +2,7 @@
 # A/B of a kernel change in one GPU call: the tree as it is (A) against the tree with PATCH applied (B).
 #   scripts/ab_patch.sh LOGDIR PATCH [bench args, e.g. --n 32768 131072 --reps 5]
 # A: build + benchmark. B: patch, rebuild (incremental), the GPU tests, benchmark; the patch is reverted
-# at the end. Logs in LOGDIR/a and LOGDIR/b (scripts/gpu_check.sh each).
+# at the end. Logs of LOGDIR/a and LOGDIR/b (scripts/gpu_check.sh each) come back packed as LOGDIR.tgz.
 set -uo pipefail
 LOG=${1:?usage: scripts/ab_patch.sh LOGDIR PATCH [bench args...]}
 PATCH=${2:?usage: scripts/ab_patch.sh LOGDIR PATCH [bench args...]}
@@ -18,4 +18,7 @@ rc=$?
 echo "B: $(tr '\n' ' ' < "$LOG/b/summary.txt")"
 patch -p1 -R < "$PATCH" > /dev/null 2>&1
 for side in a b; do echo "$side:"; grep -E "^\| [0-9]" "$LOG/$side/bench.txt"; done
+# Only a few files come back from a device call: keep the tables and summaries, pack the rest.
+for side in a b; do rm -f "$LOG/$side/build.log" "$LOG/$side/bench_progress.log"; gzip -f "$LOG/$side/tests.log"; done
+tar czf "$LOG.tgz" -C "$(dirname "$LOG")" "$(basename "$LOG")" && rm -rf "$LOG"
 exit $rc
