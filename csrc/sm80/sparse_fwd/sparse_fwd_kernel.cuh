@@ -182,13 +182,12 @@ __global__ void __launch_bounds__(SparseFwdShape::threads<kOut>(), kOut ? 1 : 2)
     const int tile = s / J, j = s % J;
     const int ub = tile * U, nu = min(U, n_units - ub);
     const int h0 = r * G + j * Gu;
-    T* q_dst = sQ;
     for (int i = tid; i < R * kChunks; i += kThreadsT) {
       const int row = i / kChunks, c = i % kChunks;
       const int u = sRowU[row];
       const bool ok = u >= 0 && u < nu;
       const T* src = Q + int64_t(ok ? sTokAll[ub + u] : 0) * p.q_stride_t + int64_t(h0 + sRowH[row]) * p.q_stride_h + c * 8;
-      cp_async_16(q_dst + Tile::offset(row, c), src, ok);
+      cp_async_16(sQ + Tile::offset(row, c), src, ok);
     }
     if constexpr (kOut) {
       for (int row = tid; row < R; row += kThreadsT) {
@@ -199,12 +198,11 @@ __global__ void __launch_bounds__(SparseFwdShape::threads<kOut>(), kOut ? 1 : 2)
       }
     }
     if (index && j == 0) {
-      T* qi_dst = sQi;
       for (int i = tid; i < Sh::kMaxUnits * kIChunks; i += kThreadsT) {
         const int u = i / kIChunks, c = i % kIChunks;
         const bool ok = u < nu && c < di_chunks;
         const T* src = QI + (ok ? int64_t(sTokAll[ub + u]) * p.qi_stride_t + int64_t(r) * p.qi_stride_h + c * 8 : 0);
-        cp_async_16(qi_dst + ITile::offset(u, c), src, ok);
+        cp_async_16(sQi + ITile::offset(u, c), src, ok);
       }
     }
   };
