@@ -12,6 +12,8 @@
 #pragma once
 #include <cuda_runtime.h>
 
+#include <type_traits>
+
 #include "common/block_span.h"
 #include "common/mma_sm80.h"
 #include "params.h"
@@ -158,6 +160,9 @@ __global__ void __launch_bounds__(SparseBwdShape::kThreads, 1) sparse_bwd_kernel
       const int tr0 = sTokb[row0], tr1 = sTokb[row1];
       const int lim0 = tr0 >= 0 ? min(blen - 1, tr0 - seq_start - key0) : -1;
       const int lim1 = tr1 >= 0 ? min(blen - 1, tr1 - seq_start - key0) : -1;
+      // Tokens are in ascending order: when the tile's first token sees the whole block, every row does
+      // and no mask is needed (padding rows have zero Q, dO, lse and delta, so their dK/dV terms are 0).
+      const bool full = blen == Sh::kKeys && sTokb[0] >= 0 && sTokb[0] - seq_start - key0 >= Sh::kKeys - 1;
 #pragma unroll 1
       for (int kq = 0; kq < 2; ++kq) {
         const int kbase = half * 64 + kq * 32;
@@ -194,21 +199,27 @@ __global__ void __launch_bounds__(SparseBwdShape::kThreads, 1) sparse_bwd_kernel
         }
         const float e0 = sLseb[row0] * kLog2eB, e1 = sLseb[row1] * kLog2eB;
         const float d0 = sDeltab[row0], d1 = sDeltab[row1];
+        // P and dS of the warp's 16 x 32 slab; kMasked = false when every row sees every key.
+        auto epilogue = [&](auto masked) {
+          constexpr bool kMasked = decltype(masked)::value;
 #pragma unroll
-        for (int n = 0; n < 4; ++n) {
-          const int col = kbase + n * 8 + 2 * tq;
-          const float p00 = col <= lim0 ? exp2f(s[n][0] * p.scale_log2 - e0) : 0.f;
-          const float p01 = col + 1 <= lim0 ? exp2f(s[n][1] * p.scale_log2 - e0) : 0.f;
-          const float p10 = col <= lim1 ? exp2f(s[n][2] * p.scale_log2 - e1) : 0.f;
-          const float p11 = col + 1 <= lim1 ? exp2f(s[n][3] * p.scale_log2 - e1) : 0.f;
-          const int c8 = col / 8;
-          *reinterpret_cast<uint32_t*>(sP + KTile::offset(row0, c8) + 2 * tq) = pack2<T>(p00, p01);
-          *reinterpret_cast<uint32_t*>(sP + KTile::offset(row1, c8) + 2 * tq) = pack2<T>(p10, p11);
-          *reinterpret_cast<uint32_t*>(sdS + KTile::offset(row0, c8) + 2 * tq) =
-              pack2<T>(p00 * (dp[n][0] - d0), p01 * (dp[n][1] - d0));
-          *reinterpret_cast<uint32_t*>(sdS + KTile::offset(row1, c8) + 2 * tq) =
-              pack2<T>(p10 * (dp[n][2] - d1), p11 * (dp[n][3] - d1));
-        }
+          for (int n = 0; n < 4; ++n) {
+            const int col = kbase + n * 8 + 2 * tq;
+            const float p00 = !kMasked || col <= lim0 ? exp2f(s[n][0] * p.scale_log2 - e0) : 0.f;
+            const float p01 = !kMasked || col + 1 <= lim0 ? exp2f(s[n][1] * p.scale_log2 - e0) : 0.f;
+            const float p10 = !kMasked || col <= lim1 ? exp2f(s[n][2] * p.scale_log2 - e1) : 0.f;
+            const float p11 = !kMasked || col + 1 <= lim1 ? exp2f(s[n][3] * p.scale_log2 - e1) : 0.f;
+            const int c8 = col / 8;
+            *reinterpret_cast<uint32_t*>(sP + KTile::offset(row0, c8) + 2 * tq) = pack2<T>(p00, p01);
+            *reinterpret_cast<uint32_t*>(sP + KTile::offset(row1, c8) + 2 * tq) = pack2<T>(p10, p11);
+            *reinterpret_cast<uint32_t*>(sdS + KTile::offset(row0, c8) + 2 * tq) =
+                pack2<T>(p00 * (dp[n][0] - d0), p01 * (dp[n][1] - d0));
+            *reinterpret_cast<uint32_t*>(sdS + KTile::offset(row1, c8) + 2 * tq) =
+                pack2<T>(p10 * (dp[n][2] - d1), p11 * (dp[n][3] - d1));
+          }
+        };
+        if (full) epilogue(std::false_type{});
+        else epilogue(std::true_type{});
       }
       __syncthreads();
 

@@ -312,7 +312,15 @@ __global__ void __launch_bounds__(SparseFwdShape::threads<kOut>(), kOut ? 1 : 2)
     const int hh0 = sRowH[row0], hh1 = sRowH[row1];
     const int lim0 = live && sRowU[row0] >= 0 ? key_limit(u0, nu) : -1;
     const int lim1 = live && sRowU[row1] >= 0 ? key_limit(u1, nu) : -1;
-    if (active) {
+    // Units are in token order, so when the tile's first unit sees the whole block every unit does and
+    // the tile needs no mask (padding rows then hold finite values that are never stored).
+    const bool full = blen == Sh::kKeys && sTok[0] - seq_start - key0 >= Sh::kKeys - 1;
+    if (active && full) {
+#pragma unroll
+      for (int n = 0; n < kN8; ++n)
+#pragma unroll
+        for (int e = 0; e < 4; ++e) c[n][e] *= p.scale_log2;
+    } else if (active) {
 #pragma unroll
       for (int n = 0; n < kN8; ++n) {
         const int col = kb + n * 8 + 2 * tq;
