@@ -11,17 +11,28 @@ from topk_check import assert_valid_topk
 pytestmark = pytest.mark.gpu
 
 
-def _check(q_idx, k_idx, cu, mx, topk, bs, ref_compare=True):
-    scale = 1 / math.sqrt(q_idx.shape[-1])
+@pytest.fixture(autouse=True, params=["default", "portable"])
+def kernel(request, monkeypatch):
+    """Every test runs the default kernel (the Hopper one on an sm_90 GPU with a 90a build) and the
+    portable one (MSA_PORTABLE_KERNELS=1)."""
+    if request.param == "portable":
+        monkeypatch.setenv("MSA_PORTABLE_KERNELS", "1")
+    else:
+        monkeypatch.delenv("MSA_PORTABLE_KERNELS", raising=False)
+    return request.param
+
+
+def _check(q_idx, k_idx, cu, mx, topk, bs, ref_compare=True, scale=None):
+    scale = 1 / math.sqrt(q_idx.shape[-1]) if scale is None else scale
+    kw = dict(topk=topk, block_size=bs, index_scale=scale, max_seqlen=mx)
     poison_allocator()
-    got = msa.select_blocks(q_idx, k_idx, topk=topk, block_size=bs, cu_seqlens=cu, max_seqlen=mx)
+    got = msa.select_blocks(q_idx, k_idx, cu_seqlens=cu, **kw)
     assert got.is_cuda and got.dtype == torch.int32 and got.shape == (q_idx.shape[1], q_idx.shape[0], topk)
     assert_valid_topk(got, q_idx, k_idx, cu, topk, bs, scale)
-    again = msa.select_blocks(q_idx, k_idx, topk=topk, block_size=bs, cu_seqlens=cu, max_seqlen=mx)
+    again = msa.select_blocks(q_idx, k_idx, cu_seqlens=cu, **kw)
     assert torch.equal(got, again), "selection differs between two runs"
     if ref_compare:  # same inputs on the CPU reference: equal up to near-ties
-        want = msa.select_blocks(q_idx.cpu(), k_idx.cpu(), topk=topk, block_size=bs, cu_seqlens=cu.cpu(),
-                                 max_seqlen=mx)
+        want = msa.select_blocks(q_idx.cpu(), k_idx.cpu(), cu_seqlens=cu.cpu(), **kw)
         rows_differ = (got.cpu() != want).any(-1).float().mean().item()
         assert rows_differ < 1e-3, f"{rows_differ:.2%} rows differ from the reference"
     return got
@@ -44,6 +55,15 @@ def test_select_blocks_long(bs, topk):
     _, _, _, qi, ki, cu, mx = make_packed([8192, 3001, 1], (16, 2, 4, 1), 64, 128, dtype=torch.bfloat16,
                                           device="cuda", seed=bs + topk)
     _check(qi, ki, cu, mx, topk, bs, ref_compare=(bs == 128 and topk == 16))
+
+
+@pytest.mark.parametrize("scale", [-0.125, 0.0])
+def test_select_blocks_negative_and_zero_scale(scale):
+    """A negative index scale ranks blocks by the min of <q, k> (the Hopper kernel folds the sign into
+    Q); a zero scale makes every block tie, so the lowest blocks win."""
+    _, _, _, qi, ki, cu, mx = make_packed([2000, 517], (8, 2, 4, 1), 64, 128, dtype=torch.bfloat16,
+                                          device="cuda", seed=17)
+    _check(qi, ki, cu, mx, 16, 64, scale=scale)
 
 
 def test_select_blocks_batched_api_and_ties():

@@ -13,12 +13,10 @@
 #include <cuda_runtime.h>
 
 #include "common/mma_sm80.h"
+#include "common/top_list.cuh"
 #include "params.h"
 
 namespace msa::sm80 {
-
-constexpr float kPosInf = __builtin_huge_valf();
-constexpr float kNegInf = -__builtin_huge_valf();
 
 template <int Warps>
 struct IndexTopkShape {
@@ -30,7 +28,7 @@ struct IndexTopkShape {
   static constexpr int kRows = kWarps * 32;
   static constexpr int kKeys = 64;      // keys per pipelined sub-tile (a block is 1 or 2 of them)
   static constexpr int kStages = 3;     // K sub-tiles in flight: one barrier per sub-tile
-  static constexpr int kSlots = 32;     // heap slots per row in shared memory (>= topk - 1)
+  static constexpr int kSlots = SmemTopHeap::kSlots;
   template <int D, typename T>
   static constexpr int q_bytes() { return kRows * D * int(sizeof(T)); }
   template <int D, typename T>
@@ -38,44 +36,6 @@ struct IndexTopkShape {
   static constexpr int list_bytes() { return kRows * kSlots * 8; }
   template <int D, typename T>
   static constexpr int smem_bytes() { return q_bytes<D, T>() + k_bytes<D, T>() + list_bytes(); }
-};
-
-// Streaming top list of one row: a binary heap in shared memory whose root is the worst kept entry
-// (lowest score, then highest block), so the root's score is the row's threshold and an insertion is
-// one sift-down (depth <= 5). Only the threshold lives in registers. Blocks are offered in ascending
-// order, so a new block enters only when it beats the root strictly (ties keep the lower block).
-struct SmemTopHeap {
-  float* score;
-  int* block;
-  int size;  // topk - 1
-  __device__ __forceinline__ static bool worse(float sa, int ba, float sb, int bb) {
-    return sa < sb || (sa == sb && ba > bb);
-  }
-  __device__ __forceinline__ void init() {
-    for (int j = 0; j < size; ++j) {
-      score[j] = kNegInf;
-      block[j] = -1;
-    }
-  }
-  // Replaces the root by (s, b), restores the heap and returns the new threshold. One thread per row.
-  __device__ __forceinline__ float replace_root(float s, int b) {
-    int i = 0;
-    while (true) {
-      const int l = 2 * i + 1, r = l + 1;
-      int w = i;
-      float ws = s;
-      int wb = b;
-      if (l < size && worse(score[l], block[l], ws, wb)) { w = l; ws = score[l]; wb = block[l]; }
-      if (r < size && worse(score[r], block[r], ws, wb)) { w = r; ws = score[r]; wb = block[r]; }
-      if (w == i) break;
-      score[i] = ws;
-      block[i] = wb;
-      i = w;
-    }
-    score[i] = s;
-    block[i] = b;
-    return score[0];
-  }
 };
 
 template <typename T, int D, int Warps>
@@ -230,25 +190,8 @@ __global__ void __launch_bounds__(IndexTopkShape<Warps>::kThreads, 8 / Warps) in
   if (tid < rows_used) {
     const int tok = tok0 + tid / hr;
     if (tok < n) {
-      int* v = sBlock + tid * S::kSlots;
-      int cnt = 0;
-      for (int j = 0; j < p.topk - 1; ++j) {
-        const int x = v[j];
-        if (x >= 0) v[cnt++] = x;
-      }
-      for (int j = 1; j < cnt; ++j) {  // at most 31 entries
-        const int x = v[j];
-        int m = j - 1;
-        while (m >= 0 && v[m] > x) {
-          v[m + 1] = v[m];
-          --m;
-        }
-        v[m + 1] = x;
-      }
-      int32_t* out = p.indices + (int64_t(kh * hr + tid % hr) * p.total_tokens + seq_start + tok) * p.topk;
-      for (int j = 0; j < cnt; ++j) out[j] = v[j];
-      out[cnt] = tok / p.block_size;
-      for (int j = cnt + 1; j < p.topk; ++j) out[j] = -1;
+      SmemTopHeap{sScore + tid * S::kSlots, sBlock + tid * S::kSlots, p.topk - 1}.write_sorted(
+          topk_out_row(p, seq_start, tok, kh * hr + tid % hr), p.topk, tok / p.block_size);
     }
   }
 }

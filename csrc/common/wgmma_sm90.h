@@ -1,0 +1,89 @@
+// Thin wrappers over the sm90a warpgroup tensor-core path (wgmma.mma_async), written from the PTX ISA.
+//
+// A warpgroup is 4 consecutive warps (128 threads, the first warp's index a multiple of 4). One
+// m64nNk16 wgmma multiplies a 64 x 16 A tile by a 16 x N B tile into a 64 x N fp32 accumulator that
+// the warpgroup holds in registers:
+//   A from registers ("RS"): warp w of the group holds rows 16 w .. 16 w + 15 in the m16n8k16 A
+//     fragment layout of mma.sync (see mma_sm80.h), 4 x 32-bit registers per thread.
+//   B from shared memory through a 64-bit descriptor (below).
+//   D: warp w holds rows 16 w + g and 16 w + g + 8 (g = lane / 4), t = lane % 4; d[4 j + 0, 1] are
+//     (row g, cols 8 j + 2 t, + 1) and d[4 j + 2, 3] the same columns of row g + 8: the mma.sync C
+//     fragment of each 8-column slice, in order.
+// Issue order: wgmma_fence() (registers written by ordinary instructions are now visible), the
+// wgmmas, wgmma_commit(), then wgmma_wait<n>() before the accumulators are read.
+#pragma once
+#include <cuda_bf16.h>
+#include <cuda_fp16.h>
+
+#include <cstdint>
+
+namespace msa::sm90 {
+
+__device__ __forceinline__ void wgmma_fence() { asm volatile("wgmma.fence.sync.aligned;\n" ::: "memory"); }
+__device__ __forceinline__ void wgmma_commit() { asm volatile("wgmma.commit_group.sync.aligned;\n" ::: "memory"); }
+template <int N>
+__device__ __forceinline__ void wgmma_wait() {
+  asm volatile("wgmma.wait_group.sync.aligned %0;\n" ::"n"(N) : "memory");
+}
+// Shared-memory writes of the generic proxy (st.shared, cp.async) made visible to the async proxy
+// (wgmma operand reads). Each writing thread fences, then the CTA synchronises.
+__device__ __forceinline__ void fence_proxy_async_smem() {
+  asm volatile("fence.proxy.async.shared::cta;\n" ::: "memory");
+}
+
+// K-major operand tile with the 128-byte swizzle: R rows (the N or M dimension) x K 16-bit elements,
+// stored as K / 64 column panels of R x 64 elements (128 bytes per row, panels R * 128 bytes apart),
+// each panel made of 8-row x 128-byte atoms (1024 bytes apart) whose 16-byte chunk c of row r sits at
+// chunk c ^ (r % 8). The tile must start 1024-byte aligned (the hardware swizzles address bits).
+template <int R, int K>
+struct KMajorSw128 {
+  static_assert(R % 8 == 0 && K % 64 == 0, "KMajorSw128: R multiple of 8, K multiple of 64");
+  static constexpr int kChunks = K / 8;  // 16-byte chunks per row
+  static constexpr int kPanelElems = R * 64;
+  // Element offset of 16-byte chunk `chunk` (0 .. K / 8 - 1) of row `row`.
+  __device__ __forceinline__ static int offset(int row, int chunk) {
+    return (chunk / 8) * kPanelElems + row * 64 + (((chunk % 8) ^ (row % 8)) * 8);
+  }
+  // Descriptor of the R x 16 slice of k-step ks (elements 16 ks .. 16 ks + 15) of the tile at `base`:
+  // start address advanced within the panel by 32 bytes per k-step (the swizzle applies to the final
+  // address), stride between 8-row atoms 1024 bytes, leading offset unused (1), layout 128B swizzle.
+  __device__ __forceinline__ static uint64_t desc(uint32_t base_smem_addr, int ks) {
+    const uint32_t addr = base_smem_addr + (ks / 4) * kPanelElems * 2 + (ks % 4) * 32;
+    uint64_t d = 0;
+    d |= uint64_t((addr & 0x3FFFF) >> 4);  // start address, bits 0-13
+    d |= uint64_t(1) << 16;                // leading byte offset (unused with a swizzle)
+    d |= uint64_t(1024 >> 4) << 32;        // stride byte offset, bits 32-45
+    d |= uint64_t(1) << 62;                // layout type: 128-byte swizzle
+    return d;
+  }
+};
+
+// D (64 x 64, fp32) (+)= A (64 x 16, registers) * B (16 x 64, shared, K-major). accumulate = false
+// overwrites D (no zeroing needed).
+template <typename T>
+struct WgmmaRS64x64;
+
+#define MSA_WGMMA_RS_64X64(TYPE, PTXTYPE)                                                                \
+  template <>                                                                                            \
+  struct WgmmaRS64x64<TYPE> {                                                                            \
+    __device__ __forceinline__ static void run(float (&d)[32], const uint32_t (&a)[4], uint64_t desc_b,  \
+                                               bool accumulate) {                                        \
+      asm volatile(                                                                                      \
+          "{\n.reg .pred p;\nsetp.ne.b32 p, %37, 0;\n"                                                 \
+          "wgmma.mma_async.sync.aligned.m64n64k16.f32." PTXTYPE "." PTXTYPE " "                          \
+          "{%0,%1,%2,%3,%4,%5,%6,%7,%8,%9,%10,%11,%12,%13,%14,%15,"                                      \
+          "%16,%17,%18,%19,%20,%21,%22,%23,%24,%25,%26,%27,%28,%29,%30,%31}, "                           \
+          "{%32,%33,%34,%35}, %36, p, 1, 1, 0;\n}\n"                                                     \
+          : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3]), "+f"(d[4]), "+f"(d[5]), "+f"(d[6]),          \
+            "+f"(d[7]), "+f"(d[8]), "+f"(d[9]), "+f"(d[10]), "+f"(d[11]), "+f"(d[12]), "+f"(d[13]),      \
+            "+f"(d[14]), "+f"(d[15]), "+f"(d[16]), "+f"(d[17]), "+f"(d[18]), "+f"(d[19]), "+f"(d[20]),   \
+            "+f"(d[21]), "+f"(d[22]), "+f"(d[23]), "+f"(d[24]), "+f"(d[25]), "+f"(d[26]), "+f"(d[27]),   \
+            "+f"(d[28]), "+f"(d[29]), "+f"(d[30]), "+f"(d[31])                                           \
+          : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "l"(desc_b), "r"(int(accumulate)));               \
+    }                                                                                                    \
+  };
+MSA_WGMMA_RS_64X64(__nv_bfloat16, "bf16")
+MSA_WGMMA_RS_64X64(__half, "f16")
+#undef MSA_WGMMA_RS_64X64
+
+}  // namespace msa::sm90

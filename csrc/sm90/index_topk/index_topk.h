@@ -1,0 +1,15 @@
+#pragma once
+#include <cuda_bf16.h>
+#include <cuda_fp16.h>
+#include <cuda_runtime_api.h>
+
+#include "params.h"
+
+namespace msa::sm90 {
+
+// Hopper index top-k (wgmma). Built only when MSA_CUDA_ARCHS has 90a (MSA_WITH_SM90); one explicit
+// instantiation per (dtype, Di) in csrc/instantiations/index_topk_sm90_*.cu.
+template <typename T, int D>
+cudaError_t launch_index_topk(const IndexTopkParams& p, cudaStream_t stream);
+
+}  // namespace msa::sm90
