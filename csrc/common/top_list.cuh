@@ -28,9 +28,13 @@ struct SmemTopHeap {
     }
   }
   // Replaces the root by (s, b), restores the heap and returns the new threshold. One thread per row.
+  // A fixed-depth loop (size <= 31: 5 levels) with only forward branches: no loop back-edge inside the
+  // sm90 kernel's wgmma pipeline (ptxas serialises the wgmmas around one).
   __device__ __forceinline__ float replace_root(float s, int b) {
+    static_assert(kSlots <= 32, "5 heap levels hold at most 31 entries");
     int i = 0;
-    while (true) {
+#pragma unroll
+    for (int level = 0; level < 5; ++level) {
       const int l = 2 * i + 1, r = l + 1;
       int w = i;
       float ws = s;

@@ -25,6 +25,14 @@ template <int N>
 __device__ __forceinline__ void wgmma_wait() {
   asm volatile("wgmma.wait_group.sync.aligned %0;\n" ::"n"(N) : "memory");
 }
+// Pins the compiler's ordering of accumulator registers against the wgmma asm statements: the compiler
+// does not know that wgmma_wait() completes them, so reads placed after a wait could otherwise be
+// hoisted above it (ptxas then serialises the wgmmas, warning C7514).
+template <int N>
+__device__ __forceinline__ void wgmma_fence_operand(float (&d)[N]) {
+#pragma unroll
+  for (int i = 0; i < N; ++i) asm volatile("" : "+f"(d[i])::"memory");
+}
 // Shared-memory writes of the generic proxy (st.shared, cp.async) made visible to the async proxy
 // (wgmma operand reads). Each writing thread fences, then the CTA synchronises.
 __device__ __forceinline__ void fence_proxy_async_smem() {
@@ -58,32 +66,58 @@ struct KMajorSw128 {
   }
 };
 
-// D (64 x 64, fp32) (+)= A (64 x 16, registers) * B (16 x 64, shared, K-major). accumulate = false
-// overwrites D (no zeroing needed).
-template <typename T>
-struct WgmmaRS64x64;
+// D (64 x N, fp32) (+)= A (64 x 16, registers) * B (16 x N, shared, K-major): wgmma m64nNk16 with A
+// from registers. accumulate = false overwrites D (no zeroing needed). N / 2 accumulators per thread.
+template <typename T, int N>
+struct WgmmaRS;
 
-#define MSA_WGMMA_RS_64X64(TYPE, PTXTYPE)                                                                \
-  template <>                                                                                            \
-  struct WgmmaRS64x64<TYPE> {                                                                            \
-    __device__ __forceinline__ static void run(float (&d)[32], const uint32_t (&a)[4], uint64_t desc_b,  \
-                                               bool accumulate) {                                        \
-      asm volatile(                                                                                      \
-          "{\n.reg .pred p;\nsetp.ne.b32 p, %37, 0;\n"                                                 \
-          "wgmma.mma_async.sync.aligned.m64n64k16.f32." PTXTYPE "." PTXTYPE " "                          \
-          "{%0,%1,%2,%3,%4,%5,%6,%7,%8,%9,%10,%11,%12,%13,%14,%15,"                                      \
-          "%16,%17,%18,%19,%20,%21,%22,%23,%24,%25,%26,%27,%28,%29,%30,%31}, "                           \
-          "{%32,%33,%34,%35}, %36, p, 1, 1, 0;\n}\n"                                                     \
-          : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3]), "+f"(d[4]), "+f"(d[5]), "+f"(d[6]),          \
-            "+f"(d[7]), "+f"(d[8]), "+f"(d[9]), "+f"(d[10]), "+f"(d[11]), "+f"(d[12]), "+f"(d[13]),      \
-            "+f"(d[14]), "+f"(d[15]), "+f"(d[16]), "+f"(d[17]), "+f"(d[18]), "+f"(d[19]), "+f"(d[20]),   \
-            "+f"(d[21]), "+f"(d[22]), "+f"(d[23]), "+f"(d[24]), "+f"(d[25]), "+f"(d[26]), "+f"(d[27]),   \
-            "+f"(d[28]), "+f"(d[29]), "+f"(d[30]), "+f"(d[31])                                           \
-          : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "l"(desc_b), "r"(int(accumulate)));               \
-    }                                                                                                    \
+#define MSA_WGMMA_RS_64X64(TYPE, PTXTYPE) \
+  template <> \
+  struct WgmmaRS<TYPE, 64> { \
+    __device__ __forceinline__ static void run(float (&d)[32], const uint32_t (&a)[4], uint64_t desc_b, bool accumulate) { \
+      asm volatile( \
+          "{\n.reg .pred p;\nsetp.ne.b32 p, %37, 0;\n" \
+          "wgmma.mma_async.sync.aligned.m64n64k16.f32." PTXTYPE "." PTXTYPE " " \
+          "{" \
+          "%0,%1,%2,%3,%4,%5,%6,%7,%8,%9,%10,%11,%12,%13,%14,%15," \
+          "%16,%17,%18,%19,%20,%21,%22,%23,%24,%25,%26,%27,%28,%29,%30,%31" \
+          "}, {%32,%33,%34,%35}, %36, p, 1, 1, 0;\n}\n" \
+          : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3]), "+f"(d[4]), "+f"(d[5]), "+f"(d[6]), "+f"(d[7]), \
+            "+f"(d[8]), "+f"(d[9]), "+f"(d[10]), "+f"(d[11]), "+f"(d[12]), "+f"(d[13]), "+f"(d[14]), "+f"(d[15]), \
+            "+f"(d[16]), "+f"(d[17]), "+f"(d[18]), "+f"(d[19]), "+f"(d[20]), "+f"(d[21]), "+f"(d[22]), "+f"(d[23]), \
+            "+f"(d[24]), "+f"(d[25]), "+f"(d[26]), "+f"(d[27]), "+f"(d[28]), "+f"(d[29]), "+f"(d[30]), "+f"(d[31]) \
+          : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "l"(desc_b), "r"(int(accumulate))); \
+    } \
+  };
+#define MSA_WGMMA_RS_64X128(TYPE, PTXTYPE) \
+  template <> \
+  struct WgmmaRS<TYPE, 128> { \
+    __device__ __forceinline__ static void run(float (&d)[64], const uint32_t (&a)[4], uint64_t desc_b, bool accumulate) { \
+      asm volatile( \
+          "{\n.reg .pred p;\nsetp.ne.b32 p, %69, 0;\n" \
+          "wgmma.mma_async.sync.aligned.m64n128k16.f32." PTXTYPE "." PTXTYPE " " \
+          "{" \
+          "%0,%1,%2,%3,%4,%5,%6,%7,%8,%9,%10,%11,%12,%13,%14,%15," \
+          "%16,%17,%18,%19,%20,%21,%22,%23,%24,%25,%26,%27,%28,%29,%30,%31," \
+          "%32,%33,%34,%35,%36,%37,%38,%39,%40,%41,%42,%43,%44,%45,%46,%47," \
+          "%48,%49,%50,%51,%52,%53,%54,%55,%56,%57,%58,%59,%60,%61,%62,%63" \
+          "}, {%64,%65,%66,%67}, %68, p, 1, 1, 0;\n}\n" \
+          : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3]), "+f"(d[4]), "+f"(d[5]), "+f"(d[6]), "+f"(d[7]), \
+            "+f"(d[8]), "+f"(d[9]), "+f"(d[10]), "+f"(d[11]), "+f"(d[12]), "+f"(d[13]), "+f"(d[14]), "+f"(d[15]), \
+            "+f"(d[16]), "+f"(d[17]), "+f"(d[18]), "+f"(d[19]), "+f"(d[20]), "+f"(d[21]), "+f"(d[22]), "+f"(d[23]), \
+            "+f"(d[24]), "+f"(d[25]), "+f"(d[26]), "+f"(d[27]), "+f"(d[28]), "+f"(d[29]), "+f"(d[30]), "+f"(d[31]), \
+            "+f"(d[32]), "+f"(d[33]), "+f"(d[34]), "+f"(d[35]), "+f"(d[36]), "+f"(d[37]), "+f"(d[38]), "+f"(d[39]), \
+            "+f"(d[40]), "+f"(d[41]), "+f"(d[42]), "+f"(d[43]), "+f"(d[44]), "+f"(d[45]), "+f"(d[46]), "+f"(d[47]), \
+            "+f"(d[48]), "+f"(d[49]), "+f"(d[50]), "+f"(d[51]), "+f"(d[52]), "+f"(d[53]), "+f"(d[54]), "+f"(d[55]), \
+            "+f"(d[56]), "+f"(d[57]), "+f"(d[58]), "+f"(d[59]), "+f"(d[60]), "+f"(d[61]), "+f"(d[62]), "+f"(d[63]) \
+          : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "l"(desc_b), "r"(int(accumulate))); \
+    } \
   };
 MSA_WGMMA_RS_64X64(__nv_bfloat16, "bf16")
 MSA_WGMMA_RS_64X64(__half, "f16")
+MSA_WGMMA_RS_64X128(__nv_bfloat16, "bf16")
+MSA_WGMMA_RS_64X128(__half, "f16")
 #undef MSA_WGMMA_RS_64X64
+#undef MSA_WGMMA_RS_64X128
 
 }  // namespace msa::sm90

@@ -3,10 +3,11 @@
 //
 // A CTA owns 256 query rows: TM = 256 / Hr tokens x the Hr = Hi / Hki index heads of one index key
 // head, in 4 warpgroups of 64 rows. Each warpgroup keeps its rows' Q in registers (the A operand of an
-// RS wgmma, loaded once) and multiplies it by 64-key sub-tiles of K that all 512 threads stream into
-// shared memory (cp.async, 4 stages, one barrier per sub-tile) in the 128-byte-swizzled K-major layout
-// wgmma reads. Per sub-tile a warpgroup issues D / 16 wgmma m64n64k16 and waits; the four warpgroups'
-// MMAs queue on the tensor cores, so one group's row-max epilogue overlaps the others' MMAs.
+// RS wgmma, loaded once) and multiplies it by 128-key sub-tiles of K (one block of 128 or two of 64)
+// that all 512 threads stream into shared memory (cp.async, 4 stages, one barrier per sub-tile) in
+// the 128-byte-swizzled K-major layout wgmma reads. Per sub-tile a warpgroup issues D / 16 wgmma
+// m64n128k16 and waits; the four warpgroups' MMAs queue on the tensor cores, so one group's row-max
+// epilogue overlaps the others' MMAs.
 // As in the portable kernel, every block before a row's own block is fully visible and the own block
 // is forced in, so no causal mask is needed: the CTA scores blocks [0, block of its last token) and a
 // row ignores the blocks at or past its own.
@@ -26,17 +27,20 @@ struct IndexTopkShape {
   static constexpr int kWarpgroups = 4;
   static constexpr int kThreads = kWarpgroups * 128;
   static constexpr int kRows = kWarpgroups * 64;
-  static constexpr int kKeys = 64;   // keys per sub-tile (a block is 1 or 2 of them)
+  static constexpr int kKeys = 128;  // keys per sub-tile: one block of 128 or two of 64
   static constexpr int kStages = 4;  // K sub-tiles in flight
   static constexpr int kSlots = SmemTopHeap::kSlots;
   template <int D, typename T>
   static constexpr int k_bytes() { return kStages * kKeys * D * int(sizeof(T)); }
+  // Q is staged once (then kept in registers) in the space the top lists use afterwards.
   template <int D, typename T>
   static constexpr int q_bytes() { return kRows * D * int(sizeof(T)); }
   static constexpr int list_bytes() { return kRows * kSlots * 8; }
+  template <int D, typename T>
+  static constexpr int q_or_list_bytes() { return q_bytes<D, T>() > list_bytes() ? q_bytes<D, T>() : list_bytes(); }
   // + 1 KB: the K stages must start 1024-byte aligned (the swizzle is on address bits).
   template <int D, typename T>
-  static constexpr int smem_bytes() { return 1024 + k_bytes<D, T>() + q_bytes<D, T>() + list_bytes(); }
+  static constexpr int smem_bytes() { return 1024 + k_bytes<D, T>() + q_or_list_bytes<D, T>(); }
 };
 
 template <typename T, int D>
@@ -49,7 +53,7 @@ __global__ void __launch_bounds__(IndexTopkShape::kThreads, 1) index_topk_sm90_k
   unsigned char* smem = smem_raw + ((1024 - (sm80::smem_addr(smem_raw) & 1023)) & 1023);
   T* sK = reinterpret_cast<T*>(smem);
   T* sQ = reinterpret_cast<T*>(smem + S::k_bytes<D, T>());
-  float* sScore = reinterpret_cast<float*>(smem + S::k_bytes<D, T>() + S::q_bytes<D, T>());
+  float* sScore = reinterpret_cast<float*>(smem + S::k_bytes<D, T>());  // after Q is in registers
   int* sBlock = reinterpret_cast<int*>(sScore + S::kRows * S::kSlots);
 
   // blockIdx.x enumerates (tile, sequence) with the longest tiles (last in the sequence) first.
@@ -65,8 +69,9 @@ __global__ void __launch_bounds__(IndexTopkShape::kThreads, 1) index_topk_sm90_k
   if (tok0 >= n) return;
   const int rows_used = tm * hr;
   const int last_tok = min(tok0 + tm, n) - 1;
-  const int sub = p.block_size / S::kKeys;
-  const int total = (last_tok / p.block_size) * sub;  // sub-tiles of the blocks before the last token's
+  const int nb = S::kKeys / p.block_size;  // blocks per sub-tile
+  const int blocks = last_tok / p.block_size;  // the blocks before the last token's
+  const int total = (blocks + nb - 1) / nb;    // sub-tiles
 
   const int tid = threadIdx.x, warp = tid / 32, lane = tid % 32;
   const T* q_base = static_cast<const T*>(p.q_idx);
@@ -82,13 +87,13 @@ __global__ void __launch_bounds__(IndexTopkShape::kThreads, 1) index_topk_sm90_k
   }
   sm80::cp_async_commit();
   auto load_k = [&](int it, int stage) {
-    const int b = it / sub, part = it % sub;
-    const T* src = k_base + int64_t(seq_start + b * p.block_size + part * S::kKeys) * p.k_stride_t +
-                   int64_t(kh) * p.k_stride_h;
+    const int key0 = it * S::kKeys;  // a last half-used sub-tile (two blocks of 64) reads zeros past n
+    const T* src = k_base + int64_t(seq_start + key0) * p.k_stride_t + int64_t(kh) * p.k_stride_h;
     T* dst = sK + stage * S::kKeys * D;
     for (int i = tid; i < S::kKeys * kChunks; i += S::kThreads) {
       const int r = i / kChunks, c = i % kChunks;
-      sm80::cp_async_16(dst + KTile::offset(r, c), src + int64_t(r) * p.k_stride_t + c * 8, true);
+      const bool valid = key0 + r < n;
+      sm80::cp_async_16(dst + KTile::offset(r, c), src + int64_t(valid ? r : 0) * p.k_stride_t + c * 8, valid);
     }
   };
 #pragma unroll
@@ -96,7 +101,6 @@ __global__ void __launch_bounds__(IndexTopkShape::kThreads, 1) index_topk_sm90_k
     if (s < total) load_k(s, s);
     sm80::cp_async_commit();
   }
-  if (tid < S::kRows) SmemTopHeap{sScore + tid * S::kSlots, sBlock + tid * S::kSlots, p.topk - 1}.init();
   sm80::cp_async_wait<S::kStages - 1>();  // Q
   __syncthreads();
 
@@ -110,6 +114,8 @@ __global__ void __launch_bounds__(IndexTopkShape::kThreads, 1) index_topk_sm90_k
     for (int e = 0; e < 4; ++e) a[ks][e] ^= flip;
   }
   const float abs_scale = fabsf(p.scale);
+  __syncthreads();  // Q is in registers: its space now holds the top lists (first used after the loop's barrier)
+  if (tid < S::kRows) SmemTopHeap{sScore + tid * S::kSlots, sBlock + tid * S::kSlots, p.topk - 1}.init();
 
   // Lanes t = 0 and 1 of each quad keep the lists of rows g and g + 8 of the warp's 16 (SPEC 2 order).
   const int g = lane / 4, tq = lane % 4;
@@ -118,11 +124,10 @@ __global__ void __launch_bounds__(IndexTopkShape::kThreads, 1) index_topk_sm90_k
   const int my_local = (tok0 + my_row / hr) / p.block_size;
   SmemTopHeap heap{sScore + my_row * S::kSlots, sBlock + my_row * S::kSlots, p.topk - 1};
   float thr = p.topk > 1 ? kNegInf : kPosInf;
-  float bmax = kNegInf;
 
-  float c[32];
+  float c[S::kKeys / 2];
 #pragma unroll
-  for (int e = 0; e < 32; ++e) c[e] = 0.f;
+  for (int e = 0; e < S::kKeys / 2; ++e) c[e] = 0.f;
   for (int it = 0; it < total; ++it) {
     // Sub-tile it has landed; after the barrier every warpgroup is done with it - 1, whose stage the
     // load of it + kStages - 1 refills. The fence hands the cp.async bytes to wgmma's (async) proxy.
@@ -134,25 +139,36 @@ __global__ void __launch_bounds__(IndexTopkShape::kThreads, 1) index_topk_sm90_k
     const uint32_t k_addr = sm80::smem_addr(sK + (it % S::kStages) * S::kKeys * D);
     wgmma_fence();
 #pragma unroll
-    for (int ks = 0; ks < D / 16; ++ks) WgmmaRS64x64<T>::run(c, a[ks], KTile::desc(k_addr, ks), ks > 0);
+    for (int ks = 0; ks < D / 16; ++ks) WgmmaRS<T, S::kKeys>::run(c, a[ks], KTile::desc(k_addr, ks), ks > 0);
     wgmma_commit();
     wgmma_wait<0>();
-    float m0 = kNegInf, m1 = kNegInf;
+    // Row max of each 64-key half: m[h][0] for row g, m[h][1] for row g + 8 (8-column slices 8h..8h+7).
+    float m[2][2];
 #pragma unroll
-    for (int j = 0; j < 8; ++j) {
-      m0 = fmaxf(m0, fmaxf(c[4 * j], c[4 * j + 1]));
-      m1 = fmaxf(m1, fmaxf(c[4 * j + 2], c[4 * j + 3]));
+    for (int h = 0; h < 2; ++h) {
+      m[h][0] = m[h][1] = kNegInf;
+#pragma unroll
+      for (int j = 8 * h; j < 8 * h + 8; ++j) {
+        m[h][0] = fmaxf(m[h][0], fmaxf(c[4 * j], c[4 * j + 1]));
+        m[h][1] = fmaxf(m[h][1], fmaxf(c[4 * j + 2], c[4 * j + 3]));
+      }
+    }
+    if (nb == 1) {
+      m[0][0] = fmaxf(m[0][0], m[1][0]);
+      m[0][1] = fmaxf(m[0][1], m[1][1]);
     }
 #pragma unroll
-    for (int off = 1; off <= 2; off <<= 1) {
-      m0 = fmaxf(m0, __shfl_xor_sync(0xffffffffu, m0, off));
-      m1 = fmaxf(m1, __shfl_xor_sync(0xffffffffu, m1, off));
-    }
-    bmax = fmaxf(bmax, abs_scale * ((tq & 1) ? m1 : m0));
-    if (it % sub == sub - 1) {
-      const int b = it / sub;
-      if (owner && b < my_local && bmax > thr) thr = heap.replace_root(bmax, b);
-      bmax = kNegInf;
+    for (int h = 0; h < 2; ++h) {
+      if (h < nb) {  // warp-uniform
+#pragma unroll
+        for (int off = 1; off <= 2; off <<= 1) {
+          m[h][0] = fmaxf(m[h][0], __shfl_xor_sync(0xffffffffu, m[h][0], off));
+          m[h][1] = fmaxf(m[h][1], __shfl_xor_sync(0xffffffffu, m[h][1], off));
+        }
+        const float s = abs_scale * ((tq & 1) ? m[h][1] : m[h][0]);
+        const int b = it * nb + h;  // blocks are offered in ascending order
+        if (owner && b < my_local && s > thr) thr = heap.replace_root(s, b);
+      }
     }
   }
 
