@@ -80,9 +80,12 @@ at::Tensor select_blocks_cuda(const at::Tensor& q_idx, const at::Tensor& k_idx, 
   [[maybe_unused]] const bool sm90 = use_sm90_kernels();
   dispatch_dtype_dim(q.scalar_type(), Di, [&]<typename T_, int D_>() {
 #ifdef MSA_WITH_SM90
-    if (sm90) {
-      MSA_LAUNCH_CHECK((sm90::launch_index_topk<T_, D_>(p, stream)), "select_blocks");
-      return;
+    if (sm90) {  // cudaErrorNotSupported: no TMA descriptor for this k_idx (nothing launched)
+      const cudaError_t err = sm90::launch_index_topk<T_, D_>(p, stream);
+      if (err != cudaErrorNotSupported) {
+        MSA_LAUNCH_CHECK(err, "select_blocks");
+        return;
+      }
     }
 #endif
     MSA_LAUNCH_CHECK((sm80::launch_index_topk<T_, D_>(p, stream)), "select_blocks");

@@ -4,8 +4,8 @@
 // A CTA owns 256 query rows: TM = 256 / Hr tokens x the Hr = Hi / Hki index heads of one index key
 // head, in 4 warpgroups of 64 rows. Each warpgroup keeps its rows' Q in registers (the A operand of an
 // RS wgmma, loaded once) and multiplies it by 128-key sub-tiles of K (one block of 128 or two of 64)
-// that all 512 threads stream into shared memory (cp.async, 4 stages, one barrier per sub-tile) in
-// the 128-byte-swizzled K-major layout wgmma reads. Per sub-tile a warpgroup issues D / 16 wgmma
+// that one thread streams into shared memory with TMA (4 stages, each completing on its mbarrier; one
+// CTA barrier per sub-tile guards the refill) in the 128-byte-swizzled K-major layout wgmma reads. Per sub-tile a warpgroup issues D / 16 wgmma
 // m64n128k16 and waits; the four warpgroups' MMAs queue on the tensor cores, so one group's row-max
 // epilogue overlaps the others' MMAs.
 // As in the portable kernel, every block before a row's own block is fully visible and the own block
@@ -14,12 +14,16 @@
 // A negative index scale is folded into Q (sign flip, exact): the block score is then |scale| times
 // the max of the flipped dot products, with no per-element select.
 #pragma once
+#include <cuda.h>  // CUtensorMap (types only: the encoder is reached through the runtime)
+#include <cudaTypedefs.h>
 #include <cuda_runtime.h>
 
 #include "common/mma_sm80.h"
 #include "common/top_list.cuh"
 #include "common/wgmma_sm90.h"
 #include "params.h"
+
+#include <type_traits>
 
 namespace msa::sm90 {
 
@@ -38,13 +42,15 @@ struct IndexTopkShape {
   static constexpr int list_bytes() { return kRows * kSlots * 8; }
   template <int D, typename T>
   static constexpr int q_or_list_bytes() { return q_bytes<D, T>() > list_bytes() ? q_bytes<D, T>() : list_bytes(); }
-  // + 1 KB: the K stages must start 1024-byte aligned (the swizzle is on address bits).
+  // + 1 KB: the K stages must start 1024-byte aligned (the swizzle is on address bits); then one
+  // mbarrier per stage.
   template <int D, typename T>
-  static constexpr int smem_bytes() { return 1024 + k_bytes<D, T>() + q_or_list_bytes<D, T>(); }
+  static constexpr int smem_bytes() { return 1024 + k_bytes<D, T>() + q_or_list_bytes<D, T>() + kStages * 8; }
 };
 
 template <typename T, int D>
-__global__ void __launch_bounds__(IndexTopkShape::kThreads, 1) index_topk_sm90_kernel(IndexTopkParams p) {
+__global__ void __launch_bounds__(IndexTopkShape::kThreads, 1)
+    index_topk_sm90_kernel(const IndexTopkParams p, const __grid_constant__ CUtensorMap k_map) {
   using S = IndexTopkShape;
   using KTile = KMajorSw128<S::kKeys, D>;
   using QTile = sm80::SwizzledTile<D>;
@@ -55,6 +61,7 @@ __global__ void __launch_bounds__(IndexTopkShape::kThreads, 1) index_topk_sm90_k
   T* sQ = reinterpret_cast<T*>(smem + S::k_bytes<D, T>());
   float* sScore = reinterpret_cast<float*>(smem + S::k_bytes<D, T>());  // after Q is in registers
   int* sBlock = reinterpret_cast<int*>(sScore + S::kRows * S::kSlots);
+  uint64_t* full = reinterpret_cast<uint64_t*>(smem + S::k_bytes<D, T>() + S::q_or_list_bytes<D, T>());
 
   // blockIdx.x enumerates (tile, sequence) with the longest tiles (last in the sequence) first.
   const int hr = p.num_heads / p.num_key_heads;
@@ -86,22 +93,26 @@ __global__ void __launch_bounds__(IndexTopkShape::kThreads, 1) index_topk_sm90_k
     sm80::cp_async_16(sQ + QTile::offset(r, c), src, valid);
   }
   sm80::cp_async_commit();
+  // Sub-tile it (keys it * 128 ...) into stage `stage`: D / 64 boxes of 64 Di x 128 keys, one per
+  // 128-byte panel. Keys past the tensor read as zeros; keys of a following sequence belong to blocks
+  // no row of this CTA offers.
   auto load_k = [&](int it, int stage) {
-    const int key0 = it * S::kKeys;  // a last half-used sub-tile (two blocks of 64) reads zeros past n
-    const T* src = k_base + int64_t(seq_start + key0) * p.k_stride_t + int64_t(kh) * p.k_stride_h;
-    T* dst = sK + stage * S::kKeys * D;
-    for (int i = tid; i < S::kKeys * kChunks; i += S::kThreads) {
-      const int r = i / kChunks, c = i % kChunks;
-      const bool valid = key0 + r < n;
-      sm80::cp_async_16(dst + KTile::offset(r, c), src + int64_t(valid ? r : 0) * p.k_stride_t + c * 8, valid);
+    mbar_arrive_expect_tx(full + stage, S::kKeys * D * int(sizeof(T)));
+#pragma unroll
+    for (int panel = 0; panel < D / 64; ++panel) {
+      tma_load_3d(sK + stage * S::kKeys * D + panel * S::kKeys * 64, &k_map, panel * 64, kh,
+                  seq_start + it * S::kKeys, full + stage);
     }
   };
-#pragma unroll
-  for (int s = 0; s < S::kStages - 1; ++s) {
-    if (s < total) load_k(s, s);
-    sm80::cp_async_commit();
+  if (tid == 0) {
+    for (int st = 0; st < S::kStages; ++st) mbar_init(full + st, 1);
+    mbar_fence_init();
   }
-  sm80::cp_async_wait<S::kStages - 1>();  // Q
+  __syncthreads();
+  if (tid == 0) {
+    for (int st = 0; st < S::kStages - 1 && st < total; ++st) load_k(st, st);
+  }
+  sm80::cp_async_wait<0>();  // Q
   __syncthreads();
 
   // This warp's 16 rows of Q, all of Di, in registers for the whole loop (the wgmma A operand).
@@ -129,13 +140,11 @@ __global__ void __launch_bounds__(IndexTopkShape::kThreads, 1) index_topk_sm90_k
 #pragma unroll
   for (int e = 0; e < S::kKeys / 2; ++e) c[e] = 0.f;
   for (int it = 0; it < total; ++it) {
-    // Sub-tile it has landed; after the barrier every warpgroup is done with it - 1, whose stage the
-    // load of it + kStages - 1 refills. The fence hands the cp.async bytes to wgmma's (async) proxy.
-    sm80::cp_async_wait<S::kStages - 2>();
-    fence_proxy_async_smem();
+    // After the barrier every warpgroup is done with sub-tile it - 1, whose stage the load of
+    // it + kStages - 1 refills; then wait for sub-tile it (phase it / kStages of its stage's barrier).
     __syncthreads();
-    if (it + S::kStages - 1 < total) load_k(it + S::kStages - 1, (it + S::kStages - 1) % S::kStages);
-    sm80::cp_async_commit();
+    if (tid == 0 && it + S::kStages - 1 < total) load_k(it + S::kStages - 1, (it + S::kStages - 1) % S::kStages);
+    mbar_wait(full + it % S::kStages, (it / S::kStages) & 1);
     const uint32_t k_addr = sm80::smem_addr(sK + (it % S::kStages) * S::kKeys * D);
     wgmma_fence();
 #pragma unroll
@@ -183,21 +192,48 @@ __global__ void __launch_bounds__(IndexTopkShape::kThreads, 1) index_topk_sm90_k
   }
 }
 
-// Fails (cudaErrorInvalidValue) when the GPU offers less shared memory per block than the kernel needs;
-// the caller then takes the portable kernel (see index_topk_fits).
+// The TMA descriptor of k_idx, a (T, Hki, Di) tensor with strides in elements: boxes of 64 Di x 1 head
+// x 128 tokens, 128-byte swizzle (the KMajorSw128 panel layout), zeros out of bounds.
+template <typename T, int D>
+cudaError_t make_k_map(const IndexTopkParams& p, CUtensorMap* map) {
+  static PFN_cuTensorMapEncodeTiled_v12000 encode = nullptr;
+  if (encode == nullptr) {
+    cudaDriverEntryPointQueryResult found{};
+    void* fn = nullptr;
+    const cudaError_t err = cudaGetDriverEntryPointByVersion("cuTensorMapEncodeTiled", &fn, 12000, cudaEnableDefault,
+                                                             &found);
+    if (err != cudaSuccess || found != cudaDriverEntryPointSuccess || fn == nullptr) return cudaErrorNotSupported;
+    encode = reinterpret_cast<PFN_cuTensorMapEncodeTiled_v12000>(fn);
+  }
+  const cuuint64_t dims[3] = {cuuint64_t(D), cuuint64_t(p.num_key_heads), cuuint64_t(p.total_tokens)};
+  const cuuint64_t strides[2] = {cuuint64_t(p.k_stride_h) * sizeof(T), cuuint64_t(p.k_stride_t) * sizeof(T)};
+  const cuuint32_t box[3] = {64, 1, cuuint32_t(IndexTopkShape::kKeys)};
+  const cuuint32_t elem_strides[3] = {1, 1, 1};
+  const CUresult r = encode(map, std::is_same_v<T, __half> ? CU_TENSOR_MAP_DATA_TYPE_FLOAT16 : CU_TENSOR_MAP_DATA_TYPE_BFLOAT16,
+                            3, const_cast<void*>(p.k_idx), dims, strides, box, elem_strides,
+                            CU_TENSOR_MAP_INTERLEAVE_NONE, CU_TENSOR_MAP_SWIZZLE_128B,
+                            CU_TENSOR_MAP_L2_PROMOTION_L2_256B, CU_TENSOR_MAP_FLOAT_OOB_FILL_NONE);
+  return r == CUDA_SUCCESS ? cudaSuccess : cudaErrorNotSupported;
+}
+
+// cudaErrorNotSupported (before any launch) when the TMA descriptor cannot describe k_idx (e.g. a zero
+// stride): the caller then takes the portable kernel.
 template <typename T, int D>
 cudaError_t launch_index_topk(const IndexTopkParams& p, cudaStream_t stream) {
   using S = IndexTopkShape;
   const int hr = p.num_heads / p.num_key_heads;
   const int tm = S::kRows / hr;
   if (tm == 0) return cudaErrorInvalidValue;
+  CUtensorMap k_map;
+  cudaError_t err = make_k_map<T, D>(p, &k_map);
+  if (err != cudaSuccess) return err;
   const int tiles = (p.max_seqlen + tm - 1) / tm;
   const dim3 grid(unsigned(tiles) * unsigned(p.num_seqs), unsigned(p.num_key_heads));
   constexpr int smem = S::smem_bytes<D, T>();
   auto kernel = index_topk_sm90_kernel<T, D>;
-  cudaError_t err = cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, smem);
+  err = cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, smem);
   if (err != cudaSuccess) return err;
-  kernel<<<grid, S::kThreads, smem, stream>>>(p);
+  kernel<<<grid, S::kThreads, smem, stream>>>(p, k_map);
   return cudaGetLastError();
 }
 
