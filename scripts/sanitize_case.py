@@ -8,6 +8,16 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__)))) 
 import msa  # noqa: E402
 
 torch.manual_seed(0)
+# The index top-k alone on a longer sequence (many sub-tiles: every pipeline stage reused several times),
+# with the default kernel (Hopper on an sm_90 GPU) and the portable one.
+for portable in ["0", "1"]:
+    os.environ["MSA_PORTABLE_KERNELS"] = portable
+    for bs in [64, 128]:
+        cu = torch.tensor([0, 4000, 4100], dtype=torch.int32, device="cuda")
+        qi = torch.randn(4100, 4, 128, dtype=torch.bfloat16, device="cuda")
+        ki = torch.randn(4100, 1, 128, dtype=torch.bfloat16, device="cuda")
+        msa.select_blocks(qi, ki, topk=16, block_size=bs, cu_seqlens=cu, max_seqlen=4000)
+os.environ["MSA_PORTABLE_KERNELS"] = "0"
 for dtype, di, bs, topk, lengths in [(torch.bfloat16, 128, 128, 16, [700, 129, 1]), (torch.float16, 64, 64, 3, [300])]:
     T = sum(lengths)
     cu = torch.tensor([0] + torch.tensor(lengths).cumsum(0).tolist(), dtype=torch.int32, device="cuda")

@@ -4,10 +4,11 @@
 // A CTA owns 256 query rows: TM = 256 / Hr tokens x the Hr = Hi / Hki index heads of one index key
 // head, in 4 warpgroups of 64 rows. Each warpgroup keeps its rows' Q in registers (the A operand of an
 // RS wgmma, loaded once) and multiplies it by 128-key sub-tiles of K (one block of 128 or two of 64)
-// that one thread streams into shared memory with TMA (4 stages, each completing on its mbarrier; one
-// CTA barrier per sub-tile guards the refill) in the 128-byte-swizzled K-major layout wgmma reads. Per sub-tile a warpgroup issues D / 16 wgmma
-// m64n128k16 and waits; the four warpgroups' MMAs queue on the tensor cores, so one group's row-max
-// epilogue overlaps the others' MMAs.
+// that one thread streams into shared memory with TMA (4 stages: a "full" mbarrier per stage completes
+// with the TMA bytes, an "empty" one when all 16 warps are done reading it, so the thread refills it)
+// in the 128-byte-swizzled K-major layout wgmma reads. No CTA barrier in the loop: the warpgroups drift
+// apart, and one group's row-max epilogue overlaps the others' MMAs. Per sub-tile a warpgroup issues D / 16 wgmma
+// m64n128k16 and waits.
 // As in the portable kernel, every block before a row's own block is fully visible and the own block
 // is forced in, so no causal mask is needed: the CTA scores blocks [0, block of its last token) and a
 // row ignores the blocks at or past its own.
@@ -42,10 +43,10 @@ struct IndexTopkShape {
   static constexpr int list_bytes() { return kRows * kSlots * 8; }
   template <int D, typename T>
   static constexpr int q_or_list_bytes() { return q_bytes<D, T>() > list_bytes() ? q_bytes<D, T>() : list_bytes(); }
-  // + 1 KB: the K stages must start 1024-byte aligned (the swizzle is on address bits); then one
-  // mbarrier per stage.
+  // + 1 KB: the K stages must start 1024-byte aligned (the swizzle is on address bits); then two
+  // mbarriers (full, empty) per stage.
   template <int D, typename T>
-  static constexpr int smem_bytes() { return 1024 + k_bytes<D, T>() + q_or_list_bytes<D, T>() + kStages * 8; }
+  static constexpr int smem_bytes() { return 1024 + k_bytes<D, T>() + q_or_list_bytes<D, T>() + 2 * kStages * 8; }
 };
 
 template <typename T, int D>
@@ -62,6 +63,7 @@ __global__ void __launch_bounds__(IndexTopkShape::kThreads, 1)
   float* sScore = reinterpret_cast<float*>(smem + S::k_bytes<D, T>());  // after Q is in registers
   int* sBlock = reinterpret_cast<int*>(sScore + S::kRows * S::kSlots);
   uint64_t* full = reinterpret_cast<uint64_t*>(smem + S::k_bytes<D, T>() + S::q_or_list_bytes<D, T>());
+  uint64_t* empty = full + S::kStages;
 
   // blockIdx.x enumerates (tile, sequence) with the longest tiles (last in the sequence) first.
   const int hr = p.num_heads / p.num_key_heads;
@@ -105,7 +107,10 @@ __global__ void __launch_bounds__(IndexTopkShape::kThreads, 1)
     }
   };
   if (tid == 0) {
-    for (int st = 0; st < S::kStages; ++st) mbar_init(full + st, 1);
+    for (int st = 0; st < S::kStages; ++st) {
+      mbar_init(full + st, 1);
+      mbar_init(empty + st, S::kThreads / 32);
+    }
     mbar_fence_init();
   }
   __syncthreads();
@@ -125,8 +130,9 @@ __global__ void __launch_bounds__(IndexTopkShape::kThreads, 1)
     for (int e = 0; e < 4; ++e) a[ks][e] ^= flip;
   }
   const float abs_scale = fabsf(p.scale);
-  __syncthreads();  // Q is in registers: its space now holds the top lists (first used after the loop's barrier)
+  __syncthreads();  // Q is in registers: its space now holds the top lists
   if (tid < S::kRows) SmemTopHeap{sScore + tid * S::kSlots, sBlock + tid * S::kSlots, p.topk - 1}.init();
+  __syncthreads();  // a list is initialised by thread `row` and used by the row's owner lane
 
   // Lanes t = 0 and 1 of each quad keep the lists of rows g and g + 8 of the warp's 16 (SPEC 2 order).
   const int g = lane / 4, tq = lane % 4;
@@ -140,10 +146,14 @@ __global__ void __launch_bounds__(IndexTopkShape::kThreads, 1)
 #pragma unroll
   for (int e = 0; e < S::kKeys / 2; ++e) c[e] = 0.f;
   for (int it = 0; it < total; ++it) {
-    // After the barrier every warpgroup is done with sub-tile it - 1, whose stage the load of
-    // it + kStages - 1 refills; then wait for sub-tile it (phase it / kStages of its stage's barrier).
-    __syncthreads();
-    if (tid == 0 && it + S::kStages - 1 < total) load_k(it + S::kStages - 1, (it + S::kStages - 1) % S::kStages);
+    // Thread 0 refills the stage of sub-tile it - 1 with it + kStages - 1 once every warp has released
+    // it - 1 (use (it - 1) / kStages of that stage's empty barrier); then every warp waits for
+    // sub-tile it (use it / kStages of its stage's full barrier).
+    if (tid == 0 && it + S::kStages - 1 < total) {
+      const int next = it + S::kStages - 1, stage = next % S::kStages;
+      if (it >= 1) mbar_wait(empty + stage, ((it - 1) / S::kStages) & 1);
+      load_k(next, stage);
+    }
     mbar_wait(full + it % S::kStages, (it / S::kStages) & 1);
     const uint32_t k_addr = sm80::smem_addr(sK + (it % S::kStages) * S::kKeys * D);
     wgmma_fence();
@@ -151,15 +161,21 @@ __global__ void __launch_bounds__(IndexTopkShape::kThreads, 1)
     for (int ks = 0; ks < D / 16; ++ks) WgmmaRS<T, S::kKeys>::run(c, a[ks], KTile::desc(k_addr, ks), ks > 0);
     wgmma_commit();
     wgmma_wait<0>();
+    if (lane == 0) mbar_arrive(empty + it % S::kStages);  // this warp is done reading the stage
     // Row max of each 64-key half: m[h][0] for row g, m[h][1] for row g + 8 (8-column slices 8h..8h+7).
     float m[2][2];
 #pragma unroll
     for (int h = 0; h < 2; ++h) {
-      m[h][0] = m[h][1] = kNegInf;
 #pragma unroll
-      for (int j = 8 * h; j < 8 * h + 8; ++j) {
-        m[h][0] = fmaxf(m[h][0], fmaxf(c[4 * j], c[4 * j + 1]));
-        m[h][1] = fmaxf(m[h][1], fmaxf(c[4 * j + 2], c[4 * j + 3]));
+      for (int r = 0; r < 2; ++r) {  // a pairwise tree over the 16 values (short dependency chains)
+        float t[8];
+#pragma unroll
+        for (int j = 0; j < 8; ++j) t[j] = fmaxf(c[4 * (8 * h + j) + 2 * r], c[4 * (8 * h + j) + 2 * r + 1]);
+#pragma unroll
+        for (int w = 4; w >= 1; w /= 2)
+#pragma unroll
+          for (int j = 0; j < w; ++j) t[j] = fmaxf(t[j], t[j + w]);
+        m[h][r] = t[0];
       }
     }
     if (nb == 1) {
