@@ -5,6 +5,8 @@
 #include <optional>
 #include <tuple>
 
+#include "params.h"
+
 namespace msa::api {
 
 at::Tensor select_blocks_cuda(const at::Tensor& q_idx, const at::Tensor& k_idx, const at::Tensor& cu_seqlens,
@@ -39,7 +41,15 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> sparse_backward_cuda(
 struct ReverseIndex {
   at::Tensor offsets, rows, block_offsets, item_offsets, items;
   int64_t max_blocks = 0, units_per_item = 0, max_items = 0;
+  at::Tensor keys, rows_in, temp;  // workspace of the build
+  ReverseIndexParams params{};     // points at the tensors above; the whole token range
 };
+// Allocates a reverse index (and its workspace) with room for `capacity` entries (all of `indices`, or
+// one query chunk's) and fills the params every build shares; callers set the chunk's token range,
+// emit_entries and dense. topk: slots per token (indices.size(2), or the dense mode's block count).
+// units_per_item > 0 adds the work list.
+ReverseIndex alloc_reverse_index(const at::Tensor& indices, const at::Tensor& cu_seqlens, int64_t topk,
+                                 int64_t block_size, int64_t capacity, int64_t units_per_item);
 ReverseIndex build_reverse_index(const at::Tensor& indices, const at::Tensor& cu_seqlens, int64_t max_seqlen,
                                  int64_t block_size, int64_t units_per_item);
 

@@ -13,6 +13,58 @@
 
 namespace msa::api {
 
+ReverseIndex alloc_reverse_index(const at::Tensor& indices, const at::Tensor& cu_seqlens, int64_t topk,
+                                 int64_t block_size, int64_t capacity, int64_t units_per_item) {
+  const int64_t heads = indices.size(0), tokens = indices.size(1);
+  const int64_t num_seqs = cu_seqlens.size(0) - 1;
+  const int64_t max_blocks = tokens / block_size + num_seqs;
+  const int64_t num_keys = heads * max_blocks;
+  auto opts = indices.options();
+  ReverseIndex ri;
+  ri.max_blocks = max_blocks;
+  ri.offsets = at::empty({num_keys + 1}, opts);
+  ri.rows = at::empty({capacity}, opts);
+  ri.block_offsets = at::empty({num_seqs + 1}, opts);
+  ri.keys = at::empty({2, capacity}, opts);
+  ri.rows_in = at::empty({capacity}, opts);
+  const size_t sort_bytes = reverse_index_sort_bytes(int(capacity), int(num_keys));
+  const size_t scan_bytes = units_per_item > 0 ? reverse_index_scan_bytes(int(num_keys)) : 0;
+  ri.temp = at::empty({int64_t(std::max(sort_bytes, scan_bytes))}, opts.dtype(at::kByte));
+
+  ReverseIndexParams& p = ri.params;
+  p.indices = indices.data_ptr<int32_t>();
+  p.cu_seqlens = cu_seqlens.data_ptr<int32_t>();
+  p.block_offsets = ri.block_offsets.data_ptr<int32_t>();
+  p.offsets = ri.offsets.data_ptr<int32_t>();
+  p.rows = ri.rows.data_ptr<int32_t>();
+  p.keys_in = ri.keys[0].data_ptr<int32_t>();
+  p.keys_out = ri.keys[1].data_ptr<int32_t>();
+  p.rows_in = ri.rows_in.data_ptr<int32_t>();
+  p.sort_temp = ri.temp.data_ptr();
+  p.sort_temp_bytes = sort_bytes;
+  p.num_heads = int(heads);
+  p.total_tokens = int(tokens);
+  p.topk = int(topk);
+  p.num_seqs = int(num_seqs);
+  p.block_size = int(block_size);
+  p.max_blocks = int(max_blocks);
+  p.token_begin = 0;
+  p.token_end = int(tokens);
+  if (units_per_item > 0) {
+    // The work list: sum over keys of ceil(count / per_item) <= capacity / per_item + num_keys items.
+    ri.units_per_item = units_per_item;
+    ri.max_items = capacity / units_per_item + num_keys;
+    ri.item_offsets = at::empty({num_keys + 1}, opts);
+    ri.items = at::empty({ri.max_items, 2}, opts);
+    p.item_offsets = ri.item_offsets.data_ptr<int32_t>();
+    p.items = reinterpret_cast<int2*>(ri.items.data_ptr<int32_t>());
+    p.units_per_item = int(units_per_item);
+    p.scan_temp = ri.temp.data_ptr();
+    p.scan_temp_bytes = scan_bytes;
+  }
+  return ri;
+}
+
 ReverseIndex build_reverse_index(const at::Tensor& indices, const at::Tensor& cu_seqlens, int64_t max_seqlen,
                                  int64_t block_size, int64_t units_per_item) {
   check_cuda_int32(indices, "indices", 3);
@@ -30,50 +82,8 @@ ReverseIndex build_reverse_index(const at::Tensor& indices, const at::Tensor& cu
                     "indices: too many entries for the int32 reverse index, shape ", indices.sizes());
 
   c10::cuda::CUDAGuard guard(indices.device());
-  auto opts = indices.options();
-  ReverseIndex ri;
-  ri.max_blocks = max_blocks;
-  ri.offsets = at::empty({num_keys + 1}, opts);
-  ri.rows = at::empty({entries}, opts);
-  ri.block_offsets = at::empty({num_seqs + 1}, opts);
-  auto keys = at::empty({2, entries}, opts);
-  auto rows_in = at::empty({entries}, opts);
-  const size_t sort_bytes = reverse_index_sort_bytes(int(entries), int(num_keys));
-  const size_t scan_bytes = units_per_item > 0 ? reverse_index_scan_bytes(int(num_keys)) : 0;
-  auto temp = at::empty({int64_t(std::max(sort_bytes, scan_bytes))}, opts.dtype(at::kByte));
-
-  ReverseIndexParams p{};
-  p.indices = indices.data_ptr<int32_t>();
-  p.cu_seqlens = cu_seqlens.data_ptr<int32_t>();
-  p.block_offsets = ri.block_offsets.data_ptr<int32_t>();
-  p.offsets = ri.offsets.data_ptr<int32_t>();
-  p.rows = ri.rows.data_ptr<int32_t>();
-  p.keys_in = keys[0].data_ptr<int32_t>();
-  p.keys_out = keys[1].data_ptr<int32_t>();
-  p.rows_in = rows_in.data_ptr<int32_t>();
-  p.sort_temp = temp.data_ptr();
-  p.sort_temp_bytes = sort_bytes;
-  p.num_heads = int(heads);
-  p.total_tokens = int(tokens);
-  p.topk = int(topk);
-  p.num_seqs = int(num_seqs);
-  p.block_size = int(block_size);
-  p.max_blocks = int(max_blocks);
-  p.token_begin = 0;
-  p.token_end = int(tokens);
-  if (units_per_item > 0) {
-    // The work list: sum over keys of ceil(count / per_item) <= entries / per_item + num_keys items.
-    ri.units_per_item = units_per_item;
-    ri.max_items = entries / units_per_item + num_keys;
-    ri.item_offsets = at::empty({num_keys + 1}, opts);
-    ri.items = at::empty({ri.max_items, 2}, opts);
-    p.item_offsets = ri.item_offsets.data_ptr<int32_t>();
-    p.items = reinterpret_cast<int2*>(ri.items.data_ptr<int32_t>());
-    p.units_per_item = int(units_per_item);
-    p.scan_temp = temp.data_ptr();
-    p.scan_temp_bytes = scan_bytes;
-  }
-  MSA_LAUNCH_CHECK(run_reverse_index(p, c10::cuda::getCurrentCUDAStream()), "reverse_index");
+  ReverseIndex ri = alloc_reverse_index(indices, cu_seqlens, topk, block_size, entries, units_per_item);
+  MSA_LAUNCH_CHECK(run_reverse_index(ri.params, c10::cuda::getCurrentCUDAStream()), "reverse_index");
   return ri;
 }
 

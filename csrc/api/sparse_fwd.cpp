@@ -85,7 +85,6 @@ SparseForward sparse_forward_cuda(const at::Tensor& q_in, const at::Tensor& k_in
     ki = aligned_rows(*k_idx_in);
   }
   auto f32 = q.options().dtype(at::kFloat);
-  auto i32 = q.options().dtype(at::kInt);
   SparseForward res;
   res.out = kl_only ? at::Tensor() : at::empty_like(q_in, at::MemoryFormat::Contiguous);
   res.lse = kl_only ? lse_given.contiguous() : at::empty({Hq, T}, f32);
@@ -108,47 +107,16 @@ SparseForward sparse_forward_cuda(const at::Tensor& q_in, const at::Tensor& k_in
   TORCH_CHECK_VALUE(Hi * T * topk < (int64_t(1) << 31) && num_keys < (int64_t(1) << 30),
                     "q: too many tokens for the int32 reverse index, T = ", T);
 
-  auto block_offsets = at::empty({S + 1}, i32);
-  auto offsets = at::empty({num_keys + 1}, i32);
-  auto item_offsets = at::empty({num_keys + 1}, i32);
-  const int64_t max_items = entries / kUnitsPerItem + num_keys;  // sum of ceil(count / per_item) <= this
-  auto items = at::empty({max_items, 2}, i32);
-  auto keys = at::empty({2, entries}, i32);
-  auto rows_in = at::empty({entries}, i32);
-  auto sorted = at::empty({entries}, i32);
-  const size_t sort_bytes = reverse_index_sort_bytes(int(entries), int(num_keys));
-  const size_t scan_bytes = reverse_index_scan_bytes(int(num_keys));
-  auto temp = at::empty({int64_t(std::max(sort_bytes, scan_bytes))}, q.options().dtype(at::kByte));
   auto stats = at::empty({kl_only ? 0 : entries * G * 2}, f32);
   auto idx_stats = at::empty({index ? entries * 2 : 0}, f32);
   auto kl_part = at::empty({index ? entries : 0}, f32);
   auto out_part = at::empty({kl_only ? 0 : entries * G * D}, q.options());
   auto dsi_part = at::empty({grad ? entries * 128 : 0}, q.options());
 
-  ReverseIndexParams rp{};
-  rp.indices = indices.data_ptr<int32_t>();
-  rp.cu_seqlens = cu_seqlens.data_ptr<int32_t>();
-  rp.block_offsets = block_offsets.data_ptr<int32_t>();
-  rp.offsets = offsets.data_ptr<int32_t>();
-  rp.rows = sorted.data_ptr<int32_t>();
-  rp.keys_in = keys[0].data_ptr<int32_t>();
-  rp.keys_out = keys[1].data_ptr<int32_t>();
-  rp.rows_in = rows_in.data_ptr<int32_t>();
-  rp.sort_temp = temp.data_ptr();
-  rp.sort_temp_bytes = sort_bytes;
-  rp.scan_temp = temp.data_ptr();
-  rp.scan_temp_bytes = scan_bytes;
-  rp.num_heads = int(Hi);
-  rp.total_tokens = int(T);
-  rp.topk = int(topk);
-  rp.num_seqs = int(S);
-  rp.block_size = int(block_size);
-  rp.max_blocks = int(max_blocks);
+  ReverseIndex ri = alloc_reverse_index(indices, cu_seqlens, topk, block_size, entries, kUnitsPerItem);
+  ReverseIndexParams& rp = ri.params;
   rp.emit_entries = true;
   rp.dense = dense;
-  rp.item_offsets = item_offsets.data_ptr<int32_t>();
-  rp.items = reinterpret_cast<int2*>(items.data_ptr<int32_t>());
-  rp.units_per_item = kUnitsPerItem;
 
   SparseFwdParams fp{};
   fp.q = q.data_ptr();
@@ -169,11 +137,11 @@ SparseForward sparse_forward_cuda(const at::Tensor& q_in, const at::Tensor& k_in
     fp.ki_stride_h = ki.stride(1);
   }
   fp.cu_seqlens = cu_seqlens.data_ptr<int32_t>();
-  fp.work.offsets = offsets.data_ptr<int32_t>();
-  fp.work.entries = sorted.data_ptr<int32_t>();
-  fp.work.item_offsets = item_offsets.data_ptr<int32_t>();
+  fp.work.offsets = rp.offsets;
+  fp.work.entries = rp.rows;
+  fp.work.item_offsets = rp.item_offsets;
   fp.work.items = rp.items;
-  fp.work.block_offsets = block_offsets.data_ptr<int32_t>();
+  fp.work.block_offsets = rp.block_offsets;
   fp.work.num_keys = int(num_keys);
   fp.work.max_blocks = int(max_blocks);
   fp.work.units_per_item = kUnitsPerItem;
