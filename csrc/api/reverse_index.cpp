@@ -84,6 +84,12 @@ ReverseIndex build_reverse_index(const at::Tensor& indices, const at::Tensor& cu
   c10::cuda::CUDAGuard guard(indices.device());
   ReverseIndex ri = alloc_reverse_index(indices, cu_seqlens, topk, block_size, entries, units_per_item);
   MSA_LAUNCH_CHECK(run_reverse_index(ri.params, c10::cuda::getCurrentCUDAStream()), "reverse_index");
+  // Only the outputs outlive the build: the workspace goes back to the caching allocator now (stream
+  // ordered), not when the caller (the backward) drops the result.
+  ri.keys = at::Tensor();
+  ri.rows_in = at::Tensor();
+  ri.temp = at::Tensor();
+  ri.params = ReverseIndexParams{};
   return ri;
 }
 
