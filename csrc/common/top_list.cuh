@@ -74,9 +74,4 @@ struct SmemTopHeap {
   }
 };
 
-// Where row `row` of a CTA (token tok0 + row / hr, index head kh * hr + row % hr) writes its list.
-__device__ __forceinline__ int32_t* topk_out_row(const IndexTopkParams& p, int seq_start, int tok, int head) {
-  return p.indices + (int64_t(head) * p.total_tokens + seq_start + tok) * p.topk;
-}
-
 }  // namespace msa

@@ -20,6 +20,7 @@
 #include <cuda_runtime.h>
 
 #include "common/mma_sm80.h"
+#include "common/index_topk_tile.cuh"
 #include "common/top_list.cuh"
 #include "common/wgmma_sm90.h"
 #include "params.h"
@@ -55,7 +56,6 @@ __global__ void __launch_bounds__(IndexTopkShape::kThreads, 1)
   using S = IndexTopkShape;
   using KTile = KMajorSw128<S::kKeys, D>;
   using QTile = sm80::SwizzledTile<D>;
-  constexpr int kChunks = D / 8;
   extern __shared__ unsigned char smem_raw[];
   unsigned char* smem = smem_raw + ((1024 - (sm80::smem_addr(smem_raw) & 1023)) & 1023);
   T* sK = reinterpret_cast<T*>(smem);
@@ -65,35 +65,16 @@ __global__ void __launch_bounds__(IndexTopkShape::kThreads, 1)
   uint64_t* full = reinterpret_cast<uint64_t*>(smem + S::k_bytes<D, T>() + S::q_or_list_bytes<D, T>());
   uint64_t* empty = full + S::kStages;
 
-  // blockIdx.x enumerates (tile, sequence) with the longest tiles (last in the sequence) first.
-  const int hr = p.num_heads / p.num_key_heads;
-  const int tm = S::kRows / hr;
-  const int tiles_max = (p.max_seqlen + tm - 1) / tm;
-  const int seq = blockIdx.x % p.num_seqs;
-  const int tile = tiles_max - 1 - int(blockIdx.x / p.num_seqs);
-  const int kh = blockIdx.y;
-  const int seq_start = p.cu_seqlens[seq];
-  const int n = p.cu_seqlens[seq + 1] - seq_start;
-  const int tok0 = tile * tm;
-  if (tok0 >= n) return;
-  const int rows_used = tm * hr;
-  const int last_tok = min(tok0 + tm, n) - 1;
+  const IndexTopkTile tl = IndexTopkTile::make(p, S::kRows);
+  if (tl.empty()) return;
+  const int hr = tl.hr, kh = tl.kh, seq_start = tl.seq_start, tok0 = tl.tok0, last_tok = tl.last_tok;
   const int nb = S::kKeys / p.block_size;  // blocks per sub-tile
   const int blocks = last_tok / p.block_size;  // the blocks before the last token's
   const int total = (blocks + nb - 1) / nb;    // sub-tiles
 
   const int tid = threadIdx.x, warp = tid / 32, lane = tid % 32;
-  const T* q_base = static_cast<const T*>(p.q_idx);
-  const T* k_base = static_cast<const T*>(p.k_idx);
 
-  for (int i = tid; i < S::kRows * kChunks; i += S::kThreads) {
-    const int r = i / kChunks, c = i % kChunks;
-    const int tok = tok0 + r / hr;
-    const bool valid = r < rows_used && tok < n;
-    const T* src = q_base + int64_t(seq_start + (valid ? tok : 0)) * p.q_stride_t +
-                   int64_t(kh * hr + r % hr) * p.q_stride_h + c * 8;
-    sm80::cp_async_16(sQ + QTile::offset(r, c), src, valid);
-  }
+  gather_index_q<T, D>(sQ, p, tl, S::kRows, tid, S::kThreads);
   sm80::cp_async_commit();
   // Sub-tile it (keys it * 128 ...) into stage `stage`: D / 64 boxes of 64 Di x 128 keys, one per
   // 128-byte panel. Keys past the tensor read as zeros; keys of a following sequence belong to blocks
@@ -197,15 +178,8 @@ __global__ void __launch_bounds__(IndexTopkShape::kThreads, 1)
     }
   }
 
-  // Output: each row's list sorted ascending, then the local block, then -1 padding.
   __syncthreads();
-  if (tid < rows_used) {
-    const int tok = tok0 + tid / hr;
-    if (tok < n) {
-      SmemTopHeap{sScore + tid * S::kSlots, sBlock + tid * S::kSlots, p.topk - 1}.write_sorted(
-          topk_out_row(p, seq_start, tok, kh * hr + tid % hr), p.topk, tok / p.block_size);
-    }
-  }
+  write_index_row(p, tl, sScore, sBlock, tid);
 }
 
 // The TMA descriptor of k_idx, a (T, Hki, Di) tensor with strides in elements: boxes of 64 Di x 1 head
