@@ -18,3 +18,14 @@ def pytest_collection_modifyitems(config, items):
     for item in items:
         if "gpu" in item.keywords and not cuda_ready():
             item.add_marker(skip)
+
+
+@pytest.fixture(params=["default", "portable"])
+def kernel_choice(request, monkeypatch):
+    """Runs a test with the default kernels (the Hopper ones on an sm_90 GPU with a 90a build) and with
+    the portable ones (MSA_PORTABLE_KERNELS=1, read at every call)."""
+    if request.param == "portable":
+        monkeypatch.setenv("MSA_PORTABLE_KERNELS", "1")
+    else:
+        monkeypatch.delenv("MSA_PORTABLE_KERNELS", raising=False)
+    return request.param

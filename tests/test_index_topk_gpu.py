@@ -8,18 +8,7 @@ import msa
 from helpers import HEADS, make_inputs, make_packed, poison_allocator
 from topk_check import assert_valid_topk
 
-pytestmark = pytest.mark.gpu
-
-
-@pytest.fixture(autouse=True, params=["default", "portable"])
-def kernel(request, monkeypatch):
-    """Every test runs the default kernel (the Hopper one on an sm_90 GPU with a 90a build) and the
-    portable one (MSA_PORTABLE_KERNELS=1)."""
-    if request.param == "portable":
-        monkeypatch.setenv("MSA_PORTABLE_KERNELS", "1")
-    else:
-        monkeypatch.delenv("MSA_PORTABLE_KERNELS", raising=False)
-    return request.param
+pytestmark = [pytest.mark.gpu, pytest.mark.usefixtures("kernel_choice")]
 
 
 def _check(q_idx, k_idx, cu, mx, topk, bs, ref_compare=True, scale=None):

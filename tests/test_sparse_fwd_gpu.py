@@ -10,7 +10,7 @@ from attention_check import (assert_close_style, assert_forward_close, assert_ls
 from helpers import HEADS, make_inputs, make_packed, poison_allocator
 from msa import reference as ref
 
-pytestmark = pytest.mark.gpu
+pytestmark = [pytest.mark.gpu, pytest.mark.usefixtures("kernel_choice")]  # Hopper stats pass and portable
 ops = torch.ops.msa
 
 

@@ -5,6 +5,9 @@
 #include <cuda_fp16.h>
 #include <cuda_runtime_api.h>
 
+#include <cstdlib>
+#include <cstring>
+
 // Fails with "msa::<what> launch failed: <cuda error>" unless expr returned cudaSuccess.
 #define MSA_LAUNCH_CHECK(expr, what)                                                             \
   do {                                                                                           \
@@ -23,6 +26,22 @@ void dispatch_dtype_dim(at::ScalarType dt, int64_t d, F&& f) {
   } else {
     if (d == 64) f.template operator()<__half, 64>(); else f.template operator()<__half, 128>();
   }
+}
+
+// The Hopper kernels when this build has them (MSA_CUDA_ARCHS with 90a), the GPU is sm_90 and
+// MSA_PORTABLE_KERNELS is not 1 (which keeps the portable kernels: tests compare the two).
+inline bool use_sm90_kernels() {
+#ifdef MSA_WITH_SM90
+  const char* env = std::getenv("MSA_PORTABLE_KERNELS");
+  if (env != nullptr && std::strcmp(env, "1") == 0) return false;
+  int device = 0, major = 0, minor = 0;
+  if (cudaGetDevice(&device) != cudaSuccess) return false;
+  if (cudaDeviceGetAttribute(&major, cudaDevAttrComputeCapabilityMajor, device) != cudaSuccess) return false;
+  if (cudaDeviceGetAttribute(&minor, cudaDevAttrComputeCapabilityMinor, device) != cudaSuccess) return false;
+  return major == 9 && minor == 0;
+#else
+  return false;
+#endif
 }
 
 }  // namespace msa::api

@@ -8,29 +8,10 @@
 #include "api/ops.h"
 #include "sm80/index_topk/index_topk.h"
 #ifdef MSA_WITH_SM90
-#include <cstdlib>
-#include <cstring>
-
 #include "sm90/index_topk/index_topk.h"
 #endif
 
 namespace msa::api {
-
-// The Hopper kernel when this build has it (MSA_CUDA_ARCHS with 90a), the GPU is sm_90 and
-// MSA_PORTABLE_KERNELS is not 1 (which keeps the portable kernels: tests compare the two).
-static bool use_sm90_kernels() {
-#ifdef MSA_WITH_SM90
-  const char* env = std::getenv("MSA_PORTABLE_KERNELS");
-  if (env != nullptr && std::strcmp(env, "1") == 0) return false;
-  int device = 0, major = 0, minor = 0;
-  if (cudaGetDevice(&device) != cudaSuccess) return false;
-  if (cudaDeviceGetAttribute(&major, cudaDevAttrComputeCapabilityMajor, device) != cudaSuccess) return false;
-  if (cudaDeviceGetAttribute(&minor, cudaDevAttrComputeCapabilityMinor, device) != cudaSuccess) return false;
-  return major == 9 && minor == 0;
-#else
-  return false;
-#endif
-}
 
 at::Tensor select_blocks_cuda(const at::Tensor& q_idx, const at::Tensor& k_idx, const at::Tensor& cu_seqlens,
                               int64_t max_seqlen, int64_t topk, int64_t block_size, double index_scale) {

@@ -204,6 +204,7 @@ SparseForward sparse_forward_cuda(const at::Tensor& q_in, const at::Tensor& k_in
   cp.hq = int(Hq);
   cp.hi = int(Hi);
 
+  [[maybe_unused]] const bool sm90 = use_sm90_kernels();
   for (int64_t t0 = 0; t0 < T; t0 += chunk) {
     const int64_t tc = std::min(chunk, T - t0);
     const int64_t n = Hi * tc * topk;
@@ -221,7 +222,15 @@ SparseForward sparse_forward_cuda(const at::Tensor& q_in, const at::Tensor& k_in
     fp.chunk_tokens = cp.chunk_tokens = int(tc);
     fp.work.max_items = int(n / kUnitsPerItem + num_keys);
     dispatch_dtype_dim(q.scalar_type(), D, [&]<typename T_, int D_>() {
+#ifdef MSA_WITH_SM90
+      if (sm90) {
+        MSA_LAUNCH_CHECK((sm90::launch_sparse_stats<T_, D_>(fp, stream)), "sparse_fwd (stats pass)");
+      } else {
+        MSA_LAUNCH_CHECK((sm80::launch_sparse_fwd<T_, D_>(fp, false, stream)), "sparse_fwd (stats pass)");
+      }
+#else
       MSA_LAUNCH_CHECK((sm80::launch_sparse_fwd<T_, D_>(fp, false, stream)), "sparse_fwd (stats pass)");
+#endif
       MSA_LAUNCH_CHECK(sm80::launch_sparse_combine_stats(cp, stream), "sparse_fwd (stats combine)");
       MSA_LAUNCH_CHECK((sm80::launch_sparse_fwd<T_, D_>(fp, true, stream)), "sparse_fwd (output pass)");
       if (!kl_only) {

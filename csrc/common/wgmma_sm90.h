@@ -61,6 +61,12 @@ __device__ __forceinline__ void tma_load_3d(void* dst, const void* tensor_map, i
       : "memory");
 }
 
+// Shared-memory writes of the generic proxy (st.shared, cp.async) made visible to the async proxy
+// (wgmma operand reads). Each writing thread fences after its copies landed, then the CTA synchronises.
+__device__ __forceinline__ void fence_proxy_async_smem() {
+  asm volatile("fence.proxy.async.shared::cta;\n" ::: "memory");
+}
+
 // K-major operand tile with the 128-byte swizzle: R rows (the N or M dimension) x K 16-bit elements,
 // stored as K / 64 column panels of R x 64 elements (128 bytes per row, panels R * 128 bytes apart),
 // each panel made of 8-row x 128-byte atoms (1024 bytes apart) whose 16-byte chunk c of row r sits at

@@ -28,6 +28,7 @@
 
 #include "common/block_span.h"
 #include "common/mma_sm80.h"
+#include "common/wgmma_sm90.h"
 #include "params.h"
 
 namespace msa::sm80 {
@@ -70,8 +71,12 @@ constexpr float kFwdNegInf = -__builtin_huge_valf();
 // Rows per tile for Gu heads per unit: 32 units, at most 128 rows.
 __host__ __device__ inline int sparse_rows_per_tile(int gu) { return gu >= 4 ? 128 : 32 * gu; }
 
-template <typename T, int D, bool kOut>
+// kWgmma (stats pass only, compiled for sm_90a only: csrc/instantiations/sparse_stats_sm90_*.cu): the
+// main Q K^T on warpgroup tensor cores (wgmma, Q from registers, K from shared memory in the
+// 128-byte-swizzled K-major layout), everything else as the portable pass.
+template <typename T, int D, bool kOut, bool kWgmma = false>
 __global__ void __launch_bounds__(SparseFwdShape::threads<kOut>(), kOut ? 1 : 2) sparse_fwd_kernel(SparseFwdParams p) {
+  static_assert(!(kWgmma && kOut), "the wgmma variant is the stats pass's");
   using Sh = SparseFwdShape;
   using L = typename Sh::template Smem<T, D, kOut>;
   using Tile = SwizzledTile<D>;
@@ -81,7 +86,10 @@ __global__ void __launch_bounds__(SparseFwdShape::threads<kOut>(), kOut ? 1 : 2)
   constexpr int kN8 = kOut ? 8 : 16;    // n8 key tiles per warp
   constexpr int kDo = kOut ? D / 2 : D;  // P V output columns per warp
   constexpr int kChunks = Tile::kChunks;
-  extern __shared__ __align__(128) unsigned char smem[];
+  extern __shared__ __align__(128) unsigned char smem_raw[];
+  // The wgmma variant's K tile must start 1024-byte aligned (the swizzle is on address bits).
+  unsigned char* smem = kWgmma ? smem_raw + ((1024 - (smem_addr(smem_raw) & 1023)) & 1023) : smem_raw;
+  using KTileW = sm90::KMajorSw128<Sh::kKeys, D>;
   T* sK = reinterpret_cast<T*>(smem + L::k);
   T* sV = reinterpret_cast<T*>(smem + L::v);
   T* sKi = reinterpret_cast<T*>(smem + L::ki);
@@ -160,7 +168,8 @@ __global__ void __launch_bounds__(SparseFwdShape::threads<kOut>(), kOut ? 1 : 2)
       const int row = i / kChunks, c = i % kChunks;
       const bool ok = row < blen;
       const int rr = ok ? row : 0;
-      cp_async_16(sK + Tile::offset(row, c), ks + int64_t(rr) * p.k_stride_t + c * 8, ok);
+      cp_async_16(sK + (kWgmma ? KTileW::offset(row, c) : Tile::offset(row, c)), ks + int64_t(rr) * p.k_stride_t + c * 8,
+                  ok);
       if constexpr (kOut) cp_async_16(sV + Tile::offset(row, c), vs + int64_t(rr) * p.v_stride_t + c * 8, ok);
     }
   };
@@ -225,6 +234,8 @@ __global__ void __launch_bounds__(SparseFwdShape::threads<kOut>(), kOut ? 1 : 2)
     }
     cp_async_commit();  // this step's rows were fetched during the previous step (after its Q K^T)
     cp_async_wait<0>();
+    // K written by cp.async (generic proxy) is read by wgmma (async proxy); nothing is in flight here.
+    if (kWgmma && (step == 0 || J > 1)) sm90::fence_proxy_async_smem();
     __syncthreads();
 
     // Index logits of the tile's units (once per tile): warp w takes keys [16 (w % 8), +16) and, in
@@ -281,7 +292,32 @@ __global__ void __launch_bounds__(SparseFwdShape::threads<kOut>(), kOut ? 1 : 2)
     const int row0 = rg * 16 + g, row1 = row0 + 8;
     float c[kN8][4];
     zero_acc(c);
-    if (active) {
+    if constexpr (kWgmma) {
+      // Warpgroup w / 4 holds rows [64 (w / 4), +64): warp w's 16 rows are rg * 16 as in the mma.sync
+      // path, and the accumulator layout is c's. Every warp of a group takes part (rows past R compute
+      // values that are never stored); Q goes to registers in two halves of D / 2.
+      if (kOut || p.main_stats) {  // CTA-uniform
+        float cw[4 * kN8];
+        const uint32_t k_addr = smem_addr(sK);
+#pragma unroll
+        for (int half = 0; half < D / 64; ++half) {
+          uint32_t a[4][4];
+#pragma unroll
+          for (int k4 = 0; k4 < 4; ++k4)
+            ldmatrix_x4(a[k4], sQ + Tile::offset(rg * 16 + lane % 16, (half * 4 + k4) * 2 + lane / 16));
+          sm90::wgmma_fence();
+#pragma unroll
+          for (int k4 = 0; k4 < 4; ++k4)
+            sm90::WgmmaRS<T, Sh::kKeys>::run(cw, a[k4], KTileW::desc(k_addr, half * 4 + k4), half * 4 + k4 > 0);
+          sm90::wgmma_commit();
+          sm90::wgmma_wait<0>();
+        }
+#pragma unroll
+        for (int n = 0; n < kN8; ++n)
+#pragma unroll
+          for (int e = 0; e < 4; ++e) c[n][e] = cw[4 * n + e];
+      }
+    } else if (active) {
 #pragma unroll
       for (int ks = 0; ks < D / 16; ++ks) {
         uint32_t a[4];
@@ -558,11 +594,11 @@ __global__ void __launch_bounds__(SparseFwdShape::threads<kOut>(), kOut ? 1 : 2)
   }
 }
 
-template <typename T, int D, bool kOut>
+template <typename T, int D, bool kOut, bool kWgmma = false>
 cudaError_t launch_sparse_fwd_pass(const SparseFwdParams& p, cudaStream_t stream) {
   if (p.work.max_items == 0) return cudaSuccess;
-  constexpr int smem = SparseFwdShape::Smem<T, D, kOut>::bytes;
-  auto kernel = sparse_fwd_kernel<T, D, kOut>;
+  constexpr int smem = SparseFwdShape::Smem<T, D, kOut>::bytes + (kWgmma ? 1024 : 0);
+  auto kernel = sparse_fwd_kernel<T, D, kOut, kWgmma>;
   cudaError_t err = cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, smem);
   // The stats pass runs two CTAs per SM: ask for the largest shared-memory carve-out.
   if (err == cudaSuccess)
@@ -578,3 +614,11 @@ cudaError_t launch_sparse_fwd(const SparseFwdParams& p, bool out_pass, cudaStrea
 }
 
 }  // namespace msa::sm80
+
+namespace msa::sm90 {
+// The stats pass with its Q K^T on wgmma (sm_90a builds only).
+template <typename T, int D>
+cudaError_t launch_sparse_stats(const SparseFwdParams& p, cudaStream_t stream) {
+  return sm80::launch_sparse_fwd_pass<T, D, false, true>(p, stream);
+}
+}  // namespace msa::sm90
