@@ -6,9 +6,9 @@
 // RS wgmma, loaded once) and multiplies it by 128-key sub-tiles of K (one block of 128 or two of 64)
 // that one thread streams into shared memory with TMA (4 stages: a "full" mbarrier per stage completes
 // with the TMA bytes, an "empty" one when all 16 warps are done reading it, so the thread refills it)
-// in the 128-byte-swizzled K-major layout wgmma reads. No CTA barrier in the loop: the warpgroups drift
-// apart, and one group's row-max epilogue overlaps the others' MMAs. Per sub-tile a warpgroup issues D / 16 wgmma
-// m64n128k16 and waits.
+// in the 128-byte-swizzled K-major layout wgmma reads. Per sub-tile a warpgroup issues D / 16 wgmma
+// m64n128k16 and waits. No CTA barrier in the loop: the warpgroups drift apart, and one group's row-max
+// epilogue overlaps the others' MMAs (benchmarks/NOTES.md s13 has the versions and their timings).
 // As in the portable kernel, every block before a row's own block is fully visible and the own block
 // is forced in, so no causal mask is needed: the CTA scores blocks [0, block of its last token) and a
 // row ignores the blocks at or past its own.
