@@ -222,15 +222,12 @@ SparseForward sparse_forward_cuda(const at::Tensor& q_in, const at::Tensor& k_in
     fp.chunk_tokens = cp.chunk_tokens = int(tc);
     fp.work.max_items = int(n / kUnitsPerItem + num_keys);
     dispatch_dtype_dim(q.scalar_type(), D, [&]<typename T_, int D_>() {
+      const cudaError_t stats_err =
 #ifdef MSA_WITH_SM90
-      if (sm90) {
-        MSA_LAUNCH_CHECK((sm90::launch_sparse_stats<T_, D_>(fp, stream)), "sparse_fwd (stats pass)");
-      } else {
-        MSA_LAUNCH_CHECK((sm80::launch_sparse_fwd<T_, D_>(fp, false, stream)), "sparse_fwd (stats pass)");
-      }
-#else
-      MSA_LAUNCH_CHECK((sm80::launch_sparse_fwd<T_, D_>(fp, false, stream)), "sparse_fwd (stats pass)");
+          sm90 ? sm90::launch_sparse_stats<T_, D_>(fp, stream) :
 #endif
+               sm80::launch_sparse_fwd<T_, D_>(fp, false, stream);
+      MSA_LAUNCH_CHECK(stats_err, "sparse_fwd (stats pass)");
       MSA_LAUNCH_CHECK(sm80::launch_sparse_combine_stats(cp, stream), "sparse_fwd (stats combine)");
       MSA_LAUNCH_CHECK((sm80::launch_sparse_fwd<T_, D_>(fp, true, stream)), "sparse_fwd (output pass)");
       if (!kl_only) {
