@@ -96,10 +96,28 @@ struct KMajorSw128 {
 
 // D (64 x N, fp32) (+)= A (64 x 16, registers) * B (16 x N, shared, K-major): wgmma m64nNk16 with A
 // from registers. accumulate = false overwrites D (no zeroing needed). N / 2 accumulators per thread.
-// Only N = 128 is instantiated (the index top-k); other N are the same text with N / 2 registers.
+// N = 128 (index top-k, stats pass) and N = 64 (output pass: a warpgroup's half of the keys).
 template <typename T, int N>
 struct WgmmaRS;
 
+#define MSA_WGMMA_RS_64X64(TYPE, PTXTYPE) \
+  template <> \
+  struct WgmmaRS<TYPE, 64> { \
+    __device__ __forceinline__ static void run(float (&d)[32], const uint32_t (&a)[4], uint64_t desc_b, bool accumulate) { \
+      asm volatile( \
+          "{\n.reg .pred p;\nsetp.ne.b32 p, %37, 0;\n" \
+          "wgmma.mma_async.sync.aligned.m64n64k16.f32." PTXTYPE "." PTXTYPE " " \
+          "{" \
+          "%0,%1,%2,%3,%4,%5,%6,%7,%8,%9,%10,%11,%12,%13,%14,%15," \
+          "%16,%17,%18,%19,%20,%21,%22,%23,%24,%25,%26,%27,%28,%29,%30,%31" \
+          "}, {%32,%33,%34,%35}, %36, p, 1, 1, 0;\n}\n" \
+          : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3]), "+f"(d[4]), "+f"(d[5]), "+f"(d[6]), "+f"(d[7]), \
+            "+f"(d[8]), "+f"(d[9]), "+f"(d[10]), "+f"(d[11]), "+f"(d[12]), "+f"(d[13]), "+f"(d[14]), "+f"(d[15]), \
+            "+f"(d[16]), "+f"(d[17]), "+f"(d[18]), "+f"(d[19]), "+f"(d[20]), "+f"(d[21]), "+f"(d[22]), "+f"(d[23]), \
+            "+f"(d[24]), "+f"(d[25]), "+f"(d[26]), "+f"(d[27]), "+f"(d[28]), "+f"(d[29]), "+f"(d[30]), "+f"(d[31]) \
+          : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "l"(desc_b), "r"(int(accumulate))); \
+    } \
+  };
 #define MSA_WGMMA_RS_64X128(TYPE, PTXTYPE) \
   template <> \
   struct WgmmaRS<TYPE, 128> { \
@@ -124,8 +142,11 @@ struct WgmmaRS;
           : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "l"(desc_b), "r"(int(accumulate))); \
     } \
   };
+MSA_WGMMA_RS_64X64(__nv_bfloat16, "bf16")
+MSA_WGMMA_RS_64X64(__half, "f16")
 MSA_WGMMA_RS_64X128(__nv_bfloat16, "bf16")
 MSA_WGMMA_RS_64X128(__half, "f16")
+#undef MSA_WGMMA_RS_64X64
 #undef MSA_WGMMA_RS_64X128
 
 }  // namespace msa::sm90

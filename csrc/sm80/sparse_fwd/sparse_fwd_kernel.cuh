@@ -71,12 +71,13 @@ constexpr float kFwdNegInf = -__builtin_huge_valf();
 // Rows per tile for Gu heads per unit: 32 units, at most 128 rows.
 __host__ __device__ inline int sparse_rows_per_tile(int gu) { return gu >= 4 ? 128 : 32 * gu; }
 
-// kWgmma (stats pass only, compiled for sm_90a only: csrc/instantiations/sparse_stats_sm90_*.cu): the
-// main Q K^T on warpgroup tensor cores (wgmma, Q from registers, K from shared memory in the
-// 128-byte-swizzled K-major layout), everything else as the portable pass.
+// kWgmma (compiled for sm_90a only: csrc/instantiations/sparse_fwd_sm90_*.cu): the main Q K^T on
+// warpgroup tensor cores (wgmma, Q from registers, K from shared memory in the 128-byte-swizzled
+// K-major layout), everything else as the portable pass. Warps 4 i .. 4 i + 3 form warpgroup i: in
+// the stats pass it holds rows [64 (i % 2), +64) x all 128 keys, in the output pass rows
+// [64 (i % 2), +64) x keys [64 (i / 2), +64), the rows and keys its warps own in the mma.sync path.
 template <typename T, int D, bool kOut, bool kWgmma = false>
 __global__ void __launch_bounds__(SparseFwdShape::threads<kOut>(), kOut ? 1 : 2) sparse_fwd_kernel(SparseFwdParams p) {
-  static_assert(!(kWgmma && kOut), "the wgmma variant is the stats pass's");
   using Sh = SparseFwdShape;
   using L = typename Sh::template Smem<T, D, kOut>;
   using Tile = SwizzledTile<D>;
@@ -293,12 +294,12 @@ __global__ void __launch_bounds__(SparseFwdShape::threads<kOut>(), kOut ? 1 : 2)
     float c[kN8][4];
     zero_acc(c);
     if constexpr (kWgmma) {
-      // Warpgroup w / 4 holds rows [64 (w / 4), +64): warp w's 16 rows are rg * 16 as in the mma.sync
-      // path, and the accumulator layout is c's. Every warp of a group takes part (rows past R compute
-      // values that are never stored); Q goes to registers in two halves of D / 2.
+      // Warp w's 16 rows are rg * 16 and its keys kb .. kb + 8 kN8 as in the mma.sync path, and the
+      // accumulator layout is c's. Every warp of a group takes part (rows past R compute values that
+      // are never stored); Q goes to registers in two halves of D / 2.
       if (kOut || p.main_stats) {  // CTA-uniform
         float cw[4 * kN8];
-        const uint32_t k_addr = smem_addr(sK);
+        const uint32_t k_addr = smem_addr(sK) + kb * 128;  // row kb of each 128-byte panel
 #pragma unroll
         for (int half = 0; half < D / 64; ++half) {
           uint32_t a[4][4];
@@ -308,7 +309,7 @@ __global__ void __launch_bounds__(SparseFwdShape::threads<kOut>(), kOut ? 1 : 2)
           sm90::wgmma_fence();
 #pragma unroll
           for (int k4 = 0; k4 < 4; ++k4)
-            sm90::WgmmaRS<T, Sh::kKeys>::run(cw, a[k4], KTileW::desc(k_addr, half * 4 + k4), half * 4 + k4 > 0);
+            sm90::WgmmaRS<T, 8 * kN8>::run(cw, a[k4], KTileW::desc(k_addr, half * 4 + k4), half * 4 + k4 > 0);
           sm90::wgmma_commit();
           sm90::wgmma_wait<0>();
         }
@@ -616,9 +617,10 @@ cudaError_t launch_sparse_fwd(const SparseFwdParams& p, bool out_pass, cudaStrea
 }  // namespace msa::sm80
 
 namespace msa::sm90 {
-// The stats pass with its Q K^T on wgmma (sm_90a builds only).
+// The stats and output passes with their Q K^T on wgmma (sm_90a builds only).
 template <typename T, int D>
-cudaError_t launch_sparse_stats(const SparseFwdParams& p, cudaStream_t stream) {
-  return sm80::launch_sparse_fwd_pass<T, D, false, true>(p, stream);
+cudaError_t launch_sparse_fwd(const SparseFwdParams& p, bool out_pass, cudaStream_t stream) {
+  return out_pass ? sm80::launch_sparse_fwd_pass<T, D, true, true>(p, stream)
+                  : sm80::launch_sparse_fwd_pass<T, D, false, true>(p, stream);
 }
 }  // namespace msa::sm90
