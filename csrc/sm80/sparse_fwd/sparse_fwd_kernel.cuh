@@ -37,8 +37,9 @@ struct SparseFwdShape {
   // Stats pass: eight warps of 16 rows x all 128 keys (two CTAs per SM). Output pass: sixteen warps,
   // a pair per 16 rows that splits the keys for Q K^T and the KL terms and D for P V (P meets in
   // shared memory), so that each thread holds 64 accumulators and 16 warps fit in the registers.
-  template <bool kOut>
-  static constexpr int threads() { return kOut ? 512 : 256; }
+  // The sm_90a output pass (kWgmma) runs eight warps of 16 rows x all 128 keys, P kept in registers.
+  template <bool kOut, bool kWgmma = false>
+  static constexpr int threads() { return kOut && !kWgmma ? 512 : 256; }
   static constexpr int kKeys = 128;     // MMA columns: one block (block_size 64 uses the first half)
   static constexpr int kMaxRows = 128;
   static constexpr int kMaxUnits = 32;     // per tile
@@ -71,21 +72,24 @@ constexpr float kFwdNegInf = -__builtin_huge_valf();
 // Rows per tile for Gu heads per unit: 32 units, at most 128 rows.
 __host__ __device__ inline int sparse_rows_per_tile(int gu) { return gu >= 4 ? 128 : 32 * gu; }
 
-// kWgmma (compiled for sm_90a only: csrc/instantiations/sparse_fwd_sm90_*.cu): the main Q K^T on
-// warpgroup tensor cores (wgmma, Q from registers, K from shared memory in the 128-byte-swizzled
-// K-major layout), everything else as the portable pass. Warps 4 i .. 4 i + 3 form warpgroup i: in
-// the stats pass it holds rows [64 (i % 2), +64) x all 128 keys, in the output pass rows
-// [64 (i % 2), +64) x keys [64 (i / 2), +64), the rows and keys its warps own in the mma.sync path.
+// kWgmma (compiled for sm_90a only: csrc/instantiations/sparse_fwd_sm90_*.cu): eight warps in both
+// passes, warpgroup i (warps 4 i .. 4 i + 3) holding rows [64 i, +64) x all 128 keys. The main Q K^T
+// runs on warpgroup tensor cores (wgmma, Q from registers, K from shared memory in the
+// 128-byte-swizzled K-major layout); in the output pass P stays in registers as the A operand of an
+// RS wgmma P V (V in the same layout, read MN-major), issued before the KL terms so they overlap it.
+// Everything else is the portable pass's code.
 template <typename T, int D, bool kOut, bool kWgmma = false>
-__global__ void __launch_bounds__(SparseFwdShape::threads<kOut>(), kOut ? 1 : 2) sparse_fwd_kernel(SparseFwdParams p) {
+__global__ void __launch_bounds__(SparseFwdShape::threads<kOut, kWgmma>(), kOut ? 1 : 2)
+    sparse_fwd_kernel(SparseFwdParams p) {
   using Sh = SparseFwdShape;
   using L = typename Sh::template Smem<T, D, kOut>;
   using Tile = SwizzledTile<D>;
   using PTile = SwizzledTile<Sh::kKeys>;  // P and dsi tiles: rows x 128 keys
-  constexpr int kThreadsT = Sh::template threads<kOut>();
+  constexpr int kThreadsT = Sh::template threads<kOut, kWgmma>();
   constexpr int kWarpsT = kThreadsT / 32;
-  constexpr int kN8 = kOut ? 8 : 16;    // n8 key tiles per warp
-  constexpr int kDo = kOut ? D / 2 : D;  // P V output columns per warp
+  constexpr bool kPair = kOut && !kWgmma;  // portable output pass: a warp pair per 16 rows
+  constexpr int kN8 = kPair ? 8 : 16;      // n8 key tiles per warp
+  constexpr int kDo = kPair ? D / 2 : D;   // P V output columns per warp
   constexpr int kChunks = Tile::kChunks;
   extern __shared__ __align__(128) unsigned char smem_raw[];
   // The wgmma variant's K tile must start 1024-byte aligned (the swizzle is on address bits).
@@ -169,9 +173,9 @@ __global__ void __launch_bounds__(SparseFwdShape::threads<kOut>(), kOut ? 1 : 2)
       const int row = i / kChunks, c = i % kChunks;
       const bool ok = row < blen;
       const int rr = ok ? row : 0;
-      cp_async_16(sK + (kWgmma ? KTileW::offset(row, c) : Tile::offset(row, c)), ks + int64_t(rr) * p.k_stride_t + c * 8,
-                  ok);
-      if constexpr (kOut) cp_async_16(sV + Tile::offset(row, c), vs + int64_t(rr) * p.v_stride_t + c * 8, ok);
+      const int off = kWgmma ? KTileW::offset(row, c) : Tile::offset(row, c);
+      cp_async_16(sK + off, ks + int64_t(rr) * p.k_stride_t + c * 8, ok);
+      if constexpr (kOut) cp_async_16(sV + off, vs + int64_t(rr) * p.v_stride_t + c * 8, ok);
     }
   };
   load_kv(0);
@@ -294,12 +298,13 @@ __global__ void __launch_bounds__(SparseFwdShape::threads<kOut>(), kOut ? 1 : 2)
     float c[kN8][4];
     zero_acc(c);
     if constexpr (kWgmma) {
-      // Warp w's 16 rows are rg * 16 and its keys kb .. kb + 8 kN8 as in the mma.sync path, and the
-      // accumulator layout is c's. Every warp of a group takes part (rows past R compute values that
-      // are never stored); Q goes to registers in two halves of D / 2.
+      // Warpgroup w / 4 holds rows [64 (w / 4), +64): warp w's 16 rows are rg * 16 as in the mma.sync
+      // path, and the accumulator layout is c's. Every warp of a group takes part (rows past R compute
+      // values that are never stored); Q goes to registers in two halves of D / 2.
+      static_assert(kN8 * 8 == Sh::kKeys, "a wgmma warp holds all keys");
       if (kOut || p.main_stats) {  // CTA-uniform
         float cw[4 * kN8];
-        const uint32_t k_addr = smem_addr(sK) + kb * 128;  // row kb of each 128-byte panel
+        const uint32_t k_addr = smem_addr(sK);
 #pragma unroll
         for (int half = 0; half < D / 64; ++half) {
           uint32_t a[4][4];
@@ -309,7 +314,7 @@ __global__ void __launch_bounds__(SparseFwdShape::threads<kOut>(), kOut ? 1 : 2)
           sm90::wgmma_fence();
 #pragma unroll
           for (int k4 = 0; k4 < 4; ++k4)
-            sm90::WgmmaRS<T, 8 * kN8>::run(cw, a[k4], KTileW::desc(k_addr, half * 4 + k4), half * 4 + k4 > 0);
+            sm90::WgmmaRS<T, Sh::kKeys>::run(cw, a[k4], KTileW::desc(k_addr, half * 4 + k4), half * 4 + k4 > 0);
           sm90::wgmma_commit();
           sm90::wgmma_wait<0>();
         }
@@ -385,17 +390,60 @@ __global__ void __launch_bounds__(SparseFwdShape::threads<kOut>(), kOut ? 1 : 2)
           c[n][2] = exp2f(c[n][2] - e1);
           c[n][3] = exp2f(c[n][3] - e1);
         }
-        // P in the input dtype: the A operand of P V (both key halves of the rows meet here) and, off
-        // the register path, the KL terms' input.
+      }
+      // This warp's rows of P V (columns [kh kDo, +kDo)) into the partial output; write_out = false:
+      // KL only (warmup), no P V.
+      auto store_out = [&](const float (&o)[kDo / 8][4]) {
+        T* part = static_cast<T*>(p.out_part);
+        if (lim0 >= 0) {
+          uint32_t* dst = reinterpret_cast<uint32_t*>(part + (int64_t(sEntry[u0]) * G + j * Gu + hh0) * D + kh * kDo);
 #pragma unroll
-        for (int n = 0; n < kN8; ++n) {
-          const int col = kb + n * 8 + 2 * tq;
-          *reinterpret_cast<uint32_t*>(sP + PTile::offset(row0, col / 8) + col % 8) = pack2<T>(c[n][0], c[n][1]);
-          *reinterpret_cast<uint32_t*>(sP + PTile::offset(row1, col / 8) + col % 8) = pack2<T>(c[n][2], c[n][3]);
+          for (int n = 0; n < kDo / 8; ++n) dst[n * 4 + tq] = pack2<T>(o[n][0], o[n][1]);
+        }
+        if (lim1 >= 0) {
+          uint32_t* dst = reinterpret_cast<uint32_t*>(part + (int64_t(sEntry[u1]) * G + j * Gu + hh1) * D + kh * kDo);
+#pragma unroll
+          for (int n = 0; n < kDo / 8; ++n) dst[n * 4 + tq] = pack2<T>(o[n][2], o[n][3]);
+        }
+      };
+      // sm_90a: P V on wgmma, P (input dtype) in registers as the A operand: the S accumulator of
+      // n-tiles 2 kk, 2 kk + 1 is the m16n8k16 A fragment of keys [16 kk, +16). Stored before the KL
+      // terms (holding it across them spills).
+      if constexpr (kWgmma) {
+        if (p.write_out) {  // CTA-uniform: every warp of a group takes part
+          uint32_t pa[Sh::kKeys / 16][4];
+          float ow[D / 2];
+#pragma unroll
+          for (int kk = 0; kk < Sh::kKeys / 16; ++kk) {
+            pa[kk][0] = pack2<T>(c[2 * kk][0], c[2 * kk][1]);
+            pa[kk][1] = pack2<T>(c[2 * kk][2], c[2 * kk][3]);
+            pa[kk][2] = pack2<T>(c[2 * kk + 1][0], c[2 * kk + 1][1]);
+            pa[kk][3] = pack2<T>(c[2 * kk + 1][2], c[2 * kk + 1][3]);
+          }
+          const uint32_t v_addr = smem_addr(sV);
+          sm90::wgmma_fence();
+#pragma unroll
+          for (int kk = 0; kk < Sh::kKeys / 16; ++kk)
+            sm90::WgmmaRS<T, D, true>::run(ow, pa[kk], KTileW::desc_mn(v_addr, kk), kk > 0);
+          sm90::wgmma_commit();
+          sm90::wgmma_wait<0>();
+          if (live) store_out(reinterpret_cast<const float (&)[kDo / 8][4]>(ow));
+        }
+      }
+      if (active) {
+        // P in the input dtype in shared memory: the portable pass's A operand of P V (both key halves
+        // of the rows meet there) and, off the register path, the KL terms' input.
+        if (!kWgmma || !fast_kl) {
+#pragma unroll
+          for (int n = 0; n < kN8; ++n) {
+            const int col = kb + n * 8 + 2 * tq;
+            *reinterpret_cast<uint32_t*>(sP + PTile::offset(row0, col / 8) + col % 8) = pack2<T>(c[n][0], c[n][1]);
+            *reinterpret_cast<uint32_t*>(sP + PTile::offset(row1, col / 8) + col % 8) = pack2<T>(c[n][2], c[n][3]);
+          }
         }
         if (fast_kl) {
           // Pm * G per (unit, key): the unit's rows differ in the low log2(Gu) bits of g (lane bits 2..).
-          // (In place: P V reads P from shared memory.)
+          // (In place: P V is done or reads P from shared memory.)
           float (&v)[kN8][4] = c;
           // Reduce-scatter over the unit's Gu lanes (lane bits 2.. = low bits gi of g): at bit b the
           // lane keeps one n-tile of each pair (n, n | b) and sends the other, so afterwards slot n
@@ -467,41 +515,33 @@ __global__ void __launch_bounds__(SparseFwdShape::threads<kOut>(), kOut ? 1 : 2)
           }
         }
       }
-      __syncthreads();  // P of both key halves
-      if (live && p.write_out) {  // false: KL only (warmup), no P V
-        // P V for this warp's half of D over all keys of the block.
-        float o[kDo / 8][4];
-        zero_acc(o);
+      if constexpr (!kWgmma) {
+        __syncthreads();  // P of both key halves
+        if (live && p.write_out) {
+          // P V for this warp's half of D over all keys of the block.
+          float o[kDo / 8][4];
+          zero_acc(o);
 #pragma unroll
-        for (int kk = 0; kk < 8; ++kk) {  // 16 keys per step
-          uint32_t a[4];
-          ldmatrix_x4(a, sP + PTile::offset(rg * 16 + lane % 16, kk * 2 + lane / 16));
+          for (int kk = 0; kk < 8; ++kk) {  // 16 keys per step
+            uint32_t a[4];
+            ldmatrix_x4(a, sP + PTile::offset(rg * 16 + lane % 16, kk * 2 + lane / 16));
 #pragma unroll
-          for (int dp = 0; dp < kDo / 16; ++dp) {
-            uint32_t b[4];
-            ldmatrix_x4_trans(b, sV + Tile::offset(kk * 16 + (lane % 8) + ((lane / 8) % 2) * 8,
-                                                   kh * (kDo / 8) + dp * 2 + lane / 16));
-            MmaOp<T>::run(o[2 * dp], a, b[0], b[1]);
-            MmaOp<T>::run(o[2 * dp + 1], a, b[2], b[3]);
+            for (int dp = 0; dp < kDo / 16; ++dp) {
+              uint32_t b[4];
+              ldmatrix_x4_trans(b, sV + Tile::offset(kk * 16 + (lane % 8) + ((lane / 8) % 2) * 8,
+                                                     kh * (kDo / 8) + dp * 2 + lane / 16));
+              MmaOp<T>::run(o[2 * dp], a, b[0], b[1]);
+              MmaOp<T>::run(o[2 * dp + 1], a, b[2], b[3]);
+            }
           }
-        }
-        T* part = static_cast<T*>(p.out_part);
-        if (lim0 >= 0) {
-          uint32_t* dst = reinterpret_cast<uint32_t*>(part + (int64_t(sEntry[u0]) * G + j * Gu + hh0) * D + kh * kDo);
-#pragma unroll
-          for (int n = 0; n < kDo / 8; ++n) dst[n * 4 + tq] = pack2<T>(o[n][0], o[n][1]);
-        }
-        if (lim1 >= 0) {
-          uint32_t* dst = reinterpret_cast<uint32_t*>(part + (int64_t(sEntry[u1]) * G + j * Gu + hh1) * D + kh * kDo);
-#pragma unroll
-          for (int n = 0; n < kDo / 8; ++n) dst[n * 4 + tq] = pack2<T>(o[n][2], o[n][3]);
+          store_out(o);
         }
       }
     }
     __syncthreads();
     if constexpr (kOut) {
       if (fast_kl) {  // the KL sum per unit: both key halves, in a fixed order
-        for (int u = tid; u < nu; u += kThreadsT) p.kl_part[sEntry[u]] = sKl[u] + sKl[Sh::kMaxUnits + u];
+        for (int u = tid; u < nu; u += kThreadsT) p.kl_part[sEntry[u]] = kPair ? sKl[u] + sKl[Sh::kMaxUnits + u] : sKl[u];
       }
       if (index && J > 1) {  // the group's heads meet here: sum this pass's heads per (unit, key)
         for (int i = tid; i < U * Sh::kKeys; i += kThreadsT) {
@@ -567,10 +607,9 @@ __global__ void __launch_bounds__(SparseFwdShape::threads<kOut>(), kOut ? 1 : 2)
       }
       if (p.dsi_part != nullptr) {
         // dq_idx of the tile's units: dsi (units x keys) K_idx (keys x Di); warp w takes the units'
-        // m-tile w / 8 and Di / 8 columns.
+        // m-tiles w / 8, w / 8 + kWarpsT / 8, ... and 16 columns of Di.
         __syncthreads();
-        const int mt = warp / 8;
-        if (mt * 16 < nu && kw * 16 < di) {  // 16 columns of Di per warp
+        for (int mt = warp / 8; mt * 16 < nu && kw * 16 < di; mt += kWarpsT / 8) {
           float dq[2][4];
           zero_acc(dq);
 #pragma unroll
@@ -605,7 +644,7 @@ cudaError_t launch_sparse_fwd_pass(const SparseFwdParams& p, cudaStream_t stream
   if (err == cudaSuccess)
     err = cudaFuncSetAttribute(kernel, cudaFuncAttributePreferredSharedMemoryCarveout, cudaSharedmemCarveoutMaxShared);
   if (err != cudaSuccess) return err;
-  kernel<<<p.work.max_items, SparseFwdShape::threads<kOut>(), smem, stream>>>(p);
+  kernel<<<p.work.max_items, SparseFwdShape::threads<kOut, kWgmma>(), smem, stream>>>(p);
   return cudaGetLastError();
 }
 
