@@ -205,10 +205,10 @@ __global__ void __launch_bounds__(SparseBwdShape::kThreads, 1) sparse_bwd_kernel
 #pragma unroll
           for (int n = 0; n < 4; ++n) {
             const int col = kbase + n * 8 + 2 * tq;
-            const float p00 = !kMasked || col <= lim0 ? exp2f(s[n][0] * p.scale_log2 - e0) : 0.f;
-            const float p01 = !kMasked || col + 1 <= lim0 ? exp2f(s[n][1] * p.scale_log2 - e0) : 0.f;
-            const float p10 = !kMasked || col <= lim1 ? exp2f(s[n][2] * p.scale_log2 - e1) : 0.f;
-            const float p11 = !kMasked || col + 1 <= lim1 ? exp2f(s[n][3] * p.scale_log2 - e1) : 0.f;
+            const float p00 = !kMasked || col <= lim0 ? fast_exp2(fmaf(s[n][0], p.scale_log2, -e0)) : 0.f;
+            const float p01 = !kMasked || col + 1 <= lim0 ? fast_exp2(fmaf(s[n][1], p.scale_log2, -e0)) : 0.f;
+            const float p10 = !kMasked || col <= lim1 ? fast_exp2(fmaf(s[n][2], p.scale_log2, -e1)) : 0.f;
+            const float p11 = !kMasked || col + 1 <= lim1 ? fast_exp2(fmaf(s[n][3], p.scale_log2, -e1)) : 0.f;
             const int c8 = col / 8;
             *reinterpret_cast<uint32_t*>(sP + KTile::offset(row0, c8) + 2 * tq) = pack2<T>(p00, p01);
             *reinterpret_cast<uint32_t*>(sP + KTile::offset(row1, c8) + 2 * tq) = pack2<T>(p10, p11);

@@ -67,6 +67,7 @@ struct SparseFwdShape {
 };
 
 constexpr float kLog2e = 1.4426950408889634f;
+constexpr float kLn2 = 0.6931471805599453f;
 constexpr float kFwdNegInf = -__builtin_huge_valf();
 
 // Rows per tile for Gu heads per unit: 32 units, at most 128 rows.
@@ -165,6 +166,7 @@ __global__ void __launch_bounds__(SparseFwdShape::threads<kOut, kWgmma>(), kOut 
     sTokAll[i] = t;
   }
   const int kih = r / (p.hi / p.hki);
+  const float iscale2 = p.index_scale * kLog2e;  // index logits in the log2 domain
   auto load_kv = [&](int j) {
     const int kvh = (r * G + j * Gu) / (p.hq / p.hkv);
     const T* ks = K + int64_t(seq_start + key0) * p.k_stride_t + int64_t(kvh) * p.k_stride_h;
@@ -196,8 +198,10 @@ __global__ void __launch_bounds__(SparseFwdShape::threads<kOut, kWgmma>(), kOut 
     const int tile = s / J, j = s % J;
     const int ub = tile * U, nu = min(U, n_units - ub);
     const int h0 = r * G + j * Gu;
-    for (int i = tid; i < R * kChunks; i += kThreadsT) {
-      const int row = i / kChunks, c = i % kChunks;
+    // Each thread copies one 16-byte chunk column of rows tid / kChunks, + kThreadsT / kChunks, ...
+    static_assert(kThreadsT % kChunks == 0 && kThreadsT % kIChunks == 0, "chunk columns per thread");
+    const int c = tid % kChunks;
+    for (int row = tid / kChunks; row < R; row += kThreadsT / kChunks) {
       const int u = sRowU[row];
       const bool ok = u >= 0 && u < nu;
       const T* src = Q + int64_t(ok ? sTokAll[ub + u] : 0) * p.q_stride_t + int64_t(h0 + sRowH[row]) * p.q_stride_h + c * 8;
@@ -212,11 +216,11 @@ __global__ void __launch_bounds__(SparseFwdShape::threads<kOut, kWgmma>(), kOut 
       }
     }
     if (index && j == 0) {
-      for (int i = tid; i < Sh::kMaxUnits * kIChunks; i += kThreadsT) {
-        const int u = i / kIChunks, c = i % kIChunks;
-        const bool ok = u < nu && c < di_chunks;
-        const T* src = QI + (ok ? int64_t(sTokAll[ub + u]) * p.qi_stride_t + int64_t(r) * p.qi_stride_h + c * 8 : 0);
-        cp_async_16(sQi + ITile::offset(u, c), src, ok);
+      const int ci = tid % kIChunks;
+      for (int u = tid / kIChunks; u < Sh::kMaxUnits; u += kThreadsT / kIChunks) {
+        const bool ok = u < nu && ci < di_chunks;
+        const T* src = QI + (ok ? int64_t(sTokAll[ub + u]) * p.qi_stride_t + int64_t(r) * p.qi_stride_h + ci * 8 : 0);
+        cp_async_16(sQi + ITile::offset(u, ci), src, ok);
       }
     }
   };
@@ -262,10 +266,10 @@ __global__ void __launch_bounds__(SparseFwdShape::threads<kOut, kWgmma>(), kOut 
           for (int n = 0; n < 2; ++n) {
             const int col = kw * 16 + n * 8 + 2 * tq;
             const int row = mt * 16 + g;
-            sSi[row * Sh::kKeys + col] = ci[n][0] * p.index_scale;
-            sSi[row * Sh::kKeys + col + 1] = ci[n][1] * p.index_scale;
-            sSi[(row + 8) * Sh::kKeys + col] = ci[n][2] * p.index_scale;
-            sSi[(row + 8) * Sh::kKeys + col + 1] = ci[n][3] * p.index_scale;
+            sSi[row * Sh::kKeys + col] = ci[n][0] * iscale2;
+            sSi[row * Sh::kKeys + col + 1] = ci[n][1] * iscale2;
+            sSi[(row + 8) * Sh::kKeys + col] = ci[n][2] * iscale2;
+            sSi[(row + 8) * Sh::kKeys + col + 1] = ci[n][3] * iscale2;
           }
         } else {
           // Max and sum of exp of the index logits (log2 domain) of units mt * 16 + g and + 8 over this
@@ -357,7 +361,19 @@ __global__ void __launch_bounds__(SparseFwdShape::threads<kOut, kWgmma>(), kOut 
     // Units are in token order, so when the tile's first unit sees the whole block every unit does and
     // the tile needs no mask (padding rows then hold finite values that are never stored).
     const bool full = blen == Sh::kKeys && sTok[0] - seq_start - key0 >= Sh::kKeys - 1;
-    if (active && full) {
+    if (kOut) {
+      // P = 2^(s scale_log2 - lse log2 e), 0 past the visible keys.
+      if (active) {
+#pragma unroll
+        for (int n = 0; n < kN8; ++n) {
+          const int col = kb + n * 8 + 2 * tq;
+          c[n][0] = full || col <= lim0 ? fast_exp2(fmaf(c[n][0], p.scale_log2, -e0)) : 0.f;
+          c[n][1] = full || col + 1 <= lim0 ? fast_exp2(fmaf(c[n][1], p.scale_log2, -e0)) : 0.f;
+          c[n][2] = full || col <= lim1 ? fast_exp2(fmaf(c[n][2], p.scale_log2, -e1)) : 0.f;
+          c[n][3] = full || col + 1 <= lim1 ? fast_exp2(fmaf(c[n][3], p.scale_log2, -e1)) : 0.f;
+        }
+      }
+    } else if (active && full) {
 #pragma unroll
       for (int n = 0; n < kN8; ++n)
 #pragma unroll
@@ -382,15 +398,6 @@ __global__ void __launch_bounds__(SparseFwdShape::threads<kOut, kWgmma>(), kOut 
         }
       }
     } else {
-      if (active) {
-#pragma unroll
-        for (int n = 0; n < kN8; ++n) {
-          c[n][0] = exp2f(c[n][0] - e0);
-          c[n][1] = exp2f(c[n][1] - e0);
-          c[n][2] = exp2f(c[n][2] - e1);
-          c[n][3] = exp2f(c[n][3] - e1);
-        }
-      }
       // This warp's rows of P V (columns [kh kDo, +kDo)) into the partial output; write_out = false:
       // KL only (warmup), no P V.
       auto store_out = [&](const float (&o)[kDo / 8][4]) {
@@ -471,30 +478,28 @@ __global__ void __launch_bounds__(SparseFwdShape::threads<kOut, kWgmma>(), kOut 
           float li0 = 0.f, li1 = 0.f;
           if (grad && uu0 >= 0 && uu0 < nu) li0 = p.lse_idx[int64_t(r) * p.total_tokens + sTok[uu0]] * kLog2e;
           if (grad && uu1 >= 0 && uu1 < nu) li1 = p.lse_idx[int64_t(r) * p.total_tokens + sTok[uu1]] * kLog2e;
-          const int64_t el0 = (uu0 >= 0 && uu0 < nu) ? sEntry[uu0] : -1;
-          const int64_t el1 = (uu1 >= 0 && uu1 < nu) ? sEntry[uu1] : -1;
+          const bool ok0 = uu0 >= 0 && uu0 < nu, ok1 = uu1 >= 0 && uu1 < nu;
           const float inv_g = 1.f / float(G);
-          float acc0 = 0.f, acc1 = 0.f;
+          float acc0 = 0.f, acc1 = 0.f;  // log2 domain: sum pm (log2 pm - si log2 e)
 #pragma unroll
           for (int n = 0; n < kN8; ++n) {
             if ((n & (Gu - 1)) == 0) {
-              const int tile_n = n + gi;
+              const int col = kb + (n + gi) * 8 + 2 * tq;  // this lane's key pair
 #pragma unroll
-              for (int e = 0; e < 4; ++e) {
-                const bool second = e >= 2;
-                const int u = second ? uu1 : uu0;
+              for (int h = 0; h < 2; ++h) {  // rows g and g + 8: accumulator entries 2 h, 2 h + 1
+                const int u = h ? uu1 : uu0;
                 if (u >= 0) {
-                  const int col = kb + tile_n * 8 + 2 * tq + (e & 1);
-                  const float pm = v[n][e] * inv_g;
-                  const float si = sSi[u * Sh::kKeys + col];
-                  const float term = pm > 0.f ? pm * (__logf(pm) - si) : 0.f;
-                  if (second) acc1 += term; else acc0 += term;
+                  const float2 si = *reinterpret_cast<const float2*>(sSi + u * Sh::kKeys + col);
+                  const float pm0 = v[n][2 * h] * inv_g, pm1 = v[n][2 * h + 1] * inv_g;
+                  const float term = (pm0 > 0.f ? pm0 * (fast_log2(pm0) - si.x) : 0.f) +
+                                     (pm1 > 0.f ? pm1 * (fast_log2(pm1) - si.y) : 0.f);
+                  if (h) acc1 += term; else acc0 += term;
                   if (grad) {  // SPEC 4: Pidx - P (times d_kl / rows later); 0 past the visible keys
-                    const int lim = second ? lim1 : lim0;
-                    const T x = T(col <= lim ? exp2f(si * kLog2e - (second ? li1 : li0)) - pm : 0.f);
-                    sDsi[PTile::offset(u, col / 8) + col % 8] = x;
-                    const int64_t el = second ? el1 : el0;
-                    if (el >= 0) static_cast<T*>(p.dsi_part)[el * Sh::kKeys + col] = x;
+                    const int lim = h ? lim1 : lim0;
+                    const float li = h ? li1 : li0;
+                    const float d0 = col <= lim ? fast_exp2(si.x - li) - pm0 : 0.f;
+                    const float d1 = col + 1 <= lim ? fast_exp2(si.y - li) - pm1 : 0.f;
+                    *reinterpret_cast<uint32_t*>(sDsi + PTile::offset(u, col / 8) + col % 8) = pack2<T>(d0, d1);
                   }
                 }
               }
@@ -510,8 +515,8 @@ __global__ void __launch_bounds__(SparseFwdShape::threads<kOut, kWgmma>(), kOut 
             acc1 += __shfl_xor_sync(0xffffffffu, acc1, off);
           }
           if (tq == 0 && gi == 0) {  // this key half's KL sum per unit; the halves are added below
-            if (el0 >= 0) sKl[kh * Sh::kMaxUnits + uu0] = acc0;
-            if (el1 >= 0) sKl[kh * Sh::kMaxUnits + uu1] = acc1;
+            if (ok0) sKl[kh * Sh::kMaxUnits + uu0] = acc0 * kLn2;
+            if (ok1) sKl[kh * Sh::kMaxUnits + uu1] = acc1 * kLn2;
           }
         }
       }
@@ -580,7 +585,6 @@ __global__ void __launch_bounds__(SparseFwdShape::threads<kOut, kWgmma>(), kOut 
         const float inv_g = 1.f / float(G);
         const bool grad = p.dsi_part != nullptr;
         const float lse_idx2 = grad ? p.lse_idx[int64_t(r) * p.total_tokens + sTok[u]] * kLog2e : 0.f;
-        const int64_t el = sEntry[u];
         float acc = 0.f;
         for (int col = lane; col < (grad ? Sh::kKeys : lim + 1); col += 32) {
           float pm = 0.f, dsi = 0.f;
@@ -592,23 +596,25 @@ __global__ void __launch_bounds__(SparseFwdShape::threads<kOut, kWgmma>(), kOut 
               for (int hh = 0; hh < Gu; ++hh) s += float(sP[PTile::offset(u * Gu + hh, col / 8) + col % 8]);
             }
             pm = s * inv_g;
-            if (pm > 0.f) acc += pm * (__logf(pm) - si[col]);
-            dsi = exp2f(si[col] * kLog2e - lse_idx2) - pm;  // SPEC 4: Pidx - P (times d_kl / rows later)
+            if (pm > 0.f) acc += pm * (fast_log2(pm) - si[col]);  // log2 domain (si too)
+            dsi = fast_exp2(si[col] - lse_idx2) - pm;  // SPEC 4: Pidx - P (times d_kl / rows later)
           }
-          if (grad) {
-            const T x = T(dsi);
-            sDsi[PTile::offset(u, col / 8) + col % 8] = x;
-            static_cast<T*>(p.dsi_part)[el * Sh::kKeys + col] = x;
-          }
+          if (grad) sDsi[PTile::offset(u, col / 8) + col % 8] = T(dsi);
         }
 #pragma unroll
         for (int off = 16; off >= 1; off >>= 1) acc += __shfl_xor_sync(0xffffffffu, acc, off);
-        if (lane == 0) p.kl_part[el] = acc;
+        if (lane == 0) p.kl_part[sEntry[u]] = acc * kLn2;
       }
       if (p.dsi_part != nullptr) {
-        // dq_idx of the tile's units: dsi (units x keys) K_idx (keys x Di); warp w takes the units'
-        // m-tiles w / 8, w / 8 + kWarpsT / 8, ... and 16 columns of Di.
+        // dsi of the tile's units to the chunk's buffer (16 bytes per thread and row chunk), and dq_idx:
+        // dsi (units x keys) K_idx (keys x Di); warp w takes the units' m-tiles w / 8, w / 8 + kWarpsT
+        // / 8, ... and 16 columns of Di.
         __syncthreads();
+        for (int i = tid; i < nu * (Sh::kKeys / 8); i += kThreadsT) {
+          const int u = i / (Sh::kKeys / 8), ch = i % (Sh::kKeys / 8);
+          *reinterpret_cast<uint4*>(static_cast<T*>(p.dsi_part) + int64_t(sEntry[u]) * Sh::kKeys + ch * 8) =
+              *reinterpret_cast<const uint4*>(sDsi + PTile::offset(u, ch));
+        }
         for (int mt = warp / 8; mt * 16 < nu && kw * 16 < di; mt += kWarpsT / 8) {
           float dq[2][4];
           zero_acc(dq);
