@@ -60,7 +60,8 @@ struct SparseFwdShape {
     static constexpr int dsi = psum + (kOut ? kMaxUnits * kKeys * 4 : 0);
     static constexpr int lse = dsi + (kOut ? kMaxUnits * kKeys * int(sizeof(T)) : 0);
     static constexpr int kl = lse + (kOut ? kMaxRows * 4 : 0);  // per key half and unit: the KL sums
-    static constexpr int unit = kl + (kOut ? 2 * kMaxUnits * 4 : 0);
+    static constexpr int lse_idx = kl + (kOut ? 2 * kMaxUnits * 4 : 0);  // per unit (register KL path)
+    static constexpr int unit = lse_idx + (kOut ? kMaxUnits * 4 : 0);
     static constexpr int rows = unit + 2 * kMaxItemUnits * 4;  // row -> (unit, head) tables
     static constexpr int bytes = rows + 2 * kMaxRows * 4;
   };
@@ -108,6 +109,7 @@ __global__ void __launch_bounds__(SparseFwdShape::threads<kOut, kWgmma>(), kOut 
   T* sDsi = reinterpret_cast<T*>(smem + L::dsi);
   float* sLse = reinterpret_cast<float*>(smem + L::lse);
   float* sKl = reinterpret_cast<float*>(smem + L::kl);
+  float* sLseIdx = reinterpret_cast<float*>(smem + L::lse_idx);
   int* sEntryAll = reinterpret_cast<int*>(smem + L::unit);  // the item's units: local entry ids, tokens
   int* sTokAll = sEntryAll + Sh::kMaxItemUnits;
   int* sRowU = reinterpret_cast<int*>(smem + L::rows);  // tile row -> unit (-1: padding) and head in unit
@@ -221,6 +223,10 @@ __global__ void __launch_bounds__(SparseFwdShape::threads<kOut, kWgmma>(), kOut 
         const bool ok = u < nu && ci < di_chunks;
         const T* src = QI + (ok ? int64_t(sTokAll[ub + u]) * p.qi_stride_t + int64_t(r) * p.qi_stride_h + ci * 8 : 0);
         cp_async_16(sQi + ITile::offset(u, ci), src, ok);
+      }
+      if (kOut && p.dsi_part != nullptr) {  // lse_idx per unit, for the register KL path's dsi
+        for (int u = tid; u < nu; u += kThreadsT)
+          cp_async_4(sLseIdx + u, p.lse_idx + int64_t(r) * p.total_tokens + sTokAll[ub + u], true);
       }
     }
   };
@@ -341,14 +347,19 @@ __global__ void __launch_bounds__(SparseFwdShape::threads<kOut, kWgmma>(), kOut 
         }
       }
     }
-    float e0 = 0.f, e1 = 0.f;
+    float e0 = 0.f, e1 = 0.f, li0 = 0.f, li1 = 0.f;  // lse and, for the register KL path, lse_idx (log2)
     if constexpr (kOut) {
       if (live) {
         e0 = sLse[row0] * kLog2e;
         e1 = sLse[row1] * kLog2e;
+        if (fast_kl && p.dsi_part != nullptr) {
+          const int uu0 = sRowU[row0], uu1 = sRowU[row1];
+          if (uu0 >= 0 && uu0 < nu) li0 = sLseIdx[uu0] * kLog2e;
+          if (uu1 >= 0 && uu1 < nu) li1 = sLseIdx[uu1] * kLog2e;
+        }
       }
     }
-    // One buffer: once every warp has read this step's Q, Q_idx and lse, the next step's rows are
+    // One buffer: once every warp has read this step's Q, Q_idx, lse and lse_idx, the next step's rows are
     // fetched into it while the rest of this step runs.
     __syncthreads();
     if (step + 1 < steps) fetch_step(step + 1);
@@ -475,9 +486,6 @@ __global__ void __launch_bounds__(SparseFwdShape::threads<kOut, kWgmma>(), kOut 
           }
           const int uu0 = sRowU[row0], uu1 = sRowU[row1];
           const bool grad = p.dsi_part != nullptr;
-          float li0 = 0.f, li1 = 0.f;
-          if (grad && uu0 >= 0 && uu0 < nu) li0 = p.lse_idx[int64_t(r) * p.total_tokens + sTok[uu0]] * kLog2e;
-          if (grad && uu1 >= 0 && uu1 < nu) li1 = p.lse_idx[int64_t(r) * p.total_tokens + sTok[uu1]] * kLog2e;
           const bool ok0 = uu0 >= 0 && uu0 < nu, ok1 = uu1 >= 0 && uu1 < nu;
           const float inv_g = 1.f / float(G);
           float acc0 = 0.f, acc1 = 0.f;  // log2 domain: sum pm (log2 pm - si log2 e)
