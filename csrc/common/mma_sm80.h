@@ -36,6 +36,26 @@ __device__ __forceinline__ void atomic_add2(float* dst, float a, float b) {
 #endif
 }
 
+// dst[0..3] += v (16-byte aligned): one 16-byte vector atomic on sm_90+, two 8-byte ones before.
+__device__ __forceinline__ void atomic_add4(float* dst, float4 v) {
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
+  atomicAdd(reinterpret_cast<float4*>(dst), v);
+#else
+  atomic_add2(dst, v.x, v.y);
+  atomic_add2(dst + 2, v.z, v.w);
+#endif
+}
+
+// An m16n8 C fragment regrouped over the lane pair (tq, tq ^ 1) for 16-byte stores or atomics: even tq
+// returns row g's columns 2 tq .. 2 tq + 3, odd tq row g + 8's columns 2 (tq - 1) .. 2 tq + 1. Every
+// lane of the warp must call it.
+__device__ __forceinline__ float4 quad_rows4(const float (&c)[4], int tq) {
+  const bool odd = (tq & 1) != 0;
+  const float r0 = __shfl_xor_sync(0xffffffffu, odd ? c[0] : c[2], 1);
+  const float r1 = __shfl_xor_sync(0xffffffffu, odd ? c[1] : c[3], 1);
+  return odd ? make_float4(r0, r1, c[2], c[3]) : make_float4(c[0], c[1], r0, r1);
+}
+
 __device__ __forceinline__ void cp_async_commit() { asm volatile("cp.async.commit_group;\n" ::); }
 template <int N>
 __device__ __forceinline__ void cp_async_wait() {

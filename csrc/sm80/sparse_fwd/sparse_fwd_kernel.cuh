@@ -145,7 +145,7 @@ __global__ void __launch_bounds__(SparseFwdShape::threads<kOut, kWgmma>(), kOut 
   const int g = lane / 4, tq = lane % 4;
   // Row group (16 rows), key half (output pass: also the half of D in P V), first key, and the 16 keys
   // of the index logits of this warp.
-  const int rg = warp % 8, kh = warp / 8, kb = kh * kN8 * 8, kw = warp % 8;
+  const int rg = warp % 8, kh = kOut ? warp / 8 : 0, kb = kh * kN8 * 8, kw = warp % 8;
   const T* Q = static_cast<const T*>(p.q);
   const T* K = static_cast<const T*>(p.k);
   const T* V = static_cast<const T*>(p.v);
@@ -445,7 +445,27 @@ __global__ void __launch_bounds__(SparseFwdShape::threads<kOut, kWgmma>(), kOut 
             sm90::WgmmaRS<T, D, true>::run(ow, pa[kk], KTileW::desc_mn(v_addr, kk), kk > 0);
           sm90::wgmma_commit();
           sm90::wgmma_wait<0>();
-          if (live) store_out(reinterpret_cast<const float (&)[kDo / 8][4]>(ow));
+          if (live) {
+            // O goes out in 16-byte chunks, a row per 16 (D = 128) or 8 lanes: staged in the warp's own
+            // rows of sP (P is in registers here; the slow KL path rewrites them after the last read).
+#pragma unroll
+            for (int n = 0; n < D / 8; ++n) {
+              *reinterpret_cast<uint32_t*>(sP + PTile::offset(row0, n) + 2 * tq) = pack2<T>(ow[4 * n], ow[4 * n + 1]);
+              *reinterpret_cast<uint32_t*>(sP + PTile::offset(row1, n) + 2 * tq) =
+                  pack2<T>(ow[4 * n + 2], ow[4 * n + 3]);
+            }
+            __syncwarp();
+            T* part = static_cast<T*>(p.out_part);
+#pragma unroll 1
+            for (int i = lane; i < 16 * (D / 8); i += 32) {
+              const int row = rg * 16 + i / (D / 8), ch = i % (D / 8);
+              const int u = sRowU[row];
+              if (u >= 0 && u < nu)
+                *reinterpret_cast<uint4*>(part + (int64_t(sEntry[u]) * G + j * Gu + sRowH[row]) * D + ch * 8) =
+                    *reinterpret_cast<const uint4*>(sP + PTile::offset(row, ch));
+            }
+            __syncwarp();
+          }
         }
       }
       if (active) {
@@ -635,12 +655,13 @@ __global__ void __launch_bounds__(SparseFwdShape::threads<kOut, kWgmma>(), kOut 
             MmaOp<T>::run(dq[0], a, b[0], b[1]);
             MmaOp<T>::run(dq[1], a, b[2], b[3]);
           }
-          const int uq0 = mt * 16 + g, uq1 = uq0 + 8;
+          // One 16-byte atomic per lane and n-tile: even tq lanes add unit mt * 16 + g, odd ones + 8.
+          const int uq = mt * 16 + g + ((tq & 1) ? 8 : 0);
+          float* dst = p.dqi_accum + (int64_t(sTok[uq < nu ? uq : 0]) * p.hi + r) * di + kw * 16 + 2 * (tq & ~1);
 #pragma unroll
           for (int n = 0; n < 2; ++n) {
-            const int col = kw * 16 + n * 8 + 2 * tq;
-            if (uq0 < nu) atomic_add2(p.dqi_accum + (int64_t(sTok[uq0]) * p.hi + r) * di + col, dq[n][0], dq[n][1]);
-            if (uq1 < nu) atomic_add2(p.dqi_accum + (int64_t(sTok[uq1]) * p.hi + r) * di + col, dq[n][2], dq[n][3]);
+            const float4 v = quad_rows4(dq[n], tq);
+            if (uq < nu) atomic_add4(dst + n * 8, v);
           }
         }
       }
