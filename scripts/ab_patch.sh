@@ -1,14 +1,14 @@
 #!/usr/bin/env bash
 # A/B of a kernel change in one GPU call: the tree as it is (A) against the tree with PATCH applied (B).
 #   scripts/ab_patch.sh LOGDIR PATCH [bench args, e.g. --n 32768 131072 --reps 5]
-# A: build + benchmark. B: patch, rebuild (incremental), the GPU tests, benchmark; the patch is reverted
+# A: build + benchmark (+ the tests in MSA_AB_A_TESTS, default tests/test_errors.py). B: patch, rebuild (incremental), the GPU tests, benchmark; the patch is reverted
 # at the end. Logs of LOGDIR/a and LOGDIR/b (scripts/gpu_check.sh each) come back packed as LOGDIR.tgz.
 set -uo pipefail
 LOG=${1:?usage: scripts/ab_patch.sh LOGDIR PATCH [bench args...]}
 PATCH=${2:?usage: scripts/ab_patch.sh LOGDIR PATCH [bench args...]}
 shift 2
 here=$(cd "$(dirname "$0")" && pwd)
-MSA_PYTEST_ARGS="tests/test_errors.py" bash "$here/gpu_check.sh" "$LOG/a" "$@" > /dev/null 2>&1
+MSA_PYTEST_ARGS="${MSA_AB_A_TESTS:-tests/test_errors.py}" bash "$here/gpu_check.sh" "$LOG/a" "$@" > /dev/null 2>&1
 echo "A: $(tr '\n' ' ' < "$LOG/a/summary.txt")"
 patch -p1 --forward < "$PATCH" > "$LOG/patch.txt" 2>&1 || { echo "patch does not apply"; cat "$LOG/patch.txt"; exit 2; }
 base=$(cat .msa_commit 2>/dev/null || echo unknown)

@@ -16,8 +16,8 @@ KERNELS = {
     # Hopper (sm90a) kernels: CMakeLists.txt lists these files under MSA_SM90_SOURCES.
     "index_topk_sm90": (["sm90/index_topk/index_topk_kernel.cuh"],
                         [("launch_index_topk", "const IndexTopkParams&")], (64, 128), "sm90"),
-    "sparse_stats_sm90": (["sm80/sparse_fwd/sparse_fwd_kernel.cuh"],
-                          [("launch_sparse_stats", "const SparseFwdParams&")], (64, 128), "sm90"),
+    "sparse_fwd_sm90": (["sm80/sparse_fwd/sparse_fwd_kernel.cuh"],
+                        [("launch_sparse_fwd", "const SparseFwdParams&, bool")], (64, 128), "sm90"),
 }
 
 

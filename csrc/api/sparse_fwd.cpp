@@ -222,14 +222,15 @@ SparseForward sparse_forward_cuda(const at::Tensor& q_in, const at::Tensor& k_in
     fp.chunk_tokens = cp.chunk_tokens = int(tc);
     fp.work.max_items = int(n / kUnitsPerItem + num_keys);
     dispatch_dtype_dim(q.scalar_type(), D, [&]<typename T_, int D_>() {
-      const cudaError_t stats_err =
+      auto pass = [&](bool out_pass) {
 #ifdef MSA_WITH_SM90
-          sm90 ? sm90::launch_sparse_stats<T_, D_>(fp, stream) :
+        if (sm90) return sm90::launch_sparse_fwd<T_, D_>(fp, out_pass, stream);
 #endif
-               sm80::launch_sparse_fwd<T_, D_>(fp, false, stream);
-      MSA_LAUNCH_CHECK(stats_err, "sparse_fwd (stats pass)");
+        return sm80::launch_sparse_fwd<T_, D_>(fp, out_pass, stream);
+      };
+      MSA_LAUNCH_CHECK(pass(false), "sparse_fwd (stats pass)");
       MSA_LAUNCH_CHECK(sm80::launch_sparse_combine_stats(cp, stream), "sparse_fwd (stats combine)");
-      MSA_LAUNCH_CHECK((sm80::launch_sparse_fwd<T_, D_>(fp, true, stream)), "sparse_fwd (output pass)");
+      MSA_LAUNCH_CHECK(pass(true), "sparse_fwd (output pass)");
       if (!kl_only) {
         MSA_LAUNCH_CHECK((sm80::launch_sparse_combine_out<T_, D_>(cp, stream)), "sparse_fwd (output combine)");
       }

@@ -36,6 +36,26 @@ __device__ __forceinline__ void atomic_add2(float* dst, float a, float b) {
 #endif
 }
 
+// dst[0..3] += v (16-byte aligned): one 16-byte vector atomic on sm_90+, two 8-byte ones before.
+__device__ __forceinline__ void atomic_add4(float* dst, float4 v) {
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
+  atomicAdd(reinterpret_cast<float4*>(dst), v);
+#else
+  atomic_add2(dst, v.x, v.y);
+  atomic_add2(dst + 2, v.z, v.w);
+#endif
+}
+
+// An m16n8 C fragment regrouped over the lane pair (tq, tq ^ 1) for 16-byte stores or atomics: even tq
+// returns row g's columns 2 tq .. 2 tq + 3, odd tq row g + 8's columns 2 (tq - 1) .. 2 tq + 1. Every
+// lane of the warp must call it.
+__device__ __forceinline__ float4 quad_rows4(const float (&c)[4], int tq) {
+  const bool odd = (tq & 1) != 0;
+  const float r0 = __shfl_xor_sync(0xffffffffu, odd ? c[0] : c[2], 1);
+  const float r1 = __shfl_xor_sync(0xffffffffu, odd ? c[1] : c[3], 1);
+  return odd ? make_float4(r0, r1, c[2], c[3]) : make_float4(c[0], c[1], r0, r1);
+}
+
 __device__ __forceinline__ void cp_async_commit() { asm volatile("cp.async.commit_group;\n" ::); }
 template <int N>
 __device__ __forceinline__ void cp_async_wait() {
@@ -128,6 +148,20 @@ __device__ __forceinline__ void zero_acc(float (&acc)[N][4]) {
     for (int e = 0; e < 4; ++e) acc[n][e] = 0.f;
 }
 
+// 2^x and log2(x) on the special-function unit, one instruction each (ex2/lg2.approx.ftz: relative
+// error ~2^-22; subnormal results flush to zero). exp2f/log2f without fast math add range fix-ups
+// (three more instructions per call), a measurable share of the sparse passes' issue slots.
+__device__ __forceinline__ float fast_exp2(float x) {
+  float y;
+  asm("ex2.approx.ftz.f32 %0, %1;" : "=f"(y) : "f"(x));
+  return y;
+}
+__device__ __forceinline__ float fast_log2(float x) {
+  float y;
+  asm("lg2.approx.ftz.f32 %0, %1;" : "=f"(y) : "f"(x));
+  return y;
+}
+
 // Per row of a warp's m16 x (8 N) fragment array (rows g and g + 8 of the lane, entries 0-1 and 2-3):
 // m = the row's max (-inf when the row is all -inf) and l = sum of exp2(x - m), both reduced over the
 // quad of lanes that holds the row. x is in the log2 domain.
@@ -149,8 +183,8 @@ __device__ __forceinline__ void quad_row_max_sum(const float (&x)[N][4], float (
   l[0] = l[1] = 0.f;
 #pragma unroll
   for (int n = 0; n < N; ++n) {
-    l[0] += exp2f(x[n][0] - b0) + exp2f(x[n][1] - b0);
-    l[1] += exp2f(x[n][2] - b1) + exp2f(x[n][3] - b1);
+    l[0] += fast_exp2(x[n][0] - b0) + fast_exp2(x[n][1] - b0);
+    l[1] += fast_exp2(x[n][2] - b1) + fast_exp2(x[n][3] - b1);
   }
 #pragma unroll
   for (int off = 1; off <= 2; off <<= 1) {

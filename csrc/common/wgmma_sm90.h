@@ -92,40 +92,80 @@ struct KMajorSw128 {
     d |= uint64_t(1) << 62;                // layout type: 128-byte swizzle
     return d;
   }
+  // The same tile read as an MN-major B operand (its rows run along the MMA's K, its K columns are the
+  // N dimension, e.g. V for P V): descriptor of rows 16 ks .. 16 ks + 15 (two 8-row atoms, 1024 bytes
+  // apart: the stride byte offset) over all columns (64-column panels R * 128 bytes apart: the leading
+  // byte offset). The canonical MN-major 128B-swizzle layout ((8 x 16 B, panels), (8 rows, atoms)).
+  __device__ __forceinline__ static uint64_t desc_mn(uint32_t base_smem_addr, int ks) {
+    const uint32_t addr = base_smem_addr + ks * 16 * 128;
+    uint64_t d = 0;
+    d |= uint64_t((addr & 0x3FFFF) >> 4);
+    d |= uint64_t((kPanelElems * 2) >> 4) << 16;  // leading byte offset: next 64 columns
+    d |= uint64_t(1024 >> 4) << 32;               // stride byte offset: next 8 rows
+    d |= uint64_t(1) << 62;
+    return d;
+  }
 };
 
-// D (64 x N, fp32) (+)= A (64 x 16, registers) * B (16 x N, shared, K-major): wgmma m64nNk16 with A
-// from registers. accumulate = false overwrites D (no zeroing needed). N / 2 accumulators per thread.
-// Only N = 128 is instantiated (the index top-k); other N are the same text with N / 2 registers.
-template <typename T, int N>
+// D (64 x N, fp32) (+)= A (64 x 16, registers) * B (16 x N, shared): wgmma m64nNk16 with A from
+// registers. accumulate = false overwrites D (no zeroing needed). N / 2 accumulators per thread. B is
+// K-major (kTransB = false, descriptor from KMajorSw128::desc) or MN-major (kTransB = true: N
+// contiguous, descriptor from KMajorSw128::desc_mn of a tile whose rows run along K). N = 128 (index
+// top-k, the sparse passes' Q K^T, P V at D = 128) and N = 64 (P V at D = 64).
+template <typename T, int N, bool kTransB = false>
 struct WgmmaRS;
 
-#define MSA_WGMMA_RS_64X128(TYPE, PTXTYPE) \
+#define MSA_WGMMA_ACC_32 \
+  "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3]), "+f"(d[4]), "+f"(d[5]), "+f"(d[6]), "+f"(d[7]), \
+  "+f"(d[8]), "+f"(d[9]), "+f"(d[10]), "+f"(d[11]), "+f"(d[12]), "+f"(d[13]), "+f"(d[14]), "+f"(d[15]), \
+  "+f"(d[16]), "+f"(d[17]), "+f"(d[18]), "+f"(d[19]), "+f"(d[20]), "+f"(d[21]), "+f"(d[22]), "+f"(d[23]), \
+  "+f"(d[24]), "+f"(d[25]), "+f"(d[26]), "+f"(d[27]), "+f"(d[28]), "+f"(d[29]), "+f"(d[30]), "+f"(d[31])
+#define MSA_WGMMA_ACC_64 MSA_WGMMA_ACC_32, \
+  "+f"(d[32]), "+f"(d[33]), "+f"(d[34]), "+f"(d[35]), "+f"(d[36]), "+f"(d[37]), "+f"(d[38]), "+f"(d[39]), \
+  "+f"(d[40]), "+f"(d[41]), "+f"(d[42]), "+f"(d[43]), "+f"(d[44]), "+f"(d[45]), "+f"(d[46]), "+f"(d[47]), \
+  "+f"(d[48]), "+f"(d[49]), "+f"(d[50]), "+f"(d[51]), "+f"(d[52]), "+f"(d[53]), "+f"(d[54]), "+f"(d[55]), \
+  "+f"(d[56]), "+f"(d[57]), "+f"(d[58]), "+f"(d[59]), "+f"(d[60]), "+f"(d[61]), "+f"(d[62]), "+f"(d[63])
+#define MSA_WGMMA_ARGS \
+  "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "l"(desc_b), "r"(int(accumulate))
+
+#define MSA_WGMMA_RS_64X64(TYPE, PTXTYPE, TRANS) \
   template <> \
-  struct WgmmaRS<TYPE, 128> { \
+  struct WgmmaRS<TYPE, 64, TRANS != 0> { \
+    __device__ __forceinline__ static void run(float (&d)[32], const uint32_t (&a)[4], uint64_t desc_b, bool accumulate) { \
+      asm volatile( \
+          "{\n.reg .pred p;\nsetp.ne.b32 p, %37, 0;\n" \
+          "wgmma.mma_async.sync.aligned.m64n64k16.f32." PTXTYPE "." PTXTYPE " " \
+          "{%0,%1,%2,%3,%4,%5,%6,%7,%8,%9,%10,%11,%12,%13,%14,%15," \
+          "%16,%17,%18,%19,%20,%21,%22,%23,%24,%25,%26,%27,%28,%29,%30,%31}," \
+          " {%32,%33,%34,%35}, %36, p, 1, 1, " #TRANS ";\n}\n" \
+          : MSA_WGMMA_ACC_32 : MSA_WGMMA_ARGS); \
+    } \
+  };
+#define MSA_WGMMA_RS_64X128(TYPE, PTXTYPE, TRANS) \
+  template <> \
+  struct WgmmaRS<TYPE, 128, TRANS != 0> { \
     __device__ __forceinline__ static void run(float (&d)[64], const uint32_t (&a)[4], uint64_t desc_b, bool accumulate) { \
       asm volatile( \
           "{\n.reg .pred p;\nsetp.ne.b32 p, %69, 0;\n" \
           "wgmma.mma_async.sync.aligned.m64n128k16.f32." PTXTYPE "." PTXTYPE " " \
-          "{" \
-          "%0,%1,%2,%3,%4,%5,%6,%7,%8,%9,%10,%11,%12,%13,%14,%15," \
+          "{%0,%1,%2,%3,%4,%5,%6,%7,%8,%9,%10,%11,%12,%13,%14,%15," \
           "%16,%17,%18,%19,%20,%21,%22,%23,%24,%25,%26,%27,%28,%29,%30,%31," \
           "%32,%33,%34,%35,%36,%37,%38,%39,%40,%41,%42,%43,%44,%45,%46,%47," \
-          "%48,%49,%50,%51,%52,%53,%54,%55,%56,%57,%58,%59,%60,%61,%62,%63" \
-          "}, {%64,%65,%66,%67}, %68, p, 1, 1, 0;\n}\n" \
-          : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3]), "+f"(d[4]), "+f"(d[5]), "+f"(d[6]), "+f"(d[7]), \
-            "+f"(d[8]), "+f"(d[9]), "+f"(d[10]), "+f"(d[11]), "+f"(d[12]), "+f"(d[13]), "+f"(d[14]), "+f"(d[15]), \
-            "+f"(d[16]), "+f"(d[17]), "+f"(d[18]), "+f"(d[19]), "+f"(d[20]), "+f"(d[21]), "+f"(d[22]), "+f"(d[23]), \
-            "+f"(d[24]), "+f"(d[25]), "+f"(d[26]), "+f"(d[27]), "+f"(d[28]), "+f"(d[29]), "+f"(d[30]), "+f"(d[31]), \
-            "+f"(d[32]), "+f"(d[33]), "+f"(d[34]), "+f"(d[35]), "+f"(d[36]), "+f"(d[37]), "+f"(d[38]), "+f"(d[39]), \
-            "+f"(d[40]), "+f"(d[41]), "+f"(d[42]), "+f"(d[43]), "+f"(d[44]), "+f"(d[45]), "+f"(d[46]), "+f"(d[47]), \
-            "+f"(d[48]), "+f"(d[49]), "+f"(d[50]), "+f"(d[51]), "+f"(d[52]), "+f"(d[53]), "+f"(d[54]), "+f"(d[55]), \
-            "+f"(d[56]), "+f"(d[57]), "+f"(d[58]), "+f"(d[59]), "+f"(d[60]), "+f"(d[61]), "+f"(d[62]), "+f"(d[63]) \
-          : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "l"(desc_b), "r"(int(accumulate))); \
+          "%48,%49,%50,%51,%52,%53,%54,%55,%56,%57,%58,%59,%60,%61,%62,%63}," \
+          " {%64,%65,%66,%67}, %68, p, 1, 1, " #TRANS ";\n}\n" \
+          : MSA_WGMMA_ACC_64 : MSA_WGMMA_ARGS); \
     } \
   };
-MSA_WGMMA_RS_64X128(__nv_bfloat16, "bf16")
-MSA_WGMMA_RS_64X128(__half, "f16")
+#define MSA_WGMMA_RS_ALL(TYPE, PTXTYPE) \
+  MSA_WGMMA_RS_64X64(TYPE, PTXTYPE, 0) MSA_WGMMA_RS_64X64(TYPE, PTXTYPE, 1) \
+  MSA_WGMMA_RS_64X128(TYPE, PTXTYPE, 0) MSA_WGMMA_RS_64X128(TYPE, PTXTYPE, 1)
+MSA_WGMMA_RS_ALL(__nv_bfloat16, "bf16")
+MSA_WGMMA_RS_ALL(__half, "f16")
+#undef MSA_WGMMA_RS_ALL
 #undef MSA_WGMMA_RS_64X128
+#undef MSA_WGMMA_RS_64X64
+#undef MSA_WGMMA_ARGS
+#undef MSA_WGMMA_ACC_64
+#undef MSA_WGMMA_ACC_32
 
 }  // namespace msa::sm90

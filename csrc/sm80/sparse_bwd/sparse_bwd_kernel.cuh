@@ -205,10 +205,10 @@ __global__ void __launch_bounds__(SparseBwdShape::kThreads, 1) sparse_bwd_kernel
 #pragma unroll
           for (int n = 0; n < 4; ++n) {
             const int col = kbase + n * 8 + 2 * tq;
-            const float p00 = !kMasked || col <= lim0 ? exp2f(s[n][0] * p.scale_log2 - e0) : 0.f;
-            const float p01 = !kMasked || col + 1 <= lim0 ? exp2f(s[n][1] * p.scale_log2 - e0) : 0.f;
-            const float p10 = !kMasked || col <= lim1 ? exp2f(s[n][2] * p.scale_log2 - e1) : 0.f;
-            const float p11 = !kMasked || col + 1 <= lim1 ? exp2f(s[n][3] * p.scale_log2 - e1) : 0.f;
+            const float p00 = !kMasked || col <= lim0 ? fast_exp2(fmaf(s[n][0], p.scale_log2, -e0)) : 0.f;
+            const float p01 = !kMasked || col + 1 <= lim0 ? fast_exp2(fmaf(s[n][1], p.scale_log2, -e0)) : 0.f;
+            const float p10 = !kMasked || col <= lim1 ? fast_exp2(fmaf(s[n][2], p.scale_log2, -e1)) : 0.f;
+            const float p11 = !kMasked || col + 1 <= lim1 ? fast_exp2(fmaf(s[n][3], p.scale_log2, -e1)) : 0.f;
             const int c8 = col / 8;
             *reinterpret_cast<uint32_t*>(sP + KTile::offset(row0, c8) + 2 * tq) = pack2<T>(p00, p01);
             *reinterpret_cast<uint32_t*>(sP + KTile::offset(row1, c8) + 2 * tq) = pack2<T>(p10, p11);
@@ -267,15 +267,14 @@ __global__ void __launch_bounds__(SparseBwdShape::kThreads, 1) sparse_bwd_kernel
             MmaOp<T>::run(dq[2 * dpair + 1], a, b[2], b[3]);
           }
         }
+        // One 16-byte atomic per lane and n-tile: even tq lanes add row0's 4 columns, odd ones row1's.
+        const bool odd = (tq & 1) != 0;
+        const int tr = odd ? tr1 : tr0;
+        float* dst = p.dq_accum + (int64_t(tr >= 0 ? tr : 0) * p.hq + h0 + sRowH[odd ? row1 : row0]) * D + c0 + 2 * (tq & ~1);
 #pragma unroll
         for (int n = 0; n < kQuarter / 8; ++n) {
-          const int col = c0 + n * 8 + 2 * tq;
-          if (tr0 >= 0)
-            atomic_add2(p.dq_accum + (int64_t(tr0) * p.hq + h0 + sRowH[row0]) * D + col, dq[n][0] * p.scale,
-                        dq[n][1] * p.scale);
-          if (tr1 >= 0)
-            atomic_add2(p.dq_accum + (int64_t(tr1) * p.hq + h0 + sRowH[row1]) * D + col, dq[n][2] * p.scale,
-                        dq[n][3] * p.scale);
+          const float4 v = quad_rows4(dq[n], tq);
+          if (tr >= 0) atomic_add4(dst + n * 8, make_float4(v.x * p.scale, v.y * p.scale, v.z * p.scale, v.w * p.scale));
         }
       }
       __syncthreads();  // every read of this tile's token row is done: it now takes tile + 2's

@@ -22,7 +22,7 @@ int sparse_smem_bytes(int d, int pass);
 }  // namespace msa::sm80
 
 namespace msa::sm90 {
-// The stats pass with Q K^T on wgmma: sm_90a builds only (MSA_WITH_SM90).
+// Both passes with their Q K^T on wgmma: sm_90a builds only (MSA_WITH_SM90).
 template <typename T, int D>
-cudaError_t launch_sparse_stats(const SparseFwdParams& p, cudaStream_t stream);
+cudaError_t launch_sparse_fwd(const SparseFwdParams& p, bool out_pass, cudaStream_t stream);
 }  // namespace msa::sm90

@@ -37,8 +37,9 @@ struct SparseFwdShape {
   // Stats pass: eight warps of 16 rows x all 128 keys (two CTAs per SM). Output pass: sixteen warps,
   // a pair per 16 rows that splits the keys for Q K^T and the KL terms and D for P V (P meets in
   // shared memory), so that each thread holds 64 accumulators and 16 warps fit in the registers.
-  template <bool kOut>
-  static constexpr int threads() { return kOut ? 512 : 256; }
+  // The sm_90a output pass (kWgmma) runs eight warps of 16 rows x all 128 keys, P kept in registers.
+  template <bool kOut, bool kWgmma = false>
+  static constexpr int threads() { return kOut && !kWgmma ? 512 : 256; }
   static constexpr int kKeys = 128;     // MMA columns: one block (block_size 64 uses the first half)
   static constexpr int kMaxRows = 128;
   static constexpr int kMaxUnits = 32;     // per tile
@@ -59,32 +60,38 @@ struct SparseFwdShape {
     static constexpr int dsi = psum + (kOut ? kMaxUnits * kKeys * 4 : 0);
     static constexpr int lse = dsi + (kOut ? kMaxUnits * kKeys * int(sizeof(T)) : 0);
     static constexpr int kl = lse + (kOut ? kMaxRows * 4 : 0);  // per key half and unit: the KL sums
-    static constexpr int unit = kl + (kOut ? 2 * kMaxUnits * 4 : 0);
+    static constexpr int lse_idx = kl + (kOut ? 2 * kMaxUnits * 4 : 0);  // per unit (register KL path)
+    static constexpr int unit = lse_idx + (kOut ? kMaxUnits * 4 : 0);
     static constexpr int rows = unit + 2 * kMaxItemUnits * 4;  // row -> (unit, head) tables
     static constexpr int bytes = rows + 2 * kMaxRows * 4;
   };
 };
 
 constexpr float kLog2e = 1.4426950408889634f;
+constexpr float kLn2 = 0.6931471805599453f;
 constexpr float kFwdNegInf = -__builtin_huge_valf();
 
 // Rows per tile for Gu heads per unit: 32 units, at most 128 rows.
 __host__ __device__ inline int sparse_rows_per_tile(int gu) { return gu >= 4 ? 128 : 32 * gu; }
 
-// kWgmma (stats pass only, compiled for sm_90a only: csrc/instantiations/sparse_stats_sm90_*.cu): the
-// main Q K^T on warpgroup tensor cores (wgmma, Q from registers, K from shared memory in the
-// 128-byte-swizzled K-major layout), everything else as the portable pass.
+// kWgmma (compiled for sm_90a only: csrc/instantiations/sparse_fwd_sm90_*.cu): eight warps in both
+// passes, warpgroup i (warps 4 i .. 4 i + 3) holding rows [64 i, +64) x all 128 keys. The main Q K^T
+// runs on warpgroup tensor cores (wgmma, Q from registers, K from shared memory in the
+// 128-byte-swizzled K-major layout); in the output pass P stays in registers as the A operand of an
+// RS wgmma P V (V in the same layout, read MN-major), issued before the KL terms so they overlap it.
+// Everything else is the portable pass's code.
 template <typename T, int D, bool kOut, bool kWgmma = false>
-__global__ void __launch_bounds__(SparseFwdShape::threads<kOut>(), kOut ? 1 : 2) sparse_fwd_kernel(SparseFwdParams p) {
-  static_assert(!(kWgmma && kOut), "the wgmma variant is the stats pass's");
+__global__ void __launch_bounds__(SparseFwdShape::threads<kOut, kWgmma>(), kOut ? 1 : 2)
+    sparse_fwd_kernel(SparseFwdParams p) {
   using Sh = SparseFwdShape;
   using L = typename Sh::template Smem<T, D, kOut>;
   using Tile = SwizzledTile<D>;
   using PTile = SwizzledTile<Sh::kKeys>;  // P and dsi tiles: rows x 128 keys
-  constexpr int kThreadsT = Sh::template threads<kOut>();
+  constexpr int kThreadsT = Sh::template threads<kOut, kWgmma>();
   constexpr int kWarpsT = kThreadsT / 32;
-  constexpr int kN8 = kOut ? 8 : 16;    // n8 key tiles per warp
-  constexpr int kDo = kOut ? D / 2 : D;  // P V output columns per warp
+  constexpr bool kPair = kOut && !kWgmma;  // portable output pass: a warp pair per 16 rows
+  constexpr int kN8 = kPair ? 8 : 16;      // n8 key tiles per warp
+  constexpr int kDo = kPair ? D / 2 : D;   // P V output columns per warp
   constexpr int kChunks = Tile::kChunks;
   extern __shared__ __align__(128) unsigned char smem_raw[];
   // The wgmma variant's K tile must start 1024-byte aligned (the swizzle is on address bits).
@@ -102,6 +109,7 @@ __global__ void __launch_bounds__(SparseFwdShape::threads<kOut>(), kOut ? 1 : 2)
   T* sDsi = reinterpret_cast<T*>(smem + L::dsi);
   float* sLse = reinterpret_cast<float*>(smem + L::lse);
   float* sKl = reinterpret_cast<float*>(smem + L::kl);
+  float* sLseIdx = reinterpret_cast<float*>(smem + L::lse_idx);
   int* sEntryAll = reinterpret_cast<int*>(smem + L::unit);  // the item's units: local entry ids, tokens
   int* sTokAll = sEntryAll + Sh::kMaxItemUnits;
   int* sRowU = reinterpret_cast<int*>(smem + L::rows);  // tile row -> unit (-1: padding) and head in unit
@@ -137,7 +145,7 @@ __global__ void __launch_bounds__(SparseFwdShape::threads<kOut>(), kOut ? 1 : 2)
   const int g = lane / 4, tq = lane % 4;
   // Row group (16 rows), key half (output pass: also the half of D in P V), first key, and the 16 keys
   // of the index logits of this warp.
-  const int rg = warp % 8, kh = warp / 8, kb = kh * kN8 * 8, kw = warp % 8;
+  const int rg = warp % 8, kh = kOut ? warp / 8 : 0, kb = kh * kN8 * 8, kw = warp % 8;
   const T* Q = static_cast<const T*>(p.q);
   const T* K = static_cast<const T*>(p.k);
   const T* V = static_cast<const T*>(p.v);
@@ -160,6 +168,7 @@ __global__ void __launch_bounds__(SparseFwdShape::threads<kOut>(), kOut ? 1 : 2)
     sTokAll[i] = t;
   }
   const int kih = r / (p.hi / p.hki);
+  const float iscale2 = p.index_scale * kLog2e;  // index logits in the log2 domain
   auto load_kv = [&](int j) {
     const int kvh = (r * G + j * Gu) / (p.hq / p.hkv);
     const T* ks = K + int64_t(seq_start + key0) * p.k_stride_t + int64_t(kvh) * p.k_stride_h;
@@ -168,9 +177,9 @@ __global__ void __launch_bounds__(SparseFwdShape::threads<kOut>(), kOut ? 1 : 2)
       const int row = i / kChunks, c = i % kChunks;
       const bool ok = row < blen;
       const int rr = ok ? row : 0;
-      cp_async_16(sK + (kWgmma ? KTileW::offset(row, c) : Tile::offset(row, c)), ks + int64_t(rr) * p.k_stride_t + c * 8,
-                  ok);
-      if constexpr (kOut) cp_async_16(sV + Tile::offset(row, c), vs + int64_t(rr) * p.v_stride_t + c * 8, ok);
+      const int off = kWgmma ? KTileW::offset(row, c) : Tile::offset(row, c);
+      cp_async_16(sK + off, ks + int64_t(rr) * p.k_stride_t + c * 8, ok);
+      if constexpr (kOut) cp_async_16(sV + off, vs + int64_t(rr) * p.v_stride_t + c * 8, ok);
     }
   };
   load_kv(0);
@@ -191,8 +200,10 @@ __global__ void __launch_bounds__(SparseFwdShape::threads<kOut>(), kOut ? 1 : 2)
     const int tile = s / J, j = s % J;
     const int ub = tile * U, nu = min(U, n_units - ub);
     const int h0 = r * G + j * Gu;
-    for (int i = tid; i < R * kChunks; i += kThreadsT) {
-      const int row = i / kChunks, c = i % kChunks;
+    // Each thread copies one 16-byte chunk column of rows tid / kChunks, + kThreadsT / kChunks, ...
+    static_assert(kThreadsT % kChunks == 0 && kThreadsT % kIChunks == 0, "chunk columns per thread");
+    const int c = tid % kChunks;
+    for (int row = tid / kChunks; row < R; row += kThreadsT / kChunks) {
       const int u = sRowU[row];
       const bool ok = u >= 0 && u < nu;
       const T* src = Q + int64_t(ok ? sTokAll[ub + u] : 0) * p.q_stride_t + int64_t(h0 + sRowH[row]) * p.q_stride_h + c * 8;
@@ -207,11 +218,15 @@ __global__ void __launch_bounds__(SparseFwdShape::threads<kOut>(), kOut ? 1 : 2)
       }
     }
     if (index && j == 0) {
-      for (int i = tid; i < Sh::kMaxUnits * kIChunks; i += kThreadsT) {
-        const int u = i / kIChunks, c = i % kIChunks;
-        const bool ok = u < nu && c < di_chunks;
-        const T* src = QI + (ok ? int64_t(sTokAll[ub + u]) * p.qi_stride_t + int64_t(r) * p.qi_stride_h + c * 8 : 0);
-        cp_async_16(sQi + ITile::offset(u, c), src, ok);
+      const int ci = tid % kIChunks;
+      for (int u = tid / kIChunks; u < Sh::kMaxUnits; u += kThreadsT / kIChunks) {
+        const bool ok = u < nu && ci < di_chunks;
+        const T* src = QI + (ok ? int64_t(sTokAll[ub + u]) * p.qi_stride_t + int64_t(r) * p.qi_stride_h + ci * 8 : 0);
+        cp_async_16(sQi + ITile::offset(u, ci), src, ok);
+      }
+      if (kOut && p.dsi_part != nullptr) {  // lse_idx per unit, for the register KL path's dsi
+        for (int u = tid; u < nu; u += kThreadsT)
+          cp_async_4(sLseIdx + u, p.lse_idx + int64_t(r) * p.total_tokens + sTokAll[ub + u], true);
       }
     }
   };
@@ -257,10 +272,10 @@ __global__ void __launch_bounds__(SparseFwdShape::threads<kOut>(), kOut ? 1 : 2)
           for (int n = 0; n < 2; ++n) {
             const int col = kw * 16 + n * 8 + 2 * tq;
             const int row = mt * 16 + g;
-            sSi[row * Sh::kKeys + col] = ci[n][0] * p.index_scale;
-            sSi[row * Sh::kKeys + col + 1] = ci[n][1] * p.index_scale;
-            sSi[(row + 8) * Sh::kKeys + col] = ci[n][2] * p.index_scale;
-            sSi[(row + 8) * Sh::kKeys + col + 1] = ci[n][3] * p.index_scale;
+            sSi[row * Sh::kKeys + col] = ci[n][0] * iscale2;
+            sSi[row * Sh::kKeys + col + 1] = ci[n][1] * iscale2;
+            sSi[(row + 8) * Sh::kKeys + col] = ci[n][2] * iscale2;
+            sSi[(row + 8) * Sh::kKeys + col + 1] = ci[n][3] * iscale2;
           }
         } else {
           // Max and sum of exp of the index logits (log2 domain) of units mt * 16 + g and + 8 over this
@@ -296,6 +311,7 @@ __global__ void __launch_bounds__(SparseFwdShape::threads<kOut>(), kOut ? 1 : 2)
       // Warpgroup w / 4 holds rows [64 (w / 4), +64): warp w's 16 rows are rg * 16 as in the mma.sync
       // path, and the accumulator layout is c's. Every warp of a group takes part (rows past R compute
       // values that are never stored); Q goes to registers in two halves of D / 2.
+      static_assert(kN8 * 8 == Sh::kKeys, "a wgmma warp holds all keys");
       if (kOut || p.main_stats) {  // CTA-uniform
         float cw[4 * kN8];
         const uint32_t k_addr = smem_addr(sK);
@@ -331,14 +347,19 @@ __global__ void __launch_bounds__(SparseFwdShape::threads<kOut>(), kOut ? 1 : 2)
         }
       }
     }
-    float e0 = 0.f, e1 = 0.f;
+    float e0 = 0.f, e1 = 0.f, li0 = 0.f, li1 = 0.f;  // lse and, for the register KL path, lse_idx (log2)
     if constexpr (kOut) {
       if (live) {
         e0 = sLse[row0] * kLog2e;
         e1 = sLse[row1] * kLog2e;
+        if (fast_kl && p.dsi_part != nullptr) {
+          const int uu0 = sRowU[row0], uu1 = sRowU[row1];
+          if (uu0 >= 0 && uu0 < nu) li0 = sLseIdx[uu0] * kLog2e;
+          if (uu1 >= 0 && uu1 < nu) li1 = sLseIdx[uu1] * kLog2e;
+        }
       }
     }
-    // One buffer: once every warp has read this step's Q, Q_idx and lse, the next step's rows are
+    // One buffer: once every warp has read this step's Q, Q_idx, lse and lse_idx, the next step's rows are
     // fetched into it while the rest of this step runs.
     __syncthreads();
     if (step + 1 < steps) fetch_step(step + 1);
@@ -351,7 +372,19 @@ __global__ void __launch_bounds__(SparseFwdShape::threads<kOut>(), kOut ? 1 : 2)
     // Units are in token order, so when the tile's first unit sees the whole block every unit does and
     // the tile needs no mask (padding rows then hold finite values that are never stored).
     const bool full = blen == Sh::kKeys && sTok[0] - seq_start - key0 >= Sh::kKeys - 1;
-    if (active && full) {
+    if (kOut) {
+      // P = 2^(s scale_log2 - lse log2 e), 0 past the visible keys.
+      if (active) {
+#pragma unroll
+        for (int n = 0; n < kN8; ++n) {
+          const int col = kb + n * 8 + 2 * tq;
+          c[n][0] = full || col <= lim0 ? fast_exp2(fmaf(c[n][0], p.scale_log2, -e0)) : 0.f;
+          c[n][1] = full || col + 1 <= lim0 ? fast_exp2(fmaf(c[n][1], p.scale_log2, -e0)) : 0.f;
+          c[n][2] = full || col <= lim1 ? fast_exp2(fmaf(c[n][2], p.scale_log2, -e1)) : 0.f;
+          c[n][3] = full || col + 1 <= lim1 ? fast_exp2(fmaf(c[n][3], p.scale_log2, -e1)) : 0.f;
+        }
+      }
+    } else if (active && full) {
 #pragma unroll
       for (int n = 0; n < kN8; ++n)
 #pragma unroll
@@ -376,25 +409,79 @@ __global__ void __launch_bounds__(SparseFwdShape::threads<kOut>(), kOut ? 1 : 2)
         }
       }
     } else {
-      if (active) {
+      // This warp's rows of P V (columns [kh kDo, +kDo)) into the partial output; write_out = false:
+      // KL only (warmup), no P V.
+      auto store_out = [&](const float (&o)[kDo / 8][4]) {
+        T* part = static_cast<T*>(p.out_part);
+        if (lim0 >= 0) {
+          uint32_t* dst = reinterpret_cast<uint32_t*>(part + (int64_t(sEntry[u0]) * G + j * Gu + hh0) * D + kh * kDo);
 #pragma unroll
-        for (int n = 0; n < kN8; ++n) {
-          c[n][0] = exp2f(c[n][0] - e0);
-          c[n][1] = exp2f(c[n][1] - e0);
-          c[n][2] = exp2f(c[n][2] - e1);
-          c[n][3] = exp2f(c[n][3] - e1);
+          for (int n = 0; n < kDo / 8; ++n) dst[n * 4 + tq] = pack2<T>(o[n][0], o[n][1]);
         }
-        // P in the input dtype: the A operand of P V (both key halves of the rows meet here) and, off
-        // the register path, the KL terms' input.
+        if (lim1 >= 0) {
+          uint32_t* dst = reinterpret_cast<uint32_t*>(part + (int64_t(sEntry[u1]) * G + j * Gu + hh1) * D + kh * kDo);
 #pragma unroll
-        for (int n = 0; n < kN8; ++n) {
-          const int col = kb + n * 8 + 2 * tq;
-          *reinterpret_cast<uint32_t*>(sP + PTile::offset(row0, col / 8) + col % 8) = pack2<T>(c[n][0], c[n][1]);
-          *reinterpret_cast<uint32_t*>(sP + PTile::offset(row1, col / 8) + col % 8) = pack2<T>(c[n][2], c[n][3]);
+          for (int n = 0; n < kDo / 8; ++n) dst[n * 4 + tq] = pack2<T>(o[n][2], o[n][3]);
+        }
+      };
+      // sm_90a: P V on wgmma, P (input dtype) in registers as the A operand: the S accumulator of
+      // n-tiles 2 kk, 2 kk + 1 is the m16n8k16 A fragment of keys [16 kk, +16). Stored before the KL
+      // terms (holding it across them spills).
+      if constexpr (kWgmma) {
+        if (p.write_out) {  // CTA-uniform: every warp of a group takes part
+          uint32_t pa[Sh::kKeys / 16][4];
+          float ow[D / 2];
+#pragma unroll
+          for (int kk = 0; kk < Sh::kKeys / 16; ++kk) {
+            pa[kk][0] = pack2<T>(c[2 * kk][0], c[2 * kk][1]);
+            pa[kk][1] = pack2<T>(c[2 * kk][2], c[2 * kk][3]);
+            pa[kk][2] = pack2<T>(c[2 * kk + 1][0], c[2 * kk + 1][1]);
+            pa[kk][3] = pack2<T>(c[2 * kk + 1][2], c[2 * kk + 1][3]);
+          }
+          const uint32_t v_addr = smem_addr(sV);
+          sm90::wgmma_fence();
+#pragma unroll
+          for (int kk = 0; kk < Sh::kKeys / 16; ++kk)
+            sm90::WgmmaRS<T, D, true>::run(ow, pa[kk], KTileW::desc_mn(v_addr, kk), kk > 0);
+          sm90::wgmma_commit();
+          sm90::wgmma_wait<0>();
+          if (live) {
+            // O goes out in 16-byte chunks, a row per 16 (D = 128) or 8 lanes: staged in the warp's own
+            // rows of sP (P is in registers here; the slow KL path rewrites them after the last read).
+#pragma unroll
+            for (int n = 0; n < D / 8; ++n) {
+              *reinterpret_cast<uint32_t*>(sP + PTile::offset(row0, n) + 2 * tq) = pack2<T>(ow[4 * n], ow[4 * n + 1]);
+              *reinterpret_cast<uint32_t*>(sP + PTile::offset(row1, n) + 2 * tq) =
+                  pack2<T>(ow[4 * n + 2], ow[4 * n + 3]);
+            }
+            __syncwarp();
+            T* part = static_cast<T*>(p.out_part);
+#pragma unroll 1
+            for (int i = lane; i < 16 * (D / 8); i += 32) {
+              const int row = rg * 16 + i / (D / 8), ch = i % (D / 8);
+              const int u = sRowU[row];
+              if (u >= 0 && u < nu)
+                *reinterpret_cast<uint4*>(part + (int64_t(sEntry[u]) * G + j * Gu + sRowH[row]) * D + ch * 8) =
+                    *reinterpret_cast<const uint4*>(sP + PTile::offset(row, ch));
+            }
+            __syncwarp();
+          }
+        }
+      }
+      if (active) {
+        // P in the input dtype in shared memory: the portable pass's A operand of P V (both key halves
+        // of the rows meet there) and, off the register path, the KL terms' input.
+        if (!kWgmma || !fast_kl) {
+#pragma unroll
+          for (int n = 0; n < kN8; ++n) {
+            const int col = kb + n * 8 + 2 * tq;
+            *reinterpret_cast<uint32_t*>(sP + PTile::offset(row0, col / 8) + col % 8) = pack2<T>(c[n][0], c[n][1]);
+            *reinterpret_cast<uint32_t*>(sP + PTile::offset(row1, col / 8) + col % 8) = pack2<T>(c[n][2], c[n][3]);
+          }
         }
         if (fast_kl) {
           // Pm * G per (unit, key): the unit's rows differ in the low log2(Gu) bits of g (lane bits 2..).
-          // (In place: P V reads P from shared memory.)
+          // (In place: P V is done or reads P from shared memory.)
           float (&v)[kN8][4] = c;
           // Reduce-scatter over the unit's Gu lanes (lane bits 2.. = low bits gi of g): at bit b the
           // lane keeps one n-tile of each pair (n, n | b) and sends the other, so afterwards slot n
@@ -419,33 +506,28 @@ __global__ void __launch_bounds__(SparseFwdShape::threads<kOut>(), kOut ? 1 : 2)
           }
           const int uu0 = sRowU[row0], uu1 = sRowU[row1];
           const bool grad = p.dsi_part != nullptr;
-          float li0 = 0.f, li1 = 0.f;
-          if (grad && uu0 >= 0 && uu0 < nu) li0 = p.lse_idx[int64_t(r) * p.total_tokens + sTok[uu0]] * kLog2e;
-          if (grad && uu1 >= 0 && uu1 < nu) li1 = p.lse_idx[int64_t(r) * p.total_tokens + sTok[uu1]] * kLog2e;
-          const int64_t el0 = (uu0 >= 0 && uu0 < nu) ? sEntry[uu0] : -1;
-          const int64_t el1 = (uu1 >= 0 && uu1 < nu) ? sEntry[uu1] : -1;
+          const bool ok0 = uu0 >= 0 && uu0 < nu, ok1 = uu1 >= 0 && uu1 < nu;
           const float inv_g = 1.f / float(G);
-          float acc0 = 0.f, acc1 = 0.f;
+          float acc0 = 0.f, acc1 = 0.f;  // log2 domain: sum pm (log2 pm - si log2 e)
 #pragma unroll
           for (int n = 0; n < kN8; ++n) {
             if ((n & (Gu - 1)) == 0) {
-              const int tile_n = n + gi;
+              const int col = kb + (n + gi) * 8 + 2 * tq;  // this lane's key pair
 #pragma unroll
-              for (int e = 0; e < 4; ++e) {
-                const bool second = e >= 2;
-                const int u = second ? uu1 : uu0;
+              for (int h = 0; h < 2; ++h) {  // rows g and g + 8: accumulator entries 2 h, 2 h + 1
+                const int u = h ? uu1 : uu0;
                 if (u >= 0) {
-                  const int col = kb + tile_n * 8 + 2 * tq + (e & 1);
-                  const float pm = v[n][e] * inv_g;
-                  const float si = sSi[u * Sh::kKeys + col];
-                  const float term = pm > 0.f ? pm * (__logf(pm) - si) : 0.f;
-                  if (second) acc1 += term; else acc0 += term;
+                  const float2 si = *reinterpret_cast<const float2*>(sSi + u * Sh::kKeys + col);
+                  const float pm0 = v[n][2 * h] * inv_g, pm1 = v[n][2 * h + 1] * inv_g;
+                  const float term = (pm0 > 0.f ? pm0 * (fast_log2(pm0) - si.x) : 0.f) +
+                                     (pm1 > 0.f ? pm1 * (fast_log2(pm1) - si.y) : 0.f);
+                  if (h) acc1 += term; else acc0 += term;
                   if (grad) {  // SPEC 4: Pidx - P (times d_kl / rows later); 0 past the visible keys
-                    const int lim = second ? lim1 : lim0;
-                    const T x = T(col <= lim ? exp2f(si * kLog2e - (second ? li1 : li0)) - pm : 0.f);
-                    sDsi[PTile::offset(u, col / 8) + col % 8] = x;
-                    const int64_t el = second ? el1 : el0;
-                    if (el >= 0) static_cast<T*>(p.dsi_part)[el * Sh::kKeys + col] = x;
+                    const int lim = h ? lim1 : lim0;
+                    const float li = h ? li1 : li0;
+                    const float d0 = col <= lim ? fast_exp2(si.x - li) - pm0 : 0.f;
+                    const float d1 = col + 1 <= lim ? fast_exp2(si.y - li) - pm1 : 0.f;
+                    *reinterpret_cast<uint32_t*>(sDsi + PTile::offset(u, col / 8) + col % 8) = pack2<T>(d0, d1);
                   }
                 }
               }
@@ -461,46 +543,38 @@ __global__ void __launch_bounds__(SparseFwdShape::threads<kOut>(), kOut ? 1 : 2)
             acc1 += __shfl_xor_sync(0xffffffffu, acc1, off);
           }
           if (tq == 0 && gi == 0) {  // this key half's KL sum per unit; the halves are added below
-            if (el0 >= 0) sKl[kh * Sh::kMaxUnits + uu0] = acc0;
-            if (el1 >= 0) sKl[kh * Sh::kMaxUnits + uu1] = acc1;
+            if (ok0) sKl[kh * Sh::kMaxUnits + uu0] = acc0 * kLn2;
+            if (ok1) sKl[kh * Sh::kMaxUnits + uu1] = acc1 * kLn2;
           }
         }
       }
-      __syncthreads();  // P of both key halves
-      if (live && p.write_out) {  // false: KL only (warmup), no P V
-        // P V for this warp's half of D over all keys of the block.
-        float o[kDo / 8][4];
-        zero_acc(o);
+      if constexpr (!kWgmma) {
+        __syncthreads();  // P of both key halves
+        if (live && p.write_out) {
+          // P V for this warp's half of D over all keys of the block.
+          float o[kDo / 8][4];
+          zero_acc(o);
 #pragma unroll
-        for (int kk = 0; kk < 8; ++kk) {  // 16 keys per step
-          uint32_t a[4];
-          ldmatrix_x4(a, sP + PTile::offset(rg * 16 + lane % 16, kk * 2 + lane / 16));
+          for (int kk = 0; kk < 8; ++kk) {  // 16 keys per step
+            uint32_t a[4];
+            ldmatrix_x4(a, sP + PTile::offset(rg * 16 + lane % 16, kk * 2 + lane / 16));
 #pragma unroll
-          for (int dp = 0; dp < kDo / 16; ++dp) {
-            uint32_t b[4];
-            ldmatrix_x4_trans(b, sV + Tile::offset(kk * 16 + (lane % 8) + ((lane / 8) % 2) * 8,
-                                                   kh * (kDo / 8) + dp * 2 + lane / 16));
-            MmaOp<T>::run(o[2 * dp], a, b[0], b[1]);
-            MmaOp<T>::run(o[2 * dp + 1], a, b[2], b[3]);
+            for (int dp = 0; dp < kDo / 16; ++dp) {
+              uint32_t b[4];
+              ldmatrix_x4_trans(b, sV + Tile::offset(kk * 16 + (lane % 8) + ((lane / 8) % 2) * 8,
+                                                     kh * (kDo / 8) + dp * 2 + lane / 16));
+              MmaOp<T>::run(o[2 * dp], a, b[0], b[1]);
+              MmaOp<T>::run(o[2 * dp + 1], a, b[2], b[3]);
+            }
           }
-        }
-        T* part = static_cast<T*>(p.out_part);
-        if (lim0 >= 0) {
-          uint32_t* dst = reinterpret_cast<uint32_t*>(part + (int64_t(sEntry[u0]) * G + j * Gu + hh0) * D + kh * kDo);
-#pragma unroll
-          for (int n = 0; n < kDo / 8; ++n) dst[n * 4 + tq] = pack2<T>(o[n][0], o[n][1]);
-        }
-        if (lim1 >= 0) {
-          uint32_t* dst = reinterpret_cast<uint32_t*>(part + (int64_t(sEntry[u1]) * G + j * Gu + hh1) * D + kh * kDo);
-#pragma unroll
-          for (int n = 0; n < kDo / 8; ++n) dst[n * 4 + tq] = pack2<T>(o[n][2], o[n][3]);
+          store_out(o);
         }
       }
     }
     __syncthreads();
     if constexpr (kOut) {
       if (fast_kl) {  // the KL sum per unit: both key halves, in a fixed order
-        for (int u = tid; u < nu; u += kThreadsT) p.kl_part[sEntry[u]] = sKl[u] + sKl[Sh::kMaxUnits + u];
+        for (int u = tid; u < nu; u += kThreadsT) p.kl_part[sEntry[u]] = kPair ? sKl[u] + sKl[Sh::kMaxUnits + u] : sKl[u];
       }
       if (index && J > 1) {  // the group's heads meet here: sum this pass's heads per (unit, key)
         for (int i = tid; i < U * Sh::kKeys; i += kThreadsT) {
@@ -539,7 +613,6 @@ __global__ void __launch_bounds__(SparseFwdShape::threads<kOut>(), kOut ? 1 : 2)
         const float inv_g = 1.f / float(G);
         const bool grad = p.dsi_part != nullptr;
         const float lse_idx2 = grad ? p.lse_idx[int64_t(r) * p.total_tokens + sTok[u]] * kLog2e : 0.f;
-        const int64_t el = sEntry[u];
         float acc = 0.f;
         for (int col = lane; col < (grad ? Sh::kKeys : lim + 1); col += 32) {
           float pm = 0.f, dsi = 0.f;
@@ -551,25 +624,26 @@ __global__ void __launch_bounds__(SparseFwdShape::threads<kOut>(), kOut ? 1 : 2)
               for (int hh = 0; hh < Gu; ++hh) s += float(sP[PTile::offset(u * Gu + hh, col / 8) + col % 8]);
             }
             pm = s * inv_g;
-            if (pm > 0.f) acc += pm * (__logf(pm) - si[col]);
-            dsi = exp2f(si[col] * kLog2e - lse_idx2) - pm;  // SPEC 4: Pidx - P (times d_kl / rows later)
+            if (pm > 0.f) acc += pm * (fast_log2(pm) - si[col]);  // log2 domain (si too)
+            dsi = fast_exp2(si[col] - lse_idx2) - pm;  // SPEC 4: Pidx - P (times d_kl / rows later)
           }
-          if (grad) {
-            const T x = T(dsi);
-            sDsi[PTile::offset(u, col / 8) + col % 8] = x;
-            static_cast<T*>(p.dsi_part)[el * Sh::kKeys + col] = x;
-          }
+          if (grad) sDsi[PTile::offset(u, col / 8) + col % 8] = T(dsi);
         }
 #pragma unroll
         for (int off = 16; off >= 1; off >>= 1) acc += __shfl_xor_sync(0xffffffffu, acc, off);
-        if (lane == 0) p.kl_part[el] = acc;
+        if (lane == 0) p.kl_part[sEntry[u]] = acc * kLn2;
       }
       if (p.dsi_part != nullptr) {
-        // dq_idx of the tile's units: dsi (units x keys) K_idx (keys x Di); warp w takes the units'
-        // m-tile w / 8 and Di / 8 columns.
+        // dsi of the tile's units to the chunk's buffer (16 bytes per thread and row chunk), and dq_idx:
+        // dsi (units x keys) K_idx (keys x Di); warp w takes the units' m-tiles w / 8, w / 8 + kWarpsT
+        // / 8, ... and 16 columns of Di.
         __syncthreads();
-        const int mt = warp / 8;
-        if (mt * 16 < nu && kw * 16 < di) {  // 16 columns of Di per warp
+        for (int i = tid; i < nu * (Sh::kKeys / 8); i += kThreadsT) {
+          const int u = i / (Sh::kKeys / 8), ch = i % (Sh::kKeys / 8);
+          *reinterpret_cast<uint4*>(static_cast<T*>(p.dsi_part) + int64_t(sEntry[u]) * Sh::kKeys + ch * 8) =
+              *reinterpret_cast<const uint4*>(sDsi + PTile::offset(u, ch));
+        }
+        for (int mt = warp / 8; mt * 16 < nu && kw * 16 < di; mt += kWarpsT / 8) {
           float dq[2][4];
           zero_acc(dq);
 #pragma unroll
@@ -581,12 +655,13 @@ __global__ void __launch_bounds__(SparseFwdShape::threads<kOut>(), kOut ? 1 : 2)
             MmaOp<T>::run(dq[0], a, b[0], b[1]);
             MmaOp<T>::run(dq[1], a, b[2], b[3]);
           }
-          const int uq0 = mt * 16 + g, uq1 = uq0 + 8;
+          // One 16-byte atomic per lane and n-tile: even tq lanes add unit mt * 16 + g, odd ones + 8.
+          const int uq = mt * 16 + g + ((tq & 1) ? 8 : 0);
+          float* dst = p.dqi_accum + (int64_t(sTok[uq < nu ? uq : 0]) * p.hi + r) * di + kw * 16 + 2 * (tq & ~1);
 #pragma unroll
           for (int n = 0; n < 2; ++n) {
-            const int col = kw * 16 + n * 8 + 2 * tq;
-            if (uq0 < nu) atomic_add2(p.dqi_accum + (int64_t(sTok[uq0]) * p.hi + r) * di + col, dq[n][0], dq[n][1]);
-            if (uq1 < nu) atomic_add2(p.dqi_accum + (int64_t(sTok[uq1]) * p.hi + r) * di + col, dq[n][2], dq[n][3]);
+            const float4 v = quad_rows4(dq[n], tq);
+            if (uq < nu) atomic_add4(dst + n * 8, v);
           }
         }
       }
@@ -604,7 +679,7 @@ cudaError_t launch_sparse_fwd_pass(const SparseFwdParams& p, cudaStream_t stream
   if (err == cudaSuccess)
     err = cudaFuncSetAttribute(kernel, cudaFuncAttributePreferredSharedMemoryCarveout, cudaSharedmemCarveoutMaxShared);
   if (err != cudaSuccess) return err;
-  kernel<<<p.work.max_items, SparseFwdShape::threads<kOut>(), smem, stream>>>(p);
+  kernel<<<p.work.max_items, SparseFwdShape::threads<kOut, kWgmma>(), smem, stream>>>(p);
   return cudaGetLastError();
 }
 
@@ -616,9 +691,10 @@ cudaError_t launch_sparse_fwd(const SparseFwdParams& p, bool out_pass, cudaStrea
 }  // namespace msa::sm80
 
 namespace msa::sm90 {
-// The stats pass with its Q K^T on wgmma (sm_90a builds only).
+// The stats and output passes with their Q K^T on wgmma (sm_90a builds only).
 template <typename T, int D>
-cudaError_t launch_sparse_stats(const SparseFwdParams& p, cudaStream_t stream) {
-  return sm80::launch_sparse_fwd_pass<T, D, false, true>(p, stream);
+cudaError_t launch_sparse_fwd(const SparseFwdParams& p, bool out_pass, cudaStream_t stream) {
+  return out_pass ? sm80::launch_sparse_fwd_pass<T, D, true, true>(p, stream)
+                  : sm80::launch_sparse_fwd_pass<T, D, false, true>(p, stream);
 }
 }  // namespace msa::sm90

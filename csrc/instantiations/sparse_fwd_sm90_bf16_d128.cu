@@ -2,5 +2,5 @@
 #include "sm80/sparse_fwd/sparse_fwd_kernel.cuh"
 
 namespace msa::sm90 {
-template cudaError_t launch_sparse_stats<__half, 128>(const SparseFwdParams&, cudaStream_t);
+template cudaError_t launch_sparse_fwd<__nv_bfloat16, 128>(const SparseFwdParams&, bool, cudaStream_t);
 }  // namespace msa::sm90
