@@ -1,8 +1,8 @@
 #!/usr/bin/env bash
 # A/B of a kernel change in one GPU call: the tree as it is (A) against the tree with PATCH applied (B).
 #   scripts/ab_patch.sh LOGDIR PATCH [bench args, e.g. --n 32768 131072 --reps 5]
-# A: build + benchmark (+ the tests in MSA_AB_A_TESTS, default tests/test_errors.py). B: patch, rebuild (incremental), the GPU tests, benchmark; the patch is reverted
-# at the end. Logs of LOGDIR/a and LOGDIR/b (scripts/gpu_check.sh each) come back packed as LOGDIR.tgz.
+# A: build + the tests in MSA_AB_A_TESTS (default tests/test_errors.py) + benchmark. B: patch, rebuild
+# (incremental), the GPU tests, benchmark; the patch is reverted at the end. Logs of LOGDIR/a and LOGDIR/b (scripts/gpu_check.sh each) come back packed as LOGDIR.tgz.
 set -uo pipefail
 LOG=${1:?usage: scripts/ab_patch.sh LOGDIR PATCH [bench args...]}
 PATCH=${2:?usage: scripts/ab_patch.sh LOGDIR PATCH [bench args...]}

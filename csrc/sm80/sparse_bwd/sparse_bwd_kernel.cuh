@@ -270,11 +270,13 @@ __global__ void __launch_bounds__(SparseBwdShape::kThreads, 1) sparse_bwd_kernel
         // One 16-byte atomic per lane and n-tile: even tq lanes add row0's 4 columns, odd ones row1's.
         const bool odd = (tq & 1) != 0;
         const int tr = odd ? tr1 : tr0;
-        float* dst = p.dq_accum + (int64_t(tr >= 0 ? tr : 0) * p.hq + h0 + sRowH[odd ? row1 : row0]) * D + c0 + 2 * (tq & ~1);
+        float* dst = p.dq_accum + (int64_t(tr >= 0 ? tr : 0) * p.hq + h0 + sRowH[odd ? row1 : row0]) * D + c0 +
+                     2 * (tq & ~1);
 #pragma unroll
         for (int n = 0; n < kQuarter / 8; ++n) {
           const float4 v = quad_rows4(dq[n], tq);
-          if (tr >= 0) atomic_add4(dst + n * 8, make_float4(v.x * p.scale, v.y * p.scale, v.z * p.scale, v.w * p.scale));
+          if (tr >= 0)
+            atomic_add4(dst + n * 8, make_float4(v.x * p.scale, v.y * p.scale, v.z * p.scale, v.w * p.scale));
         }
       }
       __syncthreads();  // every read of this tile's token row is done: it now takes tile + 2's

@@ -9,7 +9,7 @@
 // next step's rows as soon as every warp has read this step's (right after Q K^T), so the gather
 // overlaps the rest of the step. The stats pass runs eight warps (a row group each) and fits two CTAs
 // per SM (<= 128 registers, 108 KB); the output pass runs sixteen (a pair per row group, see
-// SparseFwdShape) in one CTA per SM (212 KB). MMA loops run over compile-time extents: the whole
+// SparseFwdShape; eight in the sm_90a variant) in one CTA per SM (212 KB). MMA loops run over compile-time extents: the whole
 // 128-key tile and Di = 128, shorter blocks and Di = 64 being zero-filled in shared memory.
 //
 // Two passes over the same items (kOut = false, then true):
@@ -78,8 +78,9 @@ __host__ __device__ inline int sparse_rows_per_tile(int gu) { return gu >= 4 ? 1
 // passes, warpgroup i (warps 4 i .. 4 i + 3) holding rows [64 i, +64) x all 128 keys. The main Q K^T
 // runs on warpgroup tensor cores (wgmma, Q from registers, K from shared memory in the
 // 128-byte-swizzled K-major layout); in the output pass P stays in registers as the A operand of an
-// RS wgmma P V (V in the same layout, read MN-major), issued before the KL terms so they overlap it.
-// Everything else is the portable pass's code.
+// RS wgmma P V (V in the same layout, read MN-major); O leaves through shared memory in 16-byte
+// chunks before the KL terms run (holding it across them spills). Everything else is the portable
+// pass's code.
 template <typename T, int D, bool kOut, bool kWgmma = false>
 __global__ void __launch_bounds__(SparseFwdShape::threads<kOut, kWgmma>(), kOut ? 1 : 2)
     sparse_fwd_kernel(SparseFwdParams p) {
@@ -574,7 +575,8 @@ __global__ void __launch_bounds__(SparseFwdShape::threads<kOut, kWgmma>(), kOut 
     __syncthreads();
     if constexpr (kOut) {
       if (fast_kl) {  // the KL sum per unit: both key halves, in a fixed order
-        for (int u = tid; u < nu; u += kThreadsT) p.kl_part[sEntry[u]] = kPair ? sKl[u] + sKl[Sh::kMaxUnits + u] : sKl[u];
+        for (int u = tid; u < nu; u += kThreadsT)
+          p.kl_part[sEntry[u]] = kPair ? sKl[u] + sKl[Sh::kMaxUnits + u] : sKl[u];
       }
       if (index && J > 1) {  // the group's heads meet here: sum this pass's heads per (unit, key)
         for (int i = tid; i < U * Sh::kKeys; i += kThreadsT) {
