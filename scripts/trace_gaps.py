@@ -1,0 +1,46 @@
+"""Where the GPU sits idle during one msa_attention forward + backward (bench configuration):
+python scripts/trace_gaps.py [N ...]. From a torch.profiler trace (CPU and CUDA activity): the wall
+time of the call, the summed kernel time, and the largest gaps between consecutive kernels with the
+CPU-side ops that ran during each gap (what the GPU was waiting for)."""
+import os
+import sys
+
+import torch
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))  # the in-place build
+from msa import bench  # noqa: E402
+
+
+def main():
+    ns = [int(a) for a in sys.argv[1:]] or [32768]
+    acts = [torch.profiler.ProfilerActivity.CPU, torch.profiler.ProfilerActivity.CUDA]
+    for n in ns:
+        x = bench.make_inputs(n, torch.device("cuda"), torch.bfloat16, seed=0)
+        for _ in range(2):
+            bench.msa_fwd_bwd(*x)
+        torch.cuda.synchronize()
+        with torch.profiler.profile(activities=acts) as prof:
+            bench.msa_fwd_bwd(*x)
+            torch.cuda.synchronize()
+        events = prof.events()
+        gpu = sorted((e.time_range.start, e.time_range.end, e.name) for e in events
+                     if e.device_type == torch.autograd.DeviceType.CUDA)
+        cpu = [(e.time_range.start, e.time_range.end, e.name) for e in events
+               if e.device_type == torch.autograd.DeviceType.CPU]
+        busy = sum(b - a for a, b, _ in gpu)
+        gaps = []
+        end = gpu[0][1]
+        for a, b, name in gpu[1:]:
+            if a > end:
+                gaps.append((a - end, end, a, name))
+            end = max(end, b)
+        span = end - gpu[0][0]
+        print(f"## N = {n}: {len(gpu)} GPU activities over {span / 1e3:.2f} ms, busy {busy / 1e3:.2f} ms, "
+              f"idle {sum(g[0] for g in gaps) / 1e3:.2f} ms in {len(gaps)} gaps")
+        for d, a, b, nxt in sorted(gaps, reverse=True)[:20]:
+            during = sorted({nm for s, e, nm in cpu if s < b and e > a and not nm.startswith("cuda")})[:6]
+            print(f"  {d:8.1f} us before {nxt[:60]!r}; CPU ops meanwhile: {', '.join(during)}")
+
+
+if __name__ == "__main__":
+    main()
