@@ -128,42 +128,37 @@ struct WgmmaRS;
 #define MSA_WGMMA_ARGS \
   "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "l"(desc_b), "r"(int(accumulate))
 
-#define MSA_WGMMA_RS_64X64(TYPE, PTXTYPE, TRANS) \
+#define MSA_WGMMA_D_32 \
+  "%0,%1,%2,%3,%4,%5,%6,%7,%8,%9,%10,%11,%12,%13,%14,%15," \
+  "%16,%17,%18,%19,%20,%21,%22,%23,%24,%25,%26,%27,%28,%29,%30,%31"
+#define MSA_WGMMA_D_64 MSA_WGMMA_D_32 \
+  ",%32,%33,%34,%35,%36,%37,%38,%39,%40,%41,%42,%43,%44,%45,%46,%47,%48,%49,%50,%51,%52,%53,%54,%55,%56,%57,%58," \
+  "%59,%60,%61,%62,%63"
+// One specialisation: N, the transpose-B flag, the accumulator operands (list and constraints), then the
+// operand numbers of A's four registers, the descriptor and the accumulate flag (they follow the N / 2
+// accumulators).
+#define MSA_WGMMA_RS(TYPE, PTXTYPE, N, TRANS, D_LIST, D_OPS, A_REGS, DESC, ACC) \
   template <> \
-  struct WgmmaRS<TYPE, 64, TRANS != 0> { \
-    __device__ __forceinline__ static void run(float (&d)[32], const uint32_t (&a)[4], uint64_t desc_b, bool accumulate) { \
-      asm volatile( \
-          "{\n.reg .pred p;\nsetp.ne.b32 p, %37, 0;\n" \
-          "wgmma.mma_async.sync.aligned.m64n64k16.f32." PTXTYPE "." PTXTYPE " " \
-          "{%0,%1,%2,%3,%4,%5,%6,%7,%8,%9,%10,%11,%12,%13,%14,%15," \
-          "%16,%17,%18,%19,%20,%21,%22,%23,%24,%25,%26,%27,%28,%29,%30,%31}," \
-          " {%32,%33,%34,%35}, %36, p, 1, 1, " #TRANS ";\n}\n" \
-          : MSA_WGMMA_ACC_32 : MSA_WGMMA_ARGS); \
+  struct WgmmaRS<TYPE, N, TRANS != 0> { \
+    __device__ __forceinline__ static void run(float (&d)[N / 2], const uint32_t (&a)[4], uint64_t desc_b, \
+                                               bool accumulate) { \
+      asm volatile("{\n.reg .pred p;\nsetp.ne.b32 p, " ACC ", 0;\n" \
+                   "wgmma.mma_async.sync.aligned.m64n" #N "k16.f32." PTXTYPE "." PTXTYPE " " \
+                   "{" D_LIST "}, {" A_REGS "}, " DESC ", p, 1, 1, " #TRANS ";\n}\n" \
+                   : D_OPS : MSA_WGMMA_ARGS); \
     } \
   };
-#define MSA_WGMMA_RS_64X128(TYPE, PTXTYPE, TRANS) \
-  template <> \
-  struct WgmmaRS<TYPE, 128, TRANS != 0> { \
-    __device__ __forceinline__ static void run(float (&d)[64], const uint32_t (&a)[4], uint64_t desc_b, bool accumulate) { \
-      asm volatile( \
-          "{\n.reg .pred p;\nsetp.ne.b32 p, %69, 0;\n" \
-          "wgmma.mma_async.sync.aligned.m64n128k16.f32." PTXTYPE "." PTXTYPE " " \
-          "{%0,%1,%2,%3,%4,%5,%6,%7,%8,%9,%10,%11,%12,%13,%14,%15," \
-          "%16,%17,%18,%19,%20,%21,%22,%23,%24,%25,%26,%27,%28,%29,%30,%31," \
-          "%32,%33,%34,%35,%36,%37,%38,%39,%40,%41,%42,%43,%44,%45,%46,%47," \
-          "%48,%49,%50,%51,%52,%53,%54,%55,%56,%57,%58,%59,%60,%61,%62,%63}," \
-          " {%64,%65,%66,%67}, %68, p, 1, 1, " #TRANS ";\n}\n" \
-          : MSA_WGMMA_ACC_64 : MSA_WGMMA_ARGS); \
-    } \
-  };
-#define MSA_WGMMA_RS_ALL(TYPE, PTXTYPE) \
-  MSA_WGMMA_RS_64X64(TYPE, PTXTYPE, 0) MSA_WGMMA_RS_64X64(TYPE, PTXTYPE, 1) \
-  MSA_WGMMA_RS_64X128(TYPE, PTXTYPE, 0) MSA_WGMMA_RS_64X128(TYPE, PTXTYPE, 1)
-MSA_WGMMA_RS_ALL(__nv_bfloat16, "bf16")
-MSA_WGMMA_RS_ALL(__half, "f16")
+#define MSA_WGMMA_RS_ALL(TYPE, PTXTYPE, TRANS) \
+  MSA_WGMMA_RS(TYPE, PTXTYPE, 64, TRANS, MSA_WGMMA_D_32, MSA_WGMMA_ACC_32, "%32,%33,%34,%35", "%36", "%37") \
+  MSA_WGMMA_RS(TYPE, PTXTYPE, 128, TRANS, MSA_WGMMA_D_64, MSA_WGMMA_ACC_64, "%64,%65,%66,%67", "%68", "%69")
+MSA_WGMMA_RS_ALL(__nv_bfloat16, "bf16", 0)
+MSA_WGMMA_RS_ALL(__nv_bfloat16, "bf16", 1)
+MSA_WGMMA_RS_ALL(__half, "f16", 0)
+MSA_WGMMA_RS_ALL(__half, "f16", 1)
 #undef MSA_WGMMA_RS_ALL
-#undef MSA_WGMMA_RS_64X128
-#undef MSA_WGMMA_RS_64X64
+#undef MSA_WGMMA_RS
+#undef MSA_WGMMA_D_64
+#undef MSA_WGMMA_D_32
 #undef MSA_WGMMA_ARGS
 #undef MSA_WGMMA_ACC_64
 #undef MSA_WGMMA_ACC_32
