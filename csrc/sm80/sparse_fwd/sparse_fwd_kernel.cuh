@@ -9,8 +9,9 @@
 // next step's rows as soon as every warp has read this step's (right after Q K^T), so the gather
 // overlaps the rest of the step. The stats pass runs eight warps (a row group each) and fits two CTAs
 // per SM (<= 128 registers, 108 KB); the output pass runs sixteen (a pair per row group, see
-// SparseFwdShape; eight in the sm_90a variant) in one CTA per SM (212 KB). MMA loops run over compile-time extents: the whole
-// 128-key tile and Di = 128, shorter blocks and Di = 64 being zero-filled in shared memory.
+// SparseFwdShape; eight in the sm_90a variant) in one CTA per SM (212 KB). MMA loops run over
+// compile-time extents: the whole 128-key tile and Di = 128, shorter blocks and Di = 64 being
+// zero-filled in shared memory.
 //
 // Two passes over the same items (kOut = false, then true):
 //  - stats pass: per (entry, head) the max and the sum of exp of the block's logits (log2 domain),
