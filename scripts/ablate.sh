@@ -1,0 +1,34 @@
+#!/usr/bin/env bash
+# Timing-only ablations in one GPU call: what a piece of a kernel costs, measured by removing it.
+#   scripts/ablate.sh OUTDIR 'NAME|FILE|SED' ['NAME|FILE|SED' ...]
+# Builds the tree as it is (e0) and, per argument, the tree with `sed -i SED FILE` applied (the other
+# edits undone), and runs scripts/profile_msa.py for each (N from ABLATE_N, default "32768 131072").
+# The edited builds compute wrong results on purpose: never test or store them as anything but
+# timings. Example (the backward's dq atomics):
+#   scripts/ablate.sh $OUT/abl 'no_dq_atomics|csrc/sm80/sparse_bwd/sparse_bwd_kernel.cuh|s/if (tr >= 0)$/if (false)/'
+set -uo pipefail
+OUT=${1:?usage: scripts/ablate.sh OUTDIR 'NAME|FILE|SED' ...}
+shift
+mkdir -p "$OUT"
+if compgen -G ".whl/*.whl" > /dev/null; then
+  python3 -m pip install -q --no-index --no-deps --no-compile --target /tmp/msa-site .whl/*.whl 2> /dev/null
+  export PYTHONPATH=/tmp/msa-site${PYTHONPATH:+:$PYTHONPATH}
+fi
+run() {
+  MAX_JOBS=${MAX_JOBS:-$(nproc)} MSA_CUDA_ARCHS=${MSA_CUDA_ARCHS:-90a} python3 setup.py build_ext --inplace \
+    > "$OUT/build_$1.log" 2>&1 || { echo "build $1 failed"; tail -n 5 "$OUT/build_$1.log"; return 1; }
+  python3 scripts/profile_msa.py ${ABLATE_N:-32768 131072} > "$OUT/prof_$1.txt" 2>&1
+  echo "== $1"
+  grep -E "^## N|sparse_fwd_kernel|sparse_bwd_kernel|index_topk|Self CUDA time total" "$OUT/prof_$1.txt" | cut -c1-60,150-180
+  rm -f "$OUT/build_$1.log"
+}
+run e0
+for spec in "$@"; do
+  IFS='|' read -r name file expr <<< "$spec"
+  cp "$file" "$OUT/.orig"
+  sed -i "$expr" "$file"
+  if cmp -s "$file" "$OUT/.orig"; then echo "== $name: the sed changed nothing in $file"; continue; fi
+  run "$name"
+  cp "$OUT/.orig" "$file"
+done
+rm -f "$OUT/.orig"
