@@ -70,5 +70,4 @@ inline void check_qkv_cuda(const at::Tensor& q, const at::Tensor& k, const at::T
                     "q, k, v: expected a contiguous last dim");
 }
 
-
 }  // namespace msa::api

@@ -254,19 +254,8 @@ __global__ void __launch_bounds__(SparseBwdShape::kThreads, 1) sparse_bwd_kernel
         const int c0 = half * (D / 2) + dh * kQuarter;
         float dq[kQuarter / 8][4];
         zero_acc(dq);
-#pragma unroll
-        for (int kk = 0; kk < Sh::kKeys / 16; ++kk) {  // zeros past block_size (row phase)
-          uint32_t a[4];
-          ldmatrix_x4(a, sdS + KTile::offset(rw * 16 + lane % 16, kk * 2 + lane / 16));
-#pragma unroll
-          for (int dpair = 0; dpair < kQuarter / 16; ++dpair) {
-            uint32_t b[4];
-            ldmatrix_x4_trans(b, sK + Tile::offset(kk * 16 + (lane % 8) + ((lane / 8) % 2) * 8,
-                                                   c0 / 8 + dpair * 2 + lane / 16));
-            MmaOp<T>::run(dq[2 * dpair], a, b[0], b[1]);
-            MmaOp<T>::run(dq[2 * dpair + 1], a, b[2], b[3]);
-          }
-        }
+        static_assert(Sh::kKeys == 128, "mma_rows_keys runs over 128 keys");
+        mma_rows_keys<T, Tile>(dq, sdS, rw * 16, sK, c0 / 8, lane);  // dS is zero past block_size (row phase)
         // One 16-byte atomic per lane and n-tile: even tq lanes add row0's 4 columns, odd ones row1's.
         const bool odd = (tq & 1) != 0;
         const int tr = odd ? tr1 : tr0;

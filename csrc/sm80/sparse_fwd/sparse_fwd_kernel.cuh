@@ -89,6 +89,7 @@ __global__ void __launch_bounds__(SparseFwdShape::threads<kOut, kWgmma>(), kOut 
   using L = typename Sh::template Smem<T, D, kOut>;
   using Tile = SwizzledTile<D>;
   using PTile = SwizzledTile<Sh::kKeys>;  // P and dsi tiles: rows x 128 keys
+  static_assert(Sh::kKeys == 128, "mma_rows_keys (P V, dq_idx) runs over 128 keys");
   constexpr int kThreadsT = Sh::template threads<kOut, kWgmma>();
   constexpr int kWarpsT = kThreadsT / 32;
   constexpr bool kPair = kOut && !kWgmma;  // portable output pass: a warp pair per 16 rows
@@ -411,21 +412,6 @@ __global__ void __launch_bounds__(SparseFwdShape::threads<kOut, kWgmma>(), kOut 
         }
       }
     } else {
-      // This warp's rows of P V (columns [kh kDo, +kDo)) into the partial output; write_out = false:
-      // KL only (warmup), no P V.
-      auto store_out = [&](const float (&o)[kDo / 8][4]) {
-        T* part = static_cast<T*>(p.out_part);
-        if (lim0 >= 0) {
-          uint32_t* dst = reinterpret_cast<uint32_t*>(part + (int64_t(sEntry[u0]) * G + j * Gu + hh0) * D + kh * kDo);
-#pragma unroll
-          for (int n = 0; n < kDo / 8; ++n) dst[n * 4 + tq] = pack2<T>(o[n][0], o[n][1]);
-        }
-        if (lim1 >= 0) {
-          uint32_t* dst = reinterpret_cast<uint32_t*>(part + (int64_t(sEntry[u1]) * G + j * Gu + hh1) * D + kh * kDo);
-#pragma unroll
-          for (int n = 0; n < kDo / 8; ++n) dst[n * 4 + tq] = pack2<T>(o[n][2], o[n][3]);
-        }
-      };
       // sm_90a: P V on wgmma, P (input dtype) in registers as the A operand: the S accumulator of
       // n-tiles 2 kk, 2 kk + 1 is the m16n8k16 A fragment of keys [16 kk, +16). Stored before the KL
       // terms (holding it across them spills).
@@ -552,24 +538,24 @@ __global__ void __launch_bounds__(SparseFwdShape::threads<kOut, kWgmma>(), kOut 
       }
       if constexpr (!kWgmma) {
         __syncthreads();  // P of both key halves
-        if (live && p.write_out) {
-          // P V for this warp's half of D over all keys of the block.
+        if (live && p.write_out) {  // write_out = false: KL only (warmup), no P V
+          // P V for this warp's half of D over all keys of the block, into the partial output.
           float o[kDo / 8][4];
           zero_acc(o);
+          mma_rows_keys<T, Tile>(o, sP, rg * 16, sV, kh * (kDo / 8), lane);
+          T* part = static_cast<T*>(p.out_part);
+          if (lim0 >= 0) {
+            uint32_t* dst =
+                reinterpret_cast<uint32_t*>(part + (int64_t(sEntry[u0]) * G + j * Gu + hh0) * D + kh * kDo);
 #pragma unroll
-          for (int kk = 0; kk < 8; ++kk) {  // 16 keys per step
-            uint32_t a[4];
-            ldmatrix_x4(a, sP + PTile::offset(rg * 16 + lane % 16, kk * 2 + lane / 16));
-#pragma unroll
-            for (int dp = 0; dp < kDo / 16; ++dp) {
-              uint32_t b[4];
-              ldmatrix_x4_trans(b, sV + Tile::offset(kk * 16 + (lane % 8) + ((lane / 8) % 2) * 8,
-                                                     kh * (kDo / 8) + dp * 2 + lane / 16));
-              MmaOp<T>::run(o[2 * dp], a, b[0], b[1]);
-              MmaOp<T>::run(o[2 * dp + 1], a, b[2], b[3]);
-            }
+            for (int n = 0; n < kDo / 8; ++n) dst[n * 4 + tq] = pack2<T>(o[n][0], o[n][1]);
           }
-          store_out(o);
+          if (lim1 >= 0) {
+            uint32_t* dst =
+                reinterpret_cast<uint32_t*>(part + (int64_t(sEntry[u1]) * G + j * Gu + hh1) * D + kh * kDo);
+#pragma unroll
+            for (int n = 0; n < kDo / 8; ++n) dst[n * 4 + tq] = pack2<T>(o[n][2], o[n][3]);
+          }
         }
       }
     }
@@ -649,15 +635,7 @@ __global__ void __launch_bounds__(SparseFwdShape::threads<kOut, kWgmma>(), kOut 
         for (int mt = warp / 8; mt * 16 < nu && kw * 16 < di; mt += kWarpsT / 8) {
           float dq[2][4];
           zero_acc(dq);
-#pragma unroll
-          for (int kk = 0; kk < Sh::kKeys / 16; ++kk) {
-            uint32_t a[4];
-            ldmatrix_x4(a, sDsi + PTile::offset(mt * 16 + lane % 16, kk * 2 + lane / 16));
-            uint32_t b[4];
-            ldmatrix_x4_trans(b, sKi + ITile::offset(kk * 16 + (lane % 8) + ((lane / 8) % 2) * 8, kw * 2 + lane / 16));
-            MmaOp<T>::run(dq[0], a, b[0], b[1]);
-            MmaOp<T>::run(dq[1], a, b[2], b[3]);
-          }
+          mma_rows_keys<T, ITile>(dq, sDsi, mt * 16, sKi, kw * 2, lane);
           // One 16-byte atomic per lane and n-tile: even tq lanes add unit mt * 16 + g, odd ones + 8.
           const int uq = mt * 16 + g + ((tq & 1) ? 8 : 0);
           float* dst = p.dqi_accum + (int64_t(sTok[uq < nu ? uq : 0]) * p.hi + r) * di + kw * 16 + 2 * (tq & ~1);
