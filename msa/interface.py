@@ -90,8 +90,25 @@ def _require_kernel(op, x):
         _fail("q", "a CPU or CUDA tensor", x.device)
 
 
+# cu_seqlens of the batched layout, one tensor per (B, N, device), reused across calls: the CUDA ops
+# check a cu_seqlens on the host once per tensor version (csrc/api/cu_seqlens.cpp), so a reused tensor
+# costs no device-to-host copy, and a training step queues its kernels without draining the stream.
+_BATCH_CU = {}
+_BATCH_CU_MAX = 64
+
+
 def _batch_cu(x, B, N):
-    return torch.arange(0, (B + 1) * N, N, dtype=torch.int32, device=x.device)
+    if x.device.type != "cuda" or torch.compiler.is_compiling():
+        return torch.arange(0, (B + 1) * N, N, dtype=torch.int32, device=x.device)
+    key = (B, N, x.device)
+    cu = _BATCH_CU.get(key)
+    if cu is None:
+        if len(_BATCH_CU) >= _BATCH_CU_MAX:
+            _BATCH_CU.clear()
+        with torch.inference_mode(False):  # a normal tensor: it is saved for backward
+            cu = torch.arange(0, (B + 1) * N, N, dtype=torch.int32, device=x.device)
+        _BATCH_CU[key] = cu
+    return cu
 
 
 def _check_msa_inputs(q, k, v, q_idx, k_idx, rank, topk, block_size):

@@ -170,3 +170,40 @@ def test_cuda_bad_inputs_raise_before_launch():
     lse = torch.zeros(8, 260, device="cuda")
     expect(ValueError, "q, k, v", lambda: torch.ops.msa.sparse_bwd(q, q, k, v, q, lse, idx, good_cu, 130, 64, 0.125))
     torch.cuda.synchronize()  # nothing faulted
+
+
+@pytest.mark.gpu
+def test_cuda_cu_seqlens_rechecked_after_inplace_write():
+    """The host check of cu_seqlens is cached per tensor version: an in-place write is seen."""
+    q, k, v, qi, ki, cu, mx = make_packed([100, 100], HEADS, 64, 64, dtype=torch.bfloat16, device="cuda")
+    msa.msa_attention_varlen(q, k, v, qi, ki, cu, mx, topk=2, block_size=64)
+    cu[1] = 150  # a sequence of 150 > max_seqlen = 100
+    expect(ValueError, "max_seqlen", lambda: msa.msa_attention_varlen(q, k, v, qi, ki, cu, mx, topk=2, block_size=64))
+    cu.view(-1)[2:].fill_(199)  # through a view: the last offset is no longer T
+    cu[1] = 100
+    expect(ValueError, "cu_seqlens", lambda: msa.msa_attention_varlen(q, k, v, qi, ki, cu, mx, topk=2, block_size=64))
+    cu[2] = 200
+    msa.msa_attention_varlen(q, k, v, qi, ki, cu, mx, topk=2, block_size=64)
+    torch.cuda.synchronize()
+
+
+@pytest.mark.gpu
+def test_cuda_step_does_not_sync_the_host():
+    """After a first call, fwd+bwd with the same cu_seqlens queues its kernels without a host sync."""
+    kw = {n: x.requires_grad_() for n, x in good("cuda", N=300).items()}
+    q, k, v, qi, ki, cu, mx = make_packed([100, 200], HEADS, 64, 64, dtype=torch.bfloat16, device="cuda")
+    packed = [x.requires_grad_() for x in (q, k, v, qi, ki)]
+
+    def step():
+        out, kl = call(kw, topk=2, block_size=64)
+        (out.float().sum() + kl).backward()
+        out, kl = msa.msa_attention_varlen(*packed, cu, mx, topk=2, block_size=64)
+        (out.float().sum() + kl).backward()
+
+    step()
+    torch.cuda.set_sync_debug_mode("error")
+    try:
+        step()
+    finally:
+        torch.cuda.set_sync_debug_mode(0)
+    torch.cuda.synchronize()
