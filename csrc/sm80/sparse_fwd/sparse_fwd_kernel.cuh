@@ -27,6 +27,8 @@
 #pragma once
 #include <cuda_runtime.h>
 
+#include <type_traits>
+
 #include "common/block_span.h"
 #include "common/mma_sm80.h"
 #include "common/wgmma_sm90.h"
@@ -142,6 +144,9 @@ __global__ void __launch_bounds__(SparseFwdShape::threads<kOut, kWgmma>(), kOut 
   // are zero-filled in shared memory and masked, so the MMA loops have no runtime bounds or branches.
   using ITile = SwizzledTile<Sh::kMaxDi>;  // index tiles, Di = 64 padded with zeros
   constexpr int kIChunks = Sh::kMaxDi / 8;
+  // K_idx: the wgmma variant's B operand of the index logits, in the 128B-swizzled K-major layout.
+  using KiTileW = sm90::KMajorSw128<Sh::kKeys, Sh::kMaxDi>;
+  using KiTile = std::conditional_t<kWgmma, KiTileW, ITile>;
   const int di = p.di, di_chunks = p.di / 8;  // Di is 64 or 128
 
   const int tid = threadIdx.x, warp = tid / 32, lane = tid % 32;
@@ -191,7 +196,7 @@ __global__ void __launch_bounds__(SparseFwdShape::threads<kOut, kWgmma>(), kOut 
     for (int i = tid; i < Sh::kKeys * kIChunks; i += kThreadsT) {
       const int row = i / kIChunks, c = i % kIChunks;
       const bool ok = row < blen && c < di_chunks;
-      cp_async_16(sKi + ITile::offset(row, c), src + (ok ? int64_t(row) * p.ki_stride_t + c * 8 : 0), ok);
+      cp_async_16(sKi + KiTile::offset(row, c), src + (ok ? int64_t(row) * p.ki_stride_t + c * 8 : 0), ok);
     }
   }
   __syncthreads();  // the unit table is read by every thread below
@@ -256,50 +261,90 @@ __global__ void __launch_bounds__(SparseFwdShape::threads<kOut, kWgmma>(), kOut 
     if (kWgmma && (step == 0 || J > 1)) sm90::fence_proxy_async_smem();
     __syncthreads();
 
-    // Index logits of the tile's units (once per tile): warp w takes keys [16 (w % 8), +16) and, in
-    // the output pass (16 warps), the units' m-tiles w / 8, w / 8 + 2, ...
-    if (index && j == 0 && kw * 16 < p.block_size) {
-      for (int mt = warp / 8; mt * 16 < nu; mt += kWarpsT / 8) {
-        float ci[2][4];
-        zero_acc(ci);
+    // Index logits of the tile's units (once per tile) as m16n8 fragments ci[NI] of units mt * 16 + g
+    // (+ 8) x keys kc0 + 8 n + 2 tq (+ 1): the output pass stores them (log2 domain); the stats pass
+    // reduces them to this part's (max, sum) per unit, merged after the step's last barrier.
+    auto index_epilogue = [&](const auto& ci, int mt, int kc0, int part) {
+      constexpr int NI = sizeof(ci) / sizeof(ci[0]);
+      if constexpr (kOut) {
 #pragma unroll
-        for (int ks = 0; ks < Sh::kMaxDi / 16; ++ks) {
-          uint32_t a[4], b[4];
-          ldmatrix_x4(a, sQi + ITile::offset(mt * 16 + lane % 16, ks * 2 + lane / 16));
-          ldmatrix_x4(b, sKi + ITile::offset(kw * 16 + (lane % 8) + (lane / 16) * 8, ks * 2 + (lane / 8) % 2));
-          MmaOp<T>::run(ci[0], a, b[0], b[1]);
-          MmaOp<T>::run(ci[1], a, b[2], b[3]);
+        for (int n = 0; n < NI; ++n) {
+          const int col = kc0 + n * 8 + 2 * tq;
+          const int row = mt * 16 + g;
+          sSi[row * Sh::kKeys + col] = ci[n][0] * iscale2;
+          sSi[row * Sh::kKeys + col + 1] = ci[n][1] * iscale2;
+          sSi[(row + 8) * Sh::kKeys + col] = ci[n][2] * iscale2;
+          sSi[(row + 8) * Sh::kKeys + col + 1] = ci[n][3] * iscale2;
         }
-        if constexpr (kOut) {
+      } else {
+        const int ua = mt * 16 + g, ub2 = ua + 8;
+        const int lima = key_limit(ua, nu), limb = key_limit(ub2, nu);
+        float x[NI][4];
 #pragma unroll
-          for (int n = 0; n < 2; ++n) {
-            const int col = kw * 16 + n * 8 + 2 * tq;
-            const int row = mt * 16 + g;
-            sSi[row * Sh::kKeys + col] = ci[n][0] * iscale2;
-            sSi[row * Sh::kKeys + col + 1] = ci[n][1] * iscale2;
-            sSi[(row + 8) * Sh::kKeys + col] = ci[n][2] * iscale2;
-            sSi[(row + 8) * Sh::kKeys + col + 1] = ci[n][3] * iscale2;
-          }
-        } else {
-          // Max and sum of exp of the index logits (log2 domain) of units mt * 16 + g and + 8 over this
-          // warp's 16 keys; merged per unit after the step's last barrier.
-          const int ua = mt * 16 + g, ub2 = ua + 8;
-          const int lima = key_limit(ua, nu), limb = key_limit(ub2, nu);
-          float x[2][4];
+        for (int n = 0; n < NI; ++n) {
+          const int col = kc0 + n * 8 + 2 * tq;
+          x[n][0] = col <= lima ? ci[n][0] * iscale2 : kFwdNegInf;
+          x[n][1] = col + 1 <= lima ? ci[n][1] * iscale2 : kFwdNegInf;
+          x[n][2] = col <= limb ? ci[n][2] * iscale2 : kFwdNegInf;
+          x[n][3] = col + 1 <= limb ? ci[n][3] * iscale2 : kFwdNegInf;
+        }
+        float m[2], l[2];
+        quad_row_max_sum(x, m, l);
+        if (tq == 0) {
+          sIPart[part * Sh::kMaxUnits + ua] = make_float2(m[0], l[0]);
+          sIPart[part * Sh::kMaxUnits + ub2] = make_float2(m[1], l[1]);
+        }
+      }
+    };
+    if (index && j == 0) {  // CTA-uniform
+      if constexpr (kWgmma) {
+        // Warpgroup w / 4 takes keys [64 (w / 4), +64) of all units (part w / 4): m64n64k16 RS with K_idx
+        // by descriptor at row 64 (w / 4); warps 0 and 1 of the group hold units 0-15 and 16-31 (Q_idx
+        // rows by ldmatrix; slots past nu are zero-filled), warps 2 and 3 zero rows that are not stored.
+        const int wg = warp / 4, wq = warp % 4;
+        float cw[32];
+        const uint32_t ki_addr = smem_addr(sKi) + wg * 64 * 128;  // row 64 wg of each 128-byte panel
 #pragma unroll
-          for (int n = 0; n < 2; ++n) {
-            const int col = kw * 16 + n * 8 + 2 * tq;
-            x[n][0] = col <= lima ? ci[n][0] * p.index_scale * kLog2e : kFwdNegInf;
-            x[n][1] = col + 1 <= lima ? ci[n][1] * p.index_scale * kLog2e : kFwdNegInf;
-            x[n][2] = col <= limb ? ci[n][2] * p.index_scale * kLog2e : kFwdNegInf;
-            x[n][3] = col + 1 <= limb ? ci[n][3] * p.index_scale * kLog2e : kFwdNegInf;
+        for (int half = 0; half < Sh::kMaxDi / 64; ++half) {
+          uint32_t a[4][4];
+#pragma unroll
+          for (int k4 = 0; k4 < 4; ++k4) {
+            if (wq < 2) {
+              ldmatrix_x4(a[k4], sQi + ITile::offset(wq * 16 + lane % 16, (half * 4 + k4) * 2 + lane / 16));
+            } else {
+              a[k4][0] = a[k4][1] = a[k4][2] = a[k4][3] = 0u;
+            }
           }
-          float m[2], l[2];
-          quad_row_max_sum(x, m, l);
-          if (tq == 0) {
-            sIPart[kw * Sh::kMaxUnits + ua] = make_float2(m[0], l[0]);
-            sIPart[kw * Sh::kMaxUnits + ub2] = make_float2(m[1], l[1]);
+          sm90::wgmma_fence();
+#pragma unroll
+          for (int k4 = 0; k4 < 4; ++k4)
+            sm90::WgmmaRS<T, 64>::run(cw, a[k4], KiTileW::desc(ki_addr, half * 4 + k4), half * 4 + k4 > 0);
+          sm90::wgmma_commit();
+          sm90::wgmma_wait<0>();
+        }
+        if (wq < 2 && wg * 64 < p.block_size) {
+          float ci[8][4];
+#pragma unroll
+          for (int n = 0; n < 8; ++n)
+#pragma unroll
+            for (int e = 0; e < 4; ++e) ci[n][e] = cw[4 * n + e];
+          index_epilogue(ci, wq, wg * 64, wg);
+        }
+      } else if (kw * 16 < p.block_size) {
+        // Warp w takes keys [16 (w % 8), +16) (part w % 8) and, in the output pass (16 warps), the
+        // units' m-tiles w / 8, w / 8 + 2, ...
+        for (int mt = warp / 8; mt * 16 < nu; mt += kWarpsT / 8) {
+          float ci[2][4];
+          zero_acc(ci);
+#pragma unroll
+          for (int ks = 0; ks < Sh::kMaxDi / 16; ++ks) {
+            uint32_t a[4], b[4];
+            ldmatrix_x4(a, sQi + ITile::offset(mt * 16 + lane % 16, ks * 2 + lane / 16));
+            ldmatrix_x4(b, sKi + ITile::offset(kw * 16 + (lane % 8) + (lane / 16) * 8, ks * 2 + (lane / 8) % 2));
+            MmaOp<T>::run(ci[0], a, b[0], b[1]);
+            MmaOp<T>::run(ci[1], a, b[2], b[3]);
           }
+          index_epilogue(ci, mt, kw * 16, kw);
         }
       }
     }
@@ -577,9 +622,10 @@ __global__ void __launch_bounds__(SparseFwdShape::threads<kOut, kWgmma>(), kOut 
     }
 
     if constexpr (!kOut) {
-      // Index stats per unit: merge the warps' (max, sum) over their 16 keys each, in warp order.
+      // Index stats per unit: merge the parts' (max, sum), in part order (a warp's 16 keys; in the wgmma
+      // variant a warpgroup's 64).
       if (index && j == 0) {
-        const int nw = min(8, p.block_size / 16);
+        const int nw = kWgmma ? (p.block_size + 63) / 64 : min(8, p.block_size / 16);  // parts
         for (int u = tid; u < nu; u += kThreadsT) {
           float m = kFwdNegInf;
           for (int w2 = 0; w2 < nw; ++w2) m = fmaxf(m, sIPart[w2 * Sh::kMaxUnits + u].x);
@@ -635,7 +681,7 @@ __global__ void __launch_bounds__(SparseFwdShape::threads<kOut, kWgmma>(), kOut 
         for (int mt = warp / 8; mt * 16 < nu && kw * 16 < di; mt += kWarpsT / 8) {
           float dq[2][4];
           zero_acc(dq);
-          mma_rows_keys<T, ITile>(dq, sDsi, mt * 16, sKi, kw * 2, lane);
+          mma_rows_keys<T, KiTile>(dq, sDsi, mt * 16, sKi, kw * 2, lane);
           // One 16-byte atomic per lane and n-tile: even tq lanes add unit mt * 16 + g, odd ones + 8.
           const int uq = mt * 16 + g + ((tq & 1) ? 8 : 0);
           float* dst = p.dqi_accum + (int64_t(sTok[uq < nu ? uq : 0]) * p.hi + r) * di + kw * 16 + 2 * (tq & ~1);
