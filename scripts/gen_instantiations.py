@@ -18,6 +18,8 @@ KERNELS = {
                         [("launch_index_topk", "const IndexTopkParams&")], (64, 128), "sm90"),
     "sparse_fwd_sm90": (["sm80/sparse_fwd/sparse_fwd_kernel.cuh"],
                         [("launch_sparse_fwd", "const SparseFwdParams&, bool")], (64, 128), "sm90"),
+    "sparse_bwd_sm90": (["sm80/sparse_bwd/sparse_bwd_kernel.cuh"],
+                        [("launch_sparse_bwd", "const SparseBwdParams&")], (64, 128), "sm90"),
 }
 
 

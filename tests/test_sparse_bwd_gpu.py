@@ -9,7 +9,7 @@ from attention_check import assert_close_style, assert_grads_close, low_precisio
 from helpers import HEADS, make_inputs, make_packed, poison_allocator
 from msa import reference as ref
 
-pytestmark = pytest.mark.gpu
+pytestmark = [pytest.mark.gpu, pytest.mark.usefixtures("kernel_choice")]  # Hopper (wgmma) and portable
 
 
 def _grads(q, k, v, qi, ki, cu, mx, topk, bs, seed):

@@ -115,7 +115,14 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> sparse_backward_cuda(
     p.hi = int(Hi);
     p.scale = float(softmax_scale);
     p.scale_log2 = float(softmax_scale * 1.4426950408889634);
+    [[maybe_unused]] const bool sm90 = use_sm90_kernels();
     dispatch_dtype_dim(q.scalar_type(), D, [&]<typename T_, int D_>() {
+#ifdef MSA_WITH_SM90
+      if (sm90) {
+        MSA_LAUNCH_CHECK((sm90::launch_sparse_bwd<T_, D_>(p, stream)), "sparse_bwd");
+        return;
+      }
+#endif
       MSA_LAUNCH_CHECK((sm80::launch_sparse_bwd<T_, D_>(p, stream)), "sparse_bwd");
     });
   }

@@ -14,3 +14,9 @@ cudaError_t launch_sparse_bwd(const SparseBwdParams& p, cudaStream_t stream);
 cudaError_t launch_bwd_delta(const BwdDeltaParams& p, bool bf16, cudaStream_t stream);
 
 }  // namespace msa::sm80
+
+namespace msa::sm90 {
+// The same backward with its key phase and dQ on wgmma (sm_90a builds only: MSA_WITH_SM90).
+template <typename T, int D>
+cudaError_t launch_sparse_bwd(const SparseBwdParams& p, cudaStream_t stream);
+}  // namespace msa::sm90

@@ -9,6 +9,13 @@
 //   key phase  (warp: 16 keys): dV += P^T dO, dK += dS^T Q   (transposed ldmatrix reads);
 //   dQ         (warp: 16 rows x 64 of D): dQ = dS K, added to the fp32 dq accumulator.
 // The per-row softmax statistics come from the forward (lse) and a preprocess (delta = rowsum(dO O)).
+//
+// kWgmma (sm_90a builds): the key phase and dQ run on wgmma with A from registers (the same ldmatrix
+// fragments of P^T, dS^T and dS) and B from shared memory: dO and Q read MN-major for dV and dK, K
+// read MN-major for dQ. K, Q and dO then sit in the 128-byte-swizzled K-major layout wgmma reads
+// (sm90::KMajorSw128; the row phase's ldmatrix reads it too), and every tile's gathered rows are
+// fenced to the async proxy before the CTA barrier. The accumulators have the same per-thread layout
+// as the mma.sync ones (warp w: keys / rows [16 (w % 4) + 64 (w / 4), +16)), so the epilogues are shared.
 #pragma once
 #include <cuda_runtime.h>
 
@@ -16,6 +23,7 @@
 
 #include "common/block_span.h"
 #include "common/mma_sm80.h"
+#include "common/wgmma_sm90.h"
 #include "params.h"
 
 namespace msa::sm80 {
@@ -42,14 +50,22 @@ struct SparseBwdShape {
 
 constexpr float kLog2eB = 1.4426950408889634f;
 
-template <typename T, int D>
+template <typename T, int D, bool kWgmma>
 __global__ void __launch_bounds__(SparseBwdShape::kThreads, 1) sparse_bwd_kernel(SparseBwdParams p) {
   using Sh = SparseBwdShape;
   using L = typename Sh::template Smem<T, D>;
   using Tile = SwizzledTile<D>;
   using KTile = SwizzledTile<Sh::kKeys>;  // P and dS tiles: rows x 128 keys
+  using KW = sm90::KMajorSw128<Sh::kKeys, D>;  // kWgmma: K (and V) tiles
+  using QW = sm90::KMajorSw128<Sh::kRows, D>;  // kWgmma: Q and dO tiles
   constexpr int kChunks = Tile::kChunks;
-  extern __shared__ __align__(128) unsigned char smem[];
+  // Element offsets of 16-byte chunk c of row `row` in the K/V tiles and in the Q/dO tiles.
+  auto koff = [](int row, int c) { return kWgmma ? KW::offset(row, c) : Tile::offset(row, c); };
+  auto qoff = [](int row, int c) { return kWgmma ? QW::offset(row, c) : Tile::offset(row, c); };
+  extern __shared__ __align__(128) unsigned char smem_raw[];
+  // wgmma operand tiles start 1024-byte aligned (the swizzle is on address bits); every offset in L is a
+  // multiple of 1024 up to the P tile.
+  unsigned char* smem = kWgmma ? smem_raw + ((1024 - (smem_addr(smem_raw) & 1023)) & 1023) : smem_raw;
   T* sK = reinterpret_cast<T*>(smem + L::k);
   T* sV = reinterpret_cast<T*>(smem + L::v);
   T* sQ = reinterpret_cast<T*>(smem + L::q);
@@ -103,8 +119,8 @@ __global__ void __launch_bounds__(SparseBwdShape::kThreads, 1) sparse_bwd_kernel
         const int row = i / kChunks, c = i % kChunks;
         const bool ok = row < blen;
         const int rr = ok ? row : 0;
-        cp_async_16(sK + Tile::offset(row, c), ks + int64_t(rr) * p.k_stride_t + c * 8, ok);
-        cp_async_16(sV + Tile::offset(row, c), vs + int64_t(rr) * p.v_stride_t + c * 8, ok);
+        cp_async_16(sK + koff(row, c), ks + int64_t(rr) * p.k_stride_t + c * 8, ok);
+        cp_async_16(sV + koff(row, c), vs + int64_t(rr) * p.v_stride_t + c * 8, ok);
       }
     }
     // Tiles of U units; tile i + 1's rows are fetched while tile i computes, and tile i + 2's tokens
@@ -121,9 +137,9 @@ __global__ void __launch_bounds__(SparseBwdShape::kThreads, 1) sparse_bwd_kernel
         const int t = toks[row];
         const bool ok = t >= 0;
         const int64_t h = h0 + sRowH[row];
-        cp_async_16(sQ + b * Sh::kRows * D + Tile::offset(row, c),
+        cp_async_16(sQ + b * Sh::kRows * D + qoff(row, c),
                     Q + int64_t(ok ? t : 0) * p.q_stride_t + h * p.q_stride_h + c * 8, ok);
-        cp_async_16(sdO + b * Sh::kRows * D + Tile::offset(row, c),
+        cp_async_16(sdO + b * Sh::kRows * D + qoff(row, c),
                     dO + int64_t(ok ? t : 0) * p.do_stride_t + h * p.do_stride_h + c * 8, ok);
       }
       for (int row = tid; row < Sh::kRows; row += Sh::kThreads) {
@@ -147,6 +163,7 @@ __global__ void __launch_bounds__(SparseBwdShape::kThreads, 1) sparse_bwd_kernel
       cp_async_commit();
       const int tok_next = tid < Sh::kRows ? unit_token(tile + 2, tid) : -1;
       cp_async_wait<1>();
+      if constexpr (kWgmma) sm90::fence_proxy_async_smem();  // this thread's rows (and K) -> wgmma
       __syncthreads();
       const T* sQb = sQ + buf * Sh::kRows * D;
       const T* sdOb = sdO + buf * Sh::kRows * D;
@@ -183,16 +200,16 @@ __global__ void __launch_bounds__(SparseBwdShape::kThreads, 1) sparse_bwd_kernel
 #pragma unroll 2
         for (int ks = 0; ks < D / 16; ++ks) {
           uint32_t aq[4], ad[4];
-          ldmatrix_x4(aq, sQb + Tile::offset(rw * 16 + lane % 16, ks * 2 + lane / 16));
-          ldmatrix_x4(ad, sdOb + Tile::offset(rw * 16 + lane % 16, ks * 2 + lane / 16));
+          ldmatrix_x4(aq, sQb + qoff(rw * 16 + lane % 16, ks * 2 + lane / 16));
+          ldmatrix_x4(ad, sdOb + qoff(rw * 16 + lane % 16, ks * 2 + lane / 16));
 #pragma unroll
           for (int np = 0; np < 2; ++np) {
             const int krow = kbase + np * 16 + (lane % 8) + (lane / 16) * 8;
             uint32_t b[4];
-            ldmatrix_x4(b, sK + Tile::offset(krow, ks * 2 + (lane / 8) % 2));
+            ldmatrix_x4(b, sK + koff(krow, ks * 2 + (lane / 8) % 2));
             MmaOp<T>::run(s[2 * np], aq, b[0], b[1]);
             MmaOp<T>::run(s[2 * np + 1], aq, b[2], b[3]);
-            ldmatrix_x4(b, sV + Tile::offset(krow, ks * 2 + (lane / 8) % 2));
+            ldmatrix_x4(b, sV + koff(krow, ks * 2 + (lane / 8) % 2));
             MmaOp<T>::run(dp[2 * np], ad, b[0], b[1]);
             MmaOp<T>::run(dp[2 * np + 1], ad, b[2], b[3]);
           }
@@ -224,7 +241,29 @@ __global__ void __launch_bounds__(SparseBwdShape::kThreads, 1) sparse_bwd_kernel
       __syncthreads();
 
       // Key phase: keys [16 warp, +16): dV += P^T dO, dK += dS^T Q over the tile's rows.
-      if (warp * 16 < p.block_size) {
+      if (kWgmma && warp * 16 < p.block_size) {  // warpgroup-uniform: block_size 64 idles warpgroup 1
+        // A = P^T and dS^T (m = keys, k = rows) by transposed ldmatrix, all four row steps, then eight
+        // wgmma m64nDk16 with B = dO and Q (k = rows, n = D: MN-major).
+        uint32_t ap[Sh::kRows / 16][4], as[Sh::kRows / 16][4];
+#pragma unroll
+        for (int kr = 0; kr < Sh::kRows / 16; ++kr) {
+          const int arow = kr * 16 + (lane % 8) + ((lane / 16) * 8);
+          const int acol = warp * 2 + (lane / 8) % 2;
+          ldmatrix_x4_trans(ap[kr], sP + KTile::offset(arow, acol));
+          ldmatrix_x4_trans(as[kr], sdS + KTile::offset(arow, acol));
+        }
+        float(&dv_w)[D / 2] = *reinterpret_cast<float(*)[D / 2]>(&dv[0][0]);
+        float(&dk_w)[D / 2] = *reinterpret_cast<float(*)[D / 2]>(&dk[0][0]);
+        const uint32_t do_addr = smem_addr(sdOb), q_addr = smem_addr(sQb);
+        sm90::wgmma_fence();
+#pragma unroll
+        for (int kr = 0; kr < Sh::kRows / 16; ++kr) {
+          sm90::WgmmaRS<T, D, true>::run(dv_w, ap[kr], QW::desc_mn(do_addr, kr), true);
+          sm90::WgmmaRS<T, D, true>::run(dk_w, as[kr], QW::desc_mn(q_addr, kr), true);
+        }
+        sm90::wgmma_commit();
+        sm90::wgmma_wait<0>();
+      } else if (!kWgmma && warp * 16 < p.block_size) {
 #pragma unroll 1
         for (int kr = 0; kr < Sh::kRows / 16; ++kr) {  // 16 rows per MMA k-step
           uint32_t ap[4], as[4];
@@ -249,8 +288,38 @@ __global__ void __launch_bounds__(SparseBwdShape::kThreads, 1) sparse_bwd_kernel
 
       // dQ: rows [16 rw, +16), D columns [D/2 half, +D/2) in steps of D/4: dQ = scale * dS K.
       constexpr int kQuarter = D / 4;
+      // kWgmma: warpgroup `half` takes D columns [64 half, +64) (D = 64: warpgroup 0 all of them),
+      // m64n64 over the 128 keys in two groups of four k-steps (A = dS by ldmatrix, B = K MN-major).
+      if (kWgmma && (D == 128 || half == 0)) {
+        float dq[8][4];
+        float(&dq_w)[32] = *reinterpret_cast<float(*)[32]>(&dq[0][0]);
+        const uint32_t k_addr = smem_addr(sK) + half * (KW::kPanelElems * int(sizeof(T)));
+#pragma unroll
+        for (int kg = 0; kg < 2; ++kg) {
+          uint32_t a[4][4];
+#pragma unroll
+          for (int kk = 0; kk < 4; ++kk)
+            ldmatrix_x4(a[kk], sdS + KTile::offset(rw * 16 + lane % 16, (kg * 4 + kk) * 2 + lane / 16));
+          sm90::wgmma_fence();
+#pragma unroll
+          for (int kk = 0; kk < 4; ++kk)
+            sm90::WgmmaRS<T, 64, true>::run(dq_w, a[kk], KW::desc_mn(k_addr, kg * 4 + kk), kg + kk > 0);
+          sm90::wgmma_commit();
+          sm90::wgmma_wait<0>();
+        }
+        const bool odd = (tq & 1) != 0;
+        const int tr = odd ? tr1 : tr0;
+        float* dst = p.dq_accum + (int64_t(tr >= 0 ? tr : 0) * p.hq + h0 + sRowH[odd ? row1 : row0]) * D + half * 64 +
+                     2 * (tq & ~1);
+#pragma unroll
+        for (int n = 0; n < 8; ++n) {
+          const float4 v = quad_rows4(dq[n], tq);
+          if (tr >= 0)
+            atomic_add4(dst + n * 8, make_float4(v.x * p.scale, v.y * p.scale, v.z * p.scale, v.w * p.scale));
+        }
+      }
 #pragma unroll 1
-      for (int dh = 0; dh < 2; ++dh) {
+      for (int dh = 0; dh < (kWgmma ? 0 : 2); ++dh) {
         const int c0 = half * (D / 2) + dh * kQuarter;
         float dq[kQuarter / 8][4];
         zero_acc(dq);
@@ -293,16 +362,29 @@ __global__ void __launch_bounds__(SparseBwdShape::kThreads, 1) sparse_bwd_kernel
   }
 }
 
-template <typename T, int D>
-cudaError_t launch_sparse_bwd(const SparseBwdParams& p, cudaStream_t stream) {
+template <typename T, int D, bool kWgmma>
+cudaError_t launch_sparse_bwd_kernel(const SparseBwdParams& p, cudaStream_t stream) {
   const int64_t grid = p.max_items;  // an upper bound on item_offsets[num_keys]
   if (grid == 0) return cudaSuccess;
-  constexpr int smem = SparseBwdShape::Smem<T, D>::bytes;
-  auto kernel = sparse_bwd_kernel<T, D>;
+  constexpr int smem = SparseBwdShape::Smem<T, D>::bytes + (kWgmma ? 1024 : 0);
+  auto kernel = sparse_bwd_kernel<T, D, kWgmma>;
   cudaError_t err = cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, smem);
   if (err != cudaSuccess) return err;
   kernel<<<unsigned(grid), SparseBwdShape::kThreads, smem, stream>>>(p);
   return cudaGetLastError();
 }
 
+template <typename T, int D>
+cudaError_t launch_sparse_bwd(const SparseBwdParams& p, cudaStream_t stream) {
+  return launch_sparse_bwd_kernel<T, D, false>(p, stream);
+}
+
 }  // namespace msa::sm80
+
+namespace msa::sm90 {
+// The backward with its key phase and dQ on wgmma (sm_90a builds only).
+template <typename T, int D>
+cudaError_t launch_sparse_bwd(const SparseBwdParams& p, cudaStream_t stream) {
+  return sm80::launch_sparse_bwd_kernel<T, D, true>(p, stream);
+}
+}  // namespace msa::sm90
