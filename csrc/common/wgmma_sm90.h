@@ -163,4 +163,27 @@ MSA_WGMMA_RS_ALL(__half, "f16", 1)
 #undef MSA_WGMMA_ACC_64
 #undef MSA_WGMMA_ACC_32
 
+// D (64 x N, fp32) (+)= A (64 x 16, shared) * B (16 x N, shared): wgmma m64nNk16 with both operands
+// K-major in shared memory (descriptors from KMajorSw128::desc). N = 32 (the sparse backward's S = Q K^T
+// and dP = dO V^T over 32 keys).
+template <typename T, int N>
+struct WgmmaSS;
+
+#define MSA_WGMMA_SS32(TYPE, PTXTYPE) \
+  template <> \
+  struct WgmmaSS<TYPE, 32> { \
+    __device__ __forceinline__ static void run(float (&d)[16], uint64_t desc_a, uint64_t desc_b, bool accumulate) { \
+      asm volatile("{\n.reg .pred p;\nsetp.ne.b32 p, %18, 0;\n" \
+                   "wgmma.mma_async.sync.aligned.m64n32k16.f32." PTXTYPE "." PTXTYPE " " \
+                   "{%0,%1,%2,%3,%4,%5,%6,%7,%8,%9,%10,%11,%12,%13,%14,%15}, %16, %17, p, 1, 1, 0, 0;\n}\n" \
+                   : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3]), "+f"(d[4]), "+f"(d[5]), "+f"(d[6]), \
+                     "+f"(d[7]), "+f"(d[8]), "+f"(d[9]), "+f"(d[10]), "+f"(d[11]), "+f"(d[12]), "+f"(d[13]), \
+                     "+f"(d[14]), "+f"(d[15]) \
+                   : "l"(desc_a), "l"(desc_b), "r"(int(accumulate))); \
+    } \
+  };
+MSA_WGMMA_SS32(__nv_bfloat16, "bf16")
+MSA_WGMMA_SS32(__half, "f16")
+#undef MSA_WGMMA_SS32
+
 }  // namespace msa::sm90

@@ -193,6 +193,23 @@ __global__ void __launch_bounds__(SparseBwdShape::kThreads, 1) sparse_bwd_kernel
           continue;
         }
         float s[4][4], dp[4][4];
+        if constexpr (kWgmma) {
+          // The warpgroup's 64 rows x keys [kbase, +32): wgmma m64n32k16 with Q / dO and K / V rows from
+          // shared memory (both K-major; a 32-row slice of the key tile starts 4 KB-aligned).
+          float(&s_w)[16] = *reinterpret_cast<float(*)[16]>(&s[0][0]);
+          float(&dp_w)[16] = *reinterpret_cast<float(*)[16]>(&dp[0][0]);
+          const uint32_t q_addr = smem_addr(sQb), do_addr = smem_addr(sdOb);
+          const uint32_t k_addr = smem_addr(sK) + kbase * 128, v_addr = smem_addr(sV) + kbase * 128;
+          sm90::wgmma_fence();
+#pragma unroll
+          for (int ks = 0; ks < D / 16; ++ks)
+            sm90::WgmmaSS<T, 32>::run(s_w, QW::desc(q_addr, ks), KW::desc(k_addr, ks), ks > 0);
+#pragma unroll
+          for (int ks = 0; ks < D / 16; ++ks)
+            sm90::WgmmaSS<T, 32>::run(dp_w, QW::desc(do_addr, ks), KW::desc(v_addr, ks), ks > 0);
+          sm90::wgmma_commit();
+          sm90::wgmma_wait<0>();
+        } else {
 #pragma unroll
         for (int n = 0; n < 4; ++n)
 #pragma unroll
@@ -213,6 +230,7 @@ __global__ void __launch_bounds__(SparseBwdShape::kThreads, 1) sparse_bwd_kernel
             MmaOp<T>::run(dp[2 * np], ad, b[0], b[1]);
             MmaOp<T>::run(dp[2 * np + 1], ad, b[2], b[3]);
           }
+        }
         }
         const float e0 = sLseb[row0] * kLog2eB, e1 = sLseb[row1] * kLog2eB;
         const float d0 = sDeltab[row0], d1 = sDeltab[row1];
