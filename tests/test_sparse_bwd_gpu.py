@@ -127,3 +127,20 @@ def test_many_query_chunks(monkeypatch, warmup):
         assert torch.equal(a, b), f"{name} depends on the chunking"
     for name, a, b in zip(("kl_dq_idx", "kl_dk_idx"), whole[5:], chunked[5:]):
         torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-9, msg=f"{name} depends on the chunking")
+
+
+@pytest.mark.parametrize("per_item", ["7", "512"])
+def test_forward_item_size(monkeypatch, per_item):
+    """The forward's work items (one kv block and up to MSA_FWD_UNITS_PER_ITEM of its units per CTA;
+    default 128): out, lse and the KL are per-entry results combined in slot order, so they must not
+    depend on the item size at all; the index gradients (fp32 atomics) up to rounding."""
+    q, k, v, qi, ki, cu, mx = make_packed([1500, 700], (8, 2, 4, 1), 64, 64, dtype=torch.bfloat16, device="cuda",
+                                          seed=12)
+    args = (q, k, v, qi, ki, cu, mx, 4, 64, 0.125, 0.125, False, True, True)
+    ref_run = torch.ops.msa.msa_fwd(*args)
+    monkeypatch.setenv("MSA_FWD_UNITS_PER_ITEM", per_item)
+    run = torch.ops.msa.msa_fwd(*args)
+    for name, a, b in zip(("out", "kl", "indices", "lse", "lse_idx"), ref_run[:5], run[:5]):
+        assert torch.equal(a, b), f"{name} depends on the item size"
+    for name, a, b in zip(("kl_dq_idx", "kl_dk_idx"), ref_run[5:], run[5:]):
+        torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-9, msg=f"{name} depends on the item size")

@@ -33,7 +33,15 @@ int64_t partial_budget() {
   const long long v = env != nullptr ? std::atoll(env) : 0;
   return v > 0 ? int64_t(v) : kPartialBudget;
 }
-constexpr int kUnitsPerItem = 128;  // hot blocks split into items of this many units (<= kMaxItemUnits)
+// Units per forward work item (one CTA: one kv block, loaded once, and up to this many of the units that
+// selected it). MSA_FWD_UNITS_PER_ITEM overrides it (1 .. kMaxFwdItemUnits, the kernel's table size).
+constexpr int kUnitsPerItem = 128;
+constexpr int kMaxFwdItemUnits = 512;  // SparseFwdShape::kMaxItemUnits
+int fwd_units_per_item() {
+  const char* env = std::getenv("MSA_FWD_UNITS_PER_ITEM");
+  const long long v = env != nullptr ? std::atoll(env) : 0;
+  return v > 0 ? int(std::min<long long>(v, kMaxFwdItemUnits)) : kUnitsPerItem;
+}
 
 }  // namespace
 
@@ -118,7 +126,8 @@ SparseForward sparse_forward_cuda(const at::Tensor& q_in, const at::Tensor& k_in
   auto out_part = at::empty({kl_only ? 0 : entries * G * D}, q.options());
   auto dsi_part = at::empty({grad ? entries * 128 : 0}, q.options());
 
-  ReverseIndex ri = alloc_reverse_index(indices, cu_seqlens, topk, block_size, entries, kUnitsPerItem);
+  const int units_per_item = fwd_units_per_item();
+  ReverseIndex ri = alloc_reverse_index(indices, cu_seqlens, topk, block_size, entries, units_per_item);
   ReverseIndexParams& rp = ri.params;
   rp.emit_entries = true;
   rp.dense = dense;
@@ -149,7 +158,7 @@ SparseForward sparse_forward_cuda(const at::Tensor& q_in, const at::Tensor& k_in
   fp.work.block_offsets = rp.block_offsets;
   fp.work.num_keys = int(num_keys);
   fp.work.max_blocks = int(max_blocks);
-  fp.work.units_per_item = kUnitsPerItem;
+  fp.work.units_per_item = units_per_item;
   fp.total_tokens = int(T);
   fp.num_seqs = int(S);
   fp.topk = int(topk);
@@ -225,7 +234,7 @@ SparseForward sparse_forward_cuda(const at::Tensor& q_in, const at::Tensor& k_in
     }
     fp.chunk_begin = cp.chunk_begin = int(t0);
     fp.chunk_tokens = cp.chunk_tokens = int(tc);
-    fp.work.max_items = int(n / kUnitsPerItem + num_keys);
+    fp.work.max_items = int(n / units_per_item + num_keys);
     dispatch_dtype_dim(q.scalar_type(), D, [&]<typename T_, int D_>() {
       auto pass = [&](bool out_pass) {
 #ifdef MSA_WITH_SM90
