@@ -46,6 +46,8 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> sparse_backward_cuda(
   TORCH_CHECK_VALUE(lse.scalar_type() == at::kFloat && lse.dim() == 2 && lse.size(0) == Hq && lse.size(1) == T,
                     "lse: expected float32 (", Hq, ", ", T, "), got ", lse.scalar_type(), " ", lse.sizes());
   check_cuda_int32(indices, "indices", 3);
+  TORCH_CHECK_VALUE(indices.device() == q_in.device() && cu_seqlens.device() == q_in.device(),
+                    "indices, cu_seqlens: expected device ", q_in.device());
   const int64_t Hi = indices.size(0);
   TORCH_CHECK_VALUE(indices.size(1) == T && Hq % Hi == 0 && (Hi % Hkv == 0 || Hkv % Hi == 0),
                     "indices: expected (Hi, ", T, ", topk) with Hi dividing Hq = ", Hq, ", got ", indices.sizes());
