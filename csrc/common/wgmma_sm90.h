@@ -163,6 +163,22 @@ MSA_WGMMA_RS_ALL(__half, "f16", 1)
 #undef MSA_WGMMA_ACC_64
 #undef MSA_WGMMA_ACC_32
 
+// acc (64 x N) (+)= A (64 x 64: four k-steps) * B, A from registers: load_a(frag, kk) fills this warp's
+// A fragment of k-step kk (e.g. by ldmatrix), b_desc(kk) gives B's descriptor. accumulate_first =
+// false overwrites acc at the first k-step. Returns once the wgmmas are done (the fragments and acc
+// are ordinary registers again).
+template <typename T, int N, bool kTransB = false, typename LoadA, typename BDesc>
+__device__ __forceinline__ void wgmma_rs_k64(float (&acc)[N / 2], LoadA load_a, BDesc b_desc, bool accumulate_first) {
+  uint32_t a[4][4];
+#pragma unroll
+  for (int kk = 0; kk < 4; ++kk) load_a(a[kk], kk);
+  wgmma_fence();
+#pragma unroll
+  for (int kk = 0; kk < 4; ++kk) WgmmaRS<T, N, kTransB>::run(acc, a[kk], b_desc(kk), accumulate_first || kk > 0);
+  wgmma_commit();
+  wgmma_wait<0>();
+}
+
 // D (64 x N, fp32) (+)= A (64 x 16, shared) * B (16 x N, shared): wgmma m64nNk16 with both operands
 // K-major in shared memory (descriptors from KMajorSw128::desc). N = 32 (the sparse backward's S = Q K^T
 // and dP = dO V^T over 32 keys).

@@ -314,16 +314,12 @@ __global__ void __launch_bounds__(SparseBwdShape::kThreads, 1) sparse_bwd_kernel
         const uint32_t k_addr = smem_addr(sK) + half * (KW::kPanelElems * int(sizeof(T)));
 #pragma unroll
         for (int kg = 0; kg < 2; ++kg) {
-          uint32_t a[4][4];
-#pragma unroll
-          for (int kk = 0; kk < 4; ++kk)
-            ldmatrix_x4(a[kk], sdS + KTile::offset(rw * 16 + lane % 16, (kg * 4 + kk) * 2 + lane / 16));
-          sm90::wgmma_fence();
-#pragma unroll
-          for (int kk = 0; kk < 4; ++kk)
-            sm90::WgmmaRS<T, 64, true>::run(dq_w, a[kk], KW::desc_mn(k_addr, kg * 4 + kk), kg + kk > 0);
-          sm90::wgmma_commit();
-          sm90::wgmma_wait<0>();
+          sm90::wgmma_rs_k64<T, 64, true>(
+              dq_w,
+              [&](uint32_t(&a)[4], int kk) {
+                ldmatrix_x4(a, sdS + KTile::offset(rw * 16 + lane % 16, (kg * 4 + kk) * 2 + lane / 16));
+              },
+              [&](int kk) { return KW::desc_mn(k_addr, kg * 4 + kk); }, kg > 0);
         }
         const bool odd = (tq & 1) != 0;
         const int tr = odd ? tr1 : tr0;

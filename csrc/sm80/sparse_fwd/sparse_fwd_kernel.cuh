@@ -306,21 +306,16 @@ __global__ void __launch_bounds__(SparseFwdShape::threads<kOut, kWgmma>(), kOut 
         const uint32_t ki_addr = smem_addr(sKi) + wg * 64 * 128;  // row 64 wg of each 128-byte panel
 #pragma unroll
         for (int half = 0; half < Sh::kMaxDi / 64; ++half) {
-          uint32_t a[4][4];
-#pragma unroll
-          for (int k4 = 0; k4 < 4; ++k4) {
-            if (wq < 2) {
-              ldmatrix_x4(a[k4], sQi + ITile::offset(wq * 16 + lane % 16, (half * 4 + k4) * 2 + lane / 16));
-            } else {
-              a[k4][0] = a[k4][1] = a[k4][2] = a[k4][3] = 0u;
-            }
-          }
-          sm90::wgmma_fence();
-#pragma unroll
-          for (int k4 = 0; k4 < 4; ++k4)
-            sm90::WgmmaRS<T, 64>::run(cw, a[k4], KiTileW::desc(ki_addr, half * 4 + k4), half * 4 + k4 > 0);
-          sm90::wgmma_commit();
-          sm90::wgmma_wait<0>();
+          sm90::wgmma_rs_k64<T, 64>(
+              cw,
+              [&](uint32_t(&a)[4], int k4) {
+                if (wq < 2) {
+                  ldmatrix_x4(a, sQi + ITile::offset(wq * 16 + lane % 16, (half * 4 + k4) * 2 + lane / 16));
+                } else {
+                  a[0] = a[1] = a[2] = a[3] = 0u;
+                }
+              },
+              [&](int k4) { return KiTileW::desc(ki_addr, half * 4 + k4); }, half > 0);
         }
         if (wq < 2 && wg * 64 < p.block_size) {
           float ci[8][4];
@@ -365,16 +360,12 @@ __global__ void __launch_bounds__(SparseFwdShape::threads<kOut, kWgmma>(), kOut 
         const uint32_t k_addr = smem_addr(sK);
 #pragma unroll
         for (int half = 0; half < D / 64; ++half) {
-          uint32_t a[4][4];
-#pragma unroll
-          for (int k4 = 0; k4 < 4; ++k4)
-            ldmatrix_x4(a[k4], sQ + Tile::offset(rg * 16 + lane % 16, (half * 4 + k4) * 2 + lane / 16));
-          sm90::wgmma_fence();
-#pragma unroll
-          for (int k4 = 0; k4 < 4; ++k4)
-            sm90::WgmmaRS<T, Sh::kKeys>::run(cw, a[k4], KTileW::desc(k_addr, half * 4 + k4), half * 4 + k4 > 0);
-          sm90::wgmma_commit();
-          sm90::wgmma_wait<0>();
+          sm90::wgmma_rs_k64<T, Sh::kKeys>(
+              cw,
+              [&](uint32_t(&a)[4], int k4) {
+                ldmatrix_x4(a, sQ + Tile::offset(rg * 16 + lane % 16, (half * 4 + k4) * 2 + lane / 16));
+              },
+              [&](int k4) { return KTileW::desc(k_addr, half * 4 + k4); }, half > 0);
         }
 #pragma unroll
         for (int n = 0; n < kN8; ++n)
