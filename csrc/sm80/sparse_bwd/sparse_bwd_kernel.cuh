@@ -10,11 +10,12 @@
 //   dQ         (warp: 16 rows x 64 of D): dQ = dS K, added to the fp32 dq accumulator.
 // The per-row softmax statistics come from the forward (lse) and a preprocess (delta = rowsum(dO O)).
 //
-// kWgmma (sm_90a builds): the key phase and dQ run on wgmma with A from registers (the same ldmatrix
-// fragments of P^T, dS^T and dS) and B from shared memory: dO and Q read MN-major for dV and dK, K
-// read MN-major for dQ. K, Q and dO then sit in the 128-byte-swizzled K-major layout wgmma reads
-// (sm90::KMajorSw128; the row phase's ldmatrix reads it too), and every tile's gathered rows are
-// fenced to the async proxy before the CTA barrier. The accumulators have the same per-thread layout
+// kWgmma (sm_90a builds): all five GEMMs run on wgmma. The row phase's S and dP read both operands
+// from shared memory (SS, m64n32 per warpgroup and 32-key step); the key phase and dQ take A from
+// registers (the same ldmatrix fragments of P^T, dS^T and dS) and B from shared memory: dO and Q read
+// MN-major for dV and dK, K read MN-major for dQ. K, V, Q and dO then sit in the 128-byte-swizzled
+// K-major layout wgmma reads (sm90::KMajorSw128), and every tile's gathered rows are fenced to the
+// async proxy before the CTA barrier. The accumulators have the same per-thread layout
 // as the mma.sync ones (warp w: keys / rows [16 (w % 4) + 64 (w / 4), +16)), so the epilogues are shared.
 #pragma once
 #include <cuda_runtime.h>
@@ -211,26 +212,26 @@ __global__ void __launch_bounds__(SparseBwdShape::kThreads, 1) sparse_bwd_kernel
           sm90::wgmma_wait<0>();
         } else {
 #pragma unroll
-        for (int n = 0; n < 4; ++n)
+          for (int n = 0; n < 4; ++n)
 #pragma unroll
-          for (int e = 0; e < 4; ++e) s[n][e] = dp[n][e] = 0.f;
+            for (int e = 0; e < 4; ++e) s[n][e] = dp[n][e] = 0.f;
 #pragma unroll 2
-        for (int ks = 0; ks < D / 16; ++ks) {
-          uint32_t aq[4], ad[4];
-          ldmatrix_x4(aq, sQb + qoff(rw * 16 + lane % 16, ks * 2 + lane / 16));
-          ldmatrix_x4(ad, sdOb + qoff(rw * 16 + lane % 16, ks * 2 + lane / 16));
+          for (int ks = 0; ks < D / 16; ++ks) {
+            uint32_t aq[4], ad[4];
+            ldmatrix_x4(aq, sQb + qoff(rw * 16 + lane % 16, ks * 2 + lane / 16));
+            ldmatrix_x4(ad, sdOb + qoff(rw * 16 + lane % 16, ks * 2 + lane / 16));
 #pragma unroll
-          for (int np = 0; np < 2; ++np) {
-            const int krow = kbase + np * 16 + (lane % 8) + (lane / 16) * 8;
-            uint32_t b[4];
-            ldmatrix_x4(b, sK + koff(krow, ks * 2 + (lane / 8) % 2));
-            MmaOp<T>::run(s[2 * np], aq, b[0], b[1]);
-            MmaOp<T>::run(s[2 * np + 1], aq, b[2], b[3]);
-            ldmatrix_x4(b, sV + koff(krow, ks * 2 + (lane / 8) % 2));
-            MmaOp<T>::run(dp[2 * np], ad, b[0], b[1]);
-            MmaOp<T>::run(dp[2 * np + 1], ad, b[2], b[3]);
+            for (int np = 0; np < 2; ++np) {
+              const int krow = kbase + np * 16 + (lane % 8) + (lane / 16) * 8;
+              uint32_t b[4];
+              ldmatrix_x4(b, sK + koff(krow, ks * 2 + (lane / 8) % 2));
+              MmaOp<T>::run(s[2 * np], aq, b[0], b[1]);
+              MmaOp<T>::run(s[2 * np + 1], aq, b[2], b[3]);
+              ldmatrix_x4(b, sV + koff(krow, ks * 2 + (lane / 8) % 2));
+              MmaOp<T>::run(dp[2 * np], ad, b[0], b[1]);
+              MmaOp<T>::run(dp[2 * np + 1], ad, b[2], b[3]);
+            }
           }
-        }
         }
         const float e0 = sLseb[row0] * kLog2eB, e1 = sLseb[row1] * kLog2eB;
         const float d0 = sDeltab[row0], d1 = sDeltab[row1];
