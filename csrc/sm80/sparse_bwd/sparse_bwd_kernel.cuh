@@ -305,51 +305,50 @@ __global__ void __launch_bounds__(SparseBwdShape::kThreads, 1) sparse_bwd_kernel
         }
       }
 
-      // dQ: rows [16 rw, +16), D columns [D/2 half, +D/2) in steps of D/4: dQ = scale * dS K.
-      constexpr int kQuarter = D / 4;
-      // kWgmma: warpgroup `half` takes D columns [64 half, +64) (D = 64: warpgroup 0 all of them),
-      // m64n64 over the 128 keys in two groups of four k-steps (A = dS by ldmatrix, B = K MN-major).
-      if (kWgmma && (D == 128 || half == 0)) {
-        float dq[8][4];
-        float(&dq_w)[32] = *reinterpret_cast<float(*)[32]>(&dq[0][0]);
-        const uint32_t k_addr = smem_addr(sK) + half * (KW::kPanelElems * int(sizeof(T)));
-#pragma unroll
-        for (int kg = 0; kg < 2; ++kg) {
-          sm90::wgmma_rs_k64<T, 64, true>(
-              dq_w,
-              [&](uint32_t(&a)[4], int kk) {
-                ldmatrix_x4(a, sdS + KTile::offset(rw * 16 + lane % 16, (kg * 4 + kk) * 2 + lane / 16));
-              },
-              [&](int kk) { return KW::desc_mn(k_addr, kg * 4 + kk); }, kg > 0);
-        }
-        const bool odd = (tq & 1) != 0;
-        const int tr = odd ? tr1 : tr0;
-        float* dst = p.dq_accum + (int64_t(tr >= 0 ? tr : 0) * p.hq + h0 + sRowH[odd ? row1 : row0]) * D + half * 64 +
-                     2 * (tq & ~1);
-#pragma unroll
-        for (int n = 0; n < 8; ++n) {
-          const float4 v = quad_rows4(dq[n], tq);
-          if (tr >= 0)
-            atomic_add4(dst + n * 8, make_float4(v.x * p.scale, v.y * p.scale, v.z * p.scale, v.w * p.scale));
-        }
-      }
-#pragma unroll 1
-      for (int dh = 0; dh < (kWgmma ? 0 : 2); ++dh) {
-        const int c0 = half * (D / 2) + dh * kQuarter;
-        float dq[kQuarter / 8][4];
-        zero_acc(dq);
-        static_assert(Sh::kKeys == 128, "mma_rows_keys runs over 128 keys");
-        mma_rows_keys<T, Tile>(dq, sdS, rw * 16, sK, c0 / 8, lane);  // dS is zero past block_size (row phase)
-        // One 16-byte atomic per lane and n-tile: even tq lanes add row0's 4 columns, odd ones row1's.
+      // dQ = scale * dS K for rows [16 rw, +16), added to the fp32 accumulator: one 16-byte atomic per
+      // lane and n-tile of the warp's columns from c0 on (even tq lanes add row0's 4 columns, odd ones row1's).
+      auto add_dq = [&](auto& dq, int c0) {
         const bool odd = (tq & 1) != 0;
         const int tr = odd ? tr1 : tr0;
         float* dst = p.dq_accum + (int64_t(tr >= 0 ? tr : 0) * p.hq + h0 + sRowH[odd ? row1 : row0]) * D + c0 +
                      2 * (tq & ~1);
+        constexpr int kN8 = sizeof(dq) / sizeof(dq[0]);
 #pragma unroll
-        for (int n = 0; n < kQuarter / 8; ++n) {
+        for (int n = 0; n < kN8; ++n) {
           const float4 v = quad_rows4(dq[n], tq);
           if (tr >= 0)
             atomic_add4(dst + n * 8, make_float4(v.x * p.scale, v.y * p.scale, v.z * p.scale, v.w * p.scale));
+        }
+      };
+      if constexpr (kWgmma) {
+        // Warpgroup `half` takes D columns [64 half, +64) (D = 64: warpgroup 0 all of them), m64n64
+        // over the 128 keys in two groups of four k-steps (A = dS by ldmatrix, B = K MN-major).
+        if (D == 128 || half == 0) {
+          float dq[8][4];
+          float(&dq_w)[32] = *reinterpret_cast<float(*)[32]>(&dq[0][0]);
+          const uint32_t k_addr = smem_addr(sK) + half * (KW::kPanelElems * int(sizeof(T)));
+#pragma unroll
+          for (int kg = 0; kg < 2; ++kg) {
+            sm90::wgmma_rs_k64<T, 64, true>(
+                dq_w,
+                [&](uint32_t(&a)[4], int kk) {
+                  ldmatrix_x4(a, sdS + KTile::offset(rw * 16 + lane % 16, (kg * 4 + kk) * 2 + lane / 16));
+                },
+                [&](int kk) { return KW::desc_mn(k_addr, kg * 4 + kk); }, kg > 0);
+          }
+          add_dq(dq, half * 64);
+        }
+      } else {
+        // Warp: D columns [D/2 half, +D/2) in steps of D/4 (registers).
+        constexpr int kQuarter = D / 4;
+#pragma unroll 1
+        for (int dh = 0; dh < 2; ++dh) {
+          const int c0 = half * (D / 2) + dh * kQuarter;
+          float dq[kQuarter / 8][4];
+          zero_acc(dq);
+          static_assert(Sh::kKeys == 128, "mma_rows_keys runs over 128 keys");
+          mma_rows_keys<T, Tile>(dq, sdS, rw * 16, sK, c0 / 8, lane);  // dS is zero past block_size (row phase)
+          add_dq(dq, c0);
         }
       }
       __syncthreads();  // every read of this tile's token row is done: it now takes tile + 2's
