@@ -34,13 +34,13 @@ int64_t partial_budget() {
   return v > 0 ? int64_t(v) : kPartialBudget;
 }
 // Units per forward work item (one CTA: one kv block, loaded once, and up to this many of the units that
-// selected it). MSA_FWD_UNITS_PER_ITEM overrides it (1 .. kMaxFwdItemUnits, the kernel's table size).
+// selected it). MSA_FWD_UNITS_PER_ITEM overrides it (1 .. sm80::kFwdMaxItemUnits, the kernel's table size).
 constexpr int kUnitsPerItem = 512;  // 128 -> 512: fwd+bwd -0.3 ms at 32K, -1.0 at 128K (NOTES s30)
-constexpr int kMaxFwdItemUnits = 512;  // SparseFwdShape::kMaxItemUnits
+static_assert(kUnitsPerItem <= sm80::kFwdMaxItemUnits, "the kernel's unit tables hold kFwdMaxItemUnits");
 int fwd_units_per_item() {
   const char* env = std::getenv("MSA_FWD_UNITS_PER_ITEM");
   const long long v = env != nullptr ? std::atoll(env) : 0;
-  return v > 0 ? int(std::min<long long>(v, kMaxFwdItemUnits)) : kUnitsPerItem;
+  return v > 0 ? int(std::min<long long>(v, sm80::kFwdMaxItemUnits)) : kUnitsPerItem;
 }
 
 }  // namespace

@@ -7,6 +7,10 @@
 
 namespace msa::sm80 {
 
+// Largest forward work item in units (one CTA; the kernel's shared-memory unit tables hold this many):
+// SparseFwdParams::work.units_per_item must not exceed it.
+constexpr int kFwdMaxItemUnits = 512;
+
 // One explicit instantiation per (dtype, D) in csrc/instantiations/ (scripts/gen_instantiations.py).
 template <typename T, int D>
 cudaError_t launch_sparse_fwd(const SparseFwdParams& p, bool out_pass, cudaStream_t stream);

@@ -33,6 +33,7 @@
 #include "common/mma_sm80.h"
 #include "common/wgmma_sm90.h"
 #include "params.h"
+#include "sm80/sparse_fwd/sparse_fwd.h"
 
 namespace msa::sm80 {
 
@@ -46,7 +47,7 @@ struct SparseFwdShape {
   static constexpr int kKeys = 128;     // MMA columns: one block (block_size 64 uses the first half)
   static constexpr int kMaxRows = 128;
   static constexpr int kMaxUnits = 32;     // per tile
-  static constexpr int kMaxItemUnits = 512;  // per work item (units_per_item <= this; api/sparse_fwd.cpp)
+  static constexpr int kMaxItemUnits = kFwdMaxItemUnits;  // per work item (sparse_fwd.h)
   static constexpr int kMaxDi = 128;
   template <typename T, int D, bool kOut>
   struct Smem {  // byte offsets; the stats pass has no V, S_idx, P or dsi tiles (two CTAs per SM)
