@@ -20,7 +20,8 @@ def main():
             bench.msa_fwd_bwd(*x)
         torch.cuda.synchronize()
         with torch.profiler.profile(activities=acts) as prof:
-            bench.msa_fwd_bwd(*x)
+            with torch.profiler.record_function("msa_fwd_bwd"):
+                bench.msa_fwd_bwd(*x)
             torch.cuda.synchronize()
         events = prof.events()
         gpu = sorted((e.time_range.start, e.time_range.end, e.name) for e in events
@@ -37,6 +38,18 @@ def main():
         span = end - gpu[0][0]
         print(f"## N = {n}: {len(gpu)} GPU activities over {span / 1e3:.2f} ms, busy {busy / 1e3:.2f} ms, "
               f"idle {sum(g[0] for g in gaps) / 1e3:.2f} ms in {len(gaps)} gaps")
+        # Host lead: from the call's start on the CPU to its first GPU activity (the bench's CUDA-event
+        # timer counts it: its start event is recorded before the call).
+        call = [e for e in events if e.name == "msa_fwd_bwd" and e.device_type == torch.autograd.DeviceType.CPU]
+        if call:
+            c0 = call[0].time_range.start
+            first_launch = min((s for s, _, nm in cpu if nm.startswith("cuda") and "Launch" in nm and s >= c0),
+                               default=None)
+            print(f"host lead: {(gpu[0][0] - c0) / 1e3:.3f} ms from the call to the first GPU activity"
+                  + (f" (first launch call after {(first_launch - c0) / 1e3:.3f} ms)" if first_launch else "")
+                  + f"; CPU time of the call {(call[0].time_range.end - c0) / 1e3:.3f} ms")
+            ops = sorted(((s - c0, nm) for s, e, nm in cpu if c0 <= s < gpu[0][0] and not nm.startswith("cuda")))
+            print("  CPU ops before the first GPU activity: " + ", ".join(f"{nm}@{t / 1e3:.3f}" for t, nm in ops[:25]))
         for d, a, b, nxt in sorted(gaps, reverse=True)[:20]:
             during = sorted({nm for s, e, nm in cpu if s < b and e > a and not nm.startswith("cuda")})[:6]
             print(f"  {d:8.1f} us before {nxt[:60]!r}; CPU ops meanwhile: {', '.join(during)}")
