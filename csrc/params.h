@@ -40,6 +40,15 @@ struct ReverseIndexParams {
   int units_per_item;
   void* scan_temp;
   size_t scan_temp_bytes;
+  // Launch order (nullable, with items): item_order[i] = the item CTA i runs, the items by size
+  // descending (stable: full items first, in key order), then the unused slots (values >= the item
+  // count). max_items slots; order_keys / order_vals: 2 x max_items of workspace each.
+  int32_t* item_order;
+  int32_t* order_keys;
+  int32_t* order_vals;
+  void* order_temp;
+  size_t order_temp_bytes;
+  int max_items;
 };
 
 }  // namespace msa
@@ -74,6 +83,8 @@ struct SparseWork {
   const int32_t* entries;        // entry ids e = (r * T + t) * topk + slot, grouped by key, ascending
   const int32_t* item_offsets;   // (num_keys + 1) first item of each key
   const int2* items;             // (key, first unit) of each item: no search in the kernels
+  // CTA -> item (nullable: CTA i runs item i): large items first, so a launch ends on small ones.
+  const int32_t* item_order;
   const int32_t* block_offsets;  // (num_seqs + 1) first global block of each sequence
   int num_keys;
   int max_blocks;
@@ -179,6 +190,7 @@ struct SparseBwdParams {
   const int32_t* block_offsets;  // (num_seqs + 1)
   const int32_t* item_offsets;   // (num_keys + 1): item_offsets[num_keys] = number of items
   const int2* items;             // (key, first row) per item: hot keys split into several CTAs
+  const int32_t* item_order;     // CTA -> item (nullable: CTA i runs item i), large items first
   int num_keys;
   int units_per_item;
   int max_items;                 // grid size: an upper bound on item_offsets[num_keys]

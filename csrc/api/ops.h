@@ -40,6 +40,7 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> sparse_backward_cuda(
 // that many tokens (item_offsets (keys + 1), items (max_items, 2) = (key, first row)).
 struct ReverseIndex {
   at::Tensor offsets, rows, block_offsets, item_offsets, items;
+  at::Tensor order;  // (4 max_items): the launch order, then its sort's keys (2 x) and values
   int64_t max_blocks = 0, units_per_item = 0, max_items = 0;
   at::Tensor keys, rows_in, temp;  // workspace of the build
   ReverseIndexParams params{};     // points at the tensors above; the whole token range
@@ -50,6 +51,8 @@ struct ReverseIndex {
 // units_per_item > 0 adds the work list.
 ReverseIndex alloc_reverse_index(const at::Tensor& indices, const at::Tensor& cu_seqlens, int64_t topk,
                                  int64_t block_size, int64_t capacity, int64_t units_per_item);
+// Whether the work list gets a launch order, largest items first (default; MSA_ITEM_ORDER=0: key order).
+bool item_order_enabled();
 ReverseIndex build_reverse_index(const at::Tensor& indices, const at::Tensor& cu_seqlens, int64_t max_seqlen,
                                  int64_t block_size, int64_t units_per_item);
 

@@ -4,6 +4,8 @@
 #include <torch/library.h>
 
 #include <algorithm>
+#include <cstdlib>
+#include <cstring>
 #include <tuple>
 
 #include "api/checks.h"
@@ -12,6 +14,11 @@
 #include "sm80/reverse_index/reverse_index.h"
 
 namespace msa::api {
+
+bool item_order_enabled() {
+  const char* env = std::getenv("MSA_ITEM_ORDER");
+  return env == nullptr || std::strcmp(env, "0") != 0;
+}
 
 ReverseIndex alloc_reverse_index(const at::Tensor& indices, const at::Tensor& cu_seqlens, int64_t topk,
                                  int64_t block_size, int64_t capacity, int64_t units_per_item) {
@@ -29,7 +36,10 @@ ReverseIndex alloc_reverse_index(const at::Tensor& indices, const at::Tensor& cu
   ri.rows_in = at::empty({capacity}, opts);
   const size_t sort_bytes = reverse_index_sort_bytes(int(capacity), int(num_keys));
   const size_t scan_bytes = units_per_item > 0 ? reverse_index_scan_bytes(int(num_keys)) : 0;
-  ri.temp = at::empty({int64_t(std::max(sort_bytes, scan_bytes))}, opts.dtype(at::kByte));
+  const bool order = units_per_item > 0 && item_order_enabled();
+  const int64_t max_items = units_per_item > 0 ? capacity / units_per_item + num_keys : 0;
+  const size_t order_bytes = order ? reverse_index_order_bytes(int(max_items), int(units_per_item)) : 0;
+  ri.temp = at::empty({int64_t(std::max({sort_bytes, scan_bytes, order_bytes}))}, opts.dtype(at::kByte));
 
   ReverseIndexParams& p = ri.params;
   p.indices = indices.data_ptr<int32_t>();
@@ -53,7 +63,7 @@ ReverseIndex alloc_reverse_index(const at::Tensor& indices, const at::Tensor& cu
   if (units_per_item > 0) {
     // The work list: sum over keys of ceil(count / per_item) <= capacity / per_item + num_keys items.
     ri.units_per_item = units_per_item;
-    ri.max_items = capacity / units_per_item + num_keys;
+    ri.max_items = max_items;
     ri.item_offsets = at::empty({num_keys + 1}, opts);
     ri.items = at::empty({ri.max_items, 2}, opts);
     p.item_offsets = ri.item_offsets.data_ptr<int32_t>();
@@ -61,6 +71,15 @@ ReverseIndex alloc_reverse_index(const at::Tensor& indices, const at::Tensor& cu
     p.units_per_item = int(units_per_item);
     p.scan_temp = ri.temp.data_ptr();
     p.scan_temp_bytes = scan_bytes;
+    p.max_items = int(max_items);
+    if (order) {
+      ri.order = at::empty({4 * max_items}, opts);
+      p.item_order = ri.order.data_ptr<int32_t>();
+      p.order_keys = p.item_order + max_items;
+      p.order_vals = p.item_order + 3 * max_items;
+      p.order_temp = ri.temp.data_ptr();
+      p.order_temp_bytes = order_bytes;
+    }
   }
   return ri;
 }

@@ -102,6 +102,7 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> sparse_backward_cuda(
     p.block_offsets = ri.block_offsets.data_ptr<int32_t>();
     p.item_offsets = ri.item_offsets.data_ptr<int32_t>();
     p.items = reinterpret_cast<const int2*>(ri.items.data_ptr<int32_t>());
+    p.item_order = ri.order.defined() ? ri.order.data_ptr<int32_t>() : nullptr;
     p.num_keys = int(Hi * ri.max_blocks);
     p.units_per_item = int(ri.units_per_item);
     p.max_items = int(ri.max_items);

@@ -155,6 +155,7 @@ SparseForward sparse_forward_cuda(const at::Tensor& q_in, const at::Tensor& k_in
   fp.work.entries = rp.rows;
   fp.work.item_offsets = rp.item_offsets;
   fp.work.items = rp.items;
+  fp.work.item_order = rp.item_order;
   fp.work.block_offsets = rp.block_offsets;
   fp.work.num_keys = int(num_keys);
   fp.work.max_blocks = int(max_blocks);
@@ -224,6 +225,8 @@ SparseForward sparse_forward_cuda(const at::Tensor& q_in, const at::Tensor& k_in
     const int64_t n = Hi * tc * topk;
     rp.token_begin = int(t0);
     rp.token_end = int(t0 + tc);
+    fp.work.max_items = int(n / units_per_item + num_keys);
+    rp.max_items = fp.work.max_items;  // the launch order covers the grid
     MSA_LAUNCH_CHECK(run_reverse_index(rp, stream), "sparse_fwd (reverse index)");
     // Slots that select nothing are never written: their stats stay (0, 0), "no keys".
     if (!kl_only) {
@@ -234,7 +237,6 @@ SparseForward sparse_forward_cuda(const at::Tensor& q_in, const at::Tensor& k_in
     }
     fp.chunk_begin = cp.chunk_begin = int(t0);
     fp.chunk_tokens = cp.chunk_tokens = int(tc);
-    fp.work.max_items = int(n / units_per_item + num_keys);
     dispatch_dtype_dim(q.scalar_type(), D, [&]<typename T_, int D_>() {
       auto pass = [&](bool out_pass) {
 #ifdef MSA_WITH_SM90

@@ -80,6 +80,22 @@ __global__ void reverse_index_item_list_kernel(const int32_t* offsets, const int
   for (int c = 0; c < count; ++c) items[first + c] = make_int2(key, offsets[key] + c * per_item);
 }
 
+// Sort keys of the launch order: slot i < item count gets its item's unit count, later slots 0 (they
+// sort last and hold values >= the count, which the kernels skip).
+__global__ void reverse_index_item_sizes_kernel(const int32_t* offsets, const int32_t* item_offsets,
+                                                const int2* items, int num_keys, int per_item, int max_items,
+                                                int32_t* sizes, int32_t* vals) {
+  const int i = blockIdx.x * blockDim.x + threadIdx.x;
+  if (i >= max_items) return;
+  int size = 0;
+  if (i < item_offsets[num_keys]) {
+    const int2 it = items[i];
+    size = min(per_item, offsets[it.x + 1] - it.y);
+  }
+  sizes[i] = size;
+  vals[i] = i;
+}
+
 int key_bits(int num_keys) {
   int bits = 1;
   while ((int64_t(1) << bits) <= num_keys) ++bits;
@@ -87,6 +103,14 @@ int key_bits(int num_keys) {
 }
 
 }  // namespace
+
+size_t reverse_index_order_bytes(int max_items, int units_per_item) {
+  size_t bytes = 0;
+  cub::DeviceRadixSort::SortPairsDescending(nullptr, bytes, static_cast<int32_t*>(nullptr),
+                                            static_cast<int32_t*>(nullptr), static_cast<int32_t*>(nullptr),
+                                            static_cast<int32_t*>(nullptr), max_items, 0, key_bits(units_per_item));
+  return bytes;
+}
 
 size_t reverse_index_scan_bytes(int num_keys) {
   size_t bytes = 0;
@@ -133,6 +157,18 @@ cudaError_t run_reverse_index(const ReverseIndexParams& p, cudaStream_t stream) 
       reverse_index_item_list_kernel<<<key_blocks, threads, 0, stream>>>(p.offsets, p.item_offsets, p.items,
                                                                         num_keys, p.units_per_item);
       MSA_CUDA_TRY(cudaGetLastError());
+      if (p.item_order != nullptr && p.max_items > 0) {
+        // Largest items first: a launch's tail is then made of small items (a full item is up to a tenth
+        // of an SM's work in a pass), and the launches end closer together across SMs.
+        const int n_items = p.max_items;
+        reverse_index_item_sizes_kernel<<<(n_items + threads - 1) / threads, threads, 0, stream>>>(
+            p.offsets, p.item_offsets, p.items, num_keys, p.units_per_item, n_items, p.order_keys, p.order_vals);
+        MSA_CUDA_TRY(cudaGetLastError());
+        size_t obytes = p.order_temp_bytes;
+        MSA_CUDA_TRY(cub::DeviceRadixSort::SortPairsDescending(p.order_temp, obytes, p.order_keys,
+                                                               p.order_keys + n_items, p.order_vals, p.item_order,
+                                                               n_items, 0, key_bits(p.units_per_item), stream));
+      }
     }
   }
   return cudaGetLastError();

@@ -7,6 +7,8 @@ namespace msa {
 
 // Bytes of radix-sort workspace for `num_entries` (key, token) pairs.
 size_t reverse_index_sort_bytes(int num_entries, int num_keys);
+// Bytes of sort workspace for the work list's launch order over `max_items` slots.
+size_t reverse_index_order_bytes(int max_items, int units_per_item);
 // Bytes of scan workspace for the work list over `num_keys` keys.
 size_t reverse_index_scan_bytes(int num_keys);
 // Builds the reverse index on `stream`; no host synchronisation.

@@ -79,7 +79,7 @@ __global__ void __launch_bounds__(SparseBwdShape::kThreads, 1) sparse_bwd_kernel
 
   // One work item: a key's tokens [u_begin, u_end) (a hot key, e.g. an attention sink selected by every
   // token, is split over several CTAs; their dK/dV meet in the fp32 accumulators).
-  const int item = blockIdx.x;
+  const int item = p.item_order != nullptr ? p.item_order[blockIdx.x] : int(blockIdx.x);
   if (item >= p.item_offsets[p.num_keys]) return;
   const int2 it = p.items[item];
   const int key = it.x;

@@ -122,7 +122,7 @@ __global__ void __launch_bounds__(SparseFwdShape::threads<kOut, kWgmma>(), kOut 
   int* sRowH = sRowU + Sh::kMaxRows;
 
   const SparseWork& w = p.work;
-  const int item = blockIdx.x;
+  const int item = w.item_order != nullptr ? w.item_order[blockIdx.x] : int(blockIdx.x);
   if (item >= w.item_offsets[w.num_keys]) return;
   const int2 it = w.items[item];
   const int key = it.x;
