@@ -124,15 +124,16 @@ struct SparseFwdParams {
   const float* lse;        // (Hq, T) natural log (output pass input)
   void* out_part;          // (entries, G, D) input dtype
   float* kl_part;          // (entries)
-  // Output pass, optional: the KL's index gradient for d_kl = 1 (SPEC 4) without its constant factor
-  // index_scale / rows: dsi = Pidx - Pm per (entry, key), and dq_idx accumulated over the entries.
+  // Output pass, optional: the KL's index gradient for d_kl = 1 (SPEC 4): dsi = Pidx - Pm per (entry,
+  // key) without its constant factor, and dq_idx = dqi_scale * sum over the entries of dsi K_idx.
   const float* lse_idx;    // (Hi, T) natural log
   void* dsi_part;          // (entries, 128) input dtype; nullptr: no index gradient
   float* dqi_accum;        // (T, Hi, Di) fp32
+  float dqi_scale;         // index_scale / rows
 };
 
-// dk_idx of the KL for d_kl = 1 (unscaled), over the work items of one chunk: per key, the sum over its entries of
-// dsi[entry, key j] * q_idx[token], added to dki_accum[block token j, index key head].
+// dk_idx of the KL for d_kl = 1, over the entries of one chunk: per key, scale times the sum over its
+// entries of dsi[entry, key j] * q_idx[token], added to dki_accum[block token j, index key head].
 struct IndexDkParams {
   const void* q_idx;
   int64_t qi_stride_t, qi_stride_h;
@@ -140,6 +141,7 @@ struct IndexDkParams {
   const int32_t* cu_seqlens;
   SparseWork work;          // whole keys: offsets / entries / block_offsets
   float* dki_accum;         // (T, Hki, Di) fp32
+  float scale;              // index_scale / rows
   int total_tokens;
   int num_seqs;
   int topk;

@@ -48,8 +48,9 @@ def main():
             print(f"host lead: {(gpu[0][0] - c0) / 1e3:.3f} ms from the call to the first GPU activity"
                   + (f" (first launch call after {(first_launch - c0) / 1e3:.3f} ms)" if first_launch else "")
                   + f"; CPU time of the call {(call[0].time_range.end - c0) / 1e3:.3f} ms")
-            ops = sorted(((s - c0, nm) for s, e, nm in cpu if c0 <= s < gpu[0][0] and not nm.startswith("cuda")))
-            print("  CPU ops before the first GPU activity: " + ", ".join(f"{nm}@{t / 1e3:.3f}" for t, nm in ops[:25]))
+            ops = sorted(((e - s, s - c0, nm) for s, e, nm in cpu if c0 <= s < gpu[0][0]), reverse=True)
+            print("  longest CPU events (incl. CUDA runtime calls) before the first GPU activity: " +
+                  ", ".join(f"{nm} {d / 1e3:.3f} ms @{t / 1e3:.3f}" for d, t, nm in ops[:15]))
         for d, a, b, nxt in sorted(gaps, reverse=True)[:20]:
             during = sorted({nm for s, e, nm in cpu if s < b and e > a and not nm.startswith("cuda")})[:6]
             print(f"  {d:8.1f} us before {nxt[:60]!r}; CPU ops meanwhile: {', '.join(during)}")

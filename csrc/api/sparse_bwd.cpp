@@ -174,9 +174,24 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tensor> msa_bwd_c
     TORCH_CHECK_VALUE(kl_dq_idx.sizes() == q_idx.sizes() && kl_dk_idx.sizes() == k_idx.sizes(),
                       "kl_dq_idx, kl_dk_idx: expected the forward's index gradients (msa_fwd with index_grad=True), "
                       "got shapes ", kl_dq_idx.sizes(), " and ", kl_dk_idx.sizes());
-    const at::Tensor s = dkl->to(at::kFloat);
-    dq_idx = (kl_dq_idx * s).to(q_idx.scalar_type());
-    dk_idx = (kl_dk_idx * s).to(k_idx.scalar_type());
+    TORCH_CHECK_VALUE(dkl->numel() == 1 && dkl->device() == q_idx.device(), "d_kl: expected one value on ",
+                      q_idx.device(), ", got shape ", dkl->sizes(), " on ", dkl->device());
+    TORCH_CHECK_VALUE(kl_dq_idx.is_contiguous() && kl_dk_idx.is_contiguous() &&
+                          kl_dq_idx.scalar_type() == at::kFloat && kl_dk_idx.scalar_type() == at::kFloat,
+                      "kl_dq_idx, kl_dk_idx: expected the forward's contiguous fp32 index gradients");
+    c10::cuda::CUDAGuard guard(q_idx.device());
+    const at::Tensor s = dkl->to(at::kFloat).contiguous();
+    const cudaStream_t stream = c10::cuda::getCurrentCUDAStream();
+    // One pass each: the fp32 gradient for d_kl = 1, times d_kl (a device scalar), cast to the input dtype.
+    auto scale_cast = [&](const at::Tensor& g, const at::Tensor& like) {
+      at::Tensor res = at::empty(like.sizes(), like.options());
+      MSA_LAUNCH_CHECK(sm80::launch_scale_cast(g.data_ptr<float>(), s.data_ptr<float>(), res.data_ptr(), g.numel(),
+                                               like.scalar_type() == at::kBFloat16, stream),
+                       "msa_bwd (index gradients)");
+      return res;
+    };
+    dq_idx = scale_cast(kl_dq_idx, q_idx);
+    dk_idx = scale_cast(kl_dk_idx, k_idx);
   } else {
     dq_idx = at::zeros_like(q_idx);
     dk_idx = at::zeros_like(k_idx);

@@ -181,6 +181,10 @@ SparseForward sparse_forward_cuda(const at::Tensor& q_in, const at::Tensor& k_in
   fp.lse_idx = index ? res.lse_idx.data_ptr<float>() : nullptr;
   fp.dsi_part = grad ? dsi_part.data_ptr() : nullptr;
   fp.dqi_accum = grad ? res.kl_dq_idx.data_ptr<float>() : nullptr;
+  // SPEC 4: d kl / d S_idx = (Pidx - P) / rows with S_idx = index_scale * q_idx . k_idx: the constant
+  // factor is applied where the gradients accumulate.
+  const float index_grad_scale = float(index_scale / double(T * Hi));
+  fp.dqi_scale = index_grad_scale;
 
   IndexDkParams dp{};
   if (grad) {
@@ -191,6 +195,7 @@ SparseForward sparse_forward_cuda(const at::Tensor& q_in, const at::Tensor& k_in
     dp.cu_seqlens = fp.cu_seqlens;
     dp.work = fp.work;
     dp.dki_accum = res.kl_dk_idx.data_ptr<float>();
+    dp.scale = index_grad_scale;
     dp.total_tokens = int(T);
     dp.num_seqs = int(S);
     dp.topk = int(topk);
@@ -258,11 +263,6 @@ SparseForward sparse_forward_cuda(const at::Tensor& q_in, const at::Tensor& k_in
       dp.work.max_items = fp.work.max_items;
       MSA_LAUNCH_CHECK(sm80::launch_index_dk(dp, q.scalar_type() == at::kBFloat16, stream), "msa_fwd (index dk)");
     }
-  }
-  if (grad) {  // SPEC 4: d kl / d S_idx = (Pidx - P) / rows; S_idx = index_scale * q_idx . k_idx
-    const double c = index_scale / double(T * Hi);
-    res.kl_dq_idx.mul_(c);
-    res.kl_dk_idx.mul_(c);
   }
   return res;
 }

@@ -1,14 +1,17 @@
-// The KL's k_idx gradient (SPEC 4) for one query chunk, d_kl = 1 and unscaled:
-//   dki[j] += sum over the entries (unit u) that selected j's block of dsi[u, j] * q_idx[u].
-// A CTA takes kItemsPerCta consecutive items of the forward's work list (items of one key are
-// consecutive and cover its units in order, so a hot key is spread over several CTAs and a CTA's items
-// merge into at most a few key segments). Per segment the block's 128 x Di accumulator stays in
+// The KL's k_idx gradient (SPEC 4) for one query chunk and d_kl = 1 (scale = index_scale / rows):
+//   dki[j] += scale * sum over the entries (unit u) that selected j's block of dsi[u, j] * q_idx[u].
+// The grid is two CTAs per SM (as many as fit: the accumulator's registers), and CTA c takes the c-th
+// equal share of the chunk's entries in key order (the reverse index's CSR), so every CTA streams the
+// same number of units whatever the keys' sizes; its share splits into key segments (a hot key is
+// spread over several CTAs). Per segment the block's 128 x Di accumulator stays in
 // registers (warp w: keys [16w, 16w + 16)) while the segment's units stream through in tiles of 16 (the
 // MMA's k dimension), the next tile's dsi rows and q_idx rows fetched while this one computes; the
 // segment ends with one atomic add of the accumulator. Di = 64 is zero-padded to 128 in shared memory.
 // The kernel streams dsi and q_idx rows (512 B per unit) through a kDkStages-deep cp.async ring: at
 // two CTAs per SM (the accumulator's registers) a 2-stage ring kept ~16 KB per SM in flight and ran
 // at ~1.4 TB/s.
+#include <algorithm>
+
 #include "common/block_span.h"
 #include "common/mma_sm80.h"
 #include "sm80/sparse_fwd/sparse_fwd.h"
@@ -20,7 +23,6 @@ constexpr int kDkThreads = 256;
 constexpr int kDkKeys = 128;
 constexpr int kDkUnits = 16;
 constexpr int kDkDi = 128;  // shared-memory width of the q_idx tile (Di = 64: zeros)
-constexpr int kItemsPerCta = 8;
 constexpr int kDkStages = 4;  // 4 x 8 KB of static shared memory
 
 template <typename T>
@@ -30,24 +32,28 @@ __global__ void __launch_bounds__(kDkThreads) index_dk_kernel(IndexDkParams p) {
   __shared__ __align__(128) T sDs[kDkStages][kDkUnits * kDkKeys];
   __shared__ __align__(128) T sQi[kDkStages][kDkUnits * kDkDi];
   const SparseWork& w = p.work;
-  const int n_items = w.item_offsets[w.num_keys];
-  const int i_begin = blockIdx.x * kItemsPerCta;
-  if (i_begin >= n_items) return;
-  const int i_end = min(i_begin + kItemsPerCta, n_items);
+  const int total = w.offsets[w.num_keys];  // valid entries of the chunk
+  const int share = int((int64_t(total) + gridDim.x - 1) / gridDim.x);
+  const int e_begin = int(min(int64_t(total), int64_t(blockIdx.x) * share));
+  const int e_end = min(total, e_begin + share);
+  if (e_begin >= e_end) return;
+  // The key holding entry e_begin: the last key whose first entry is <= e_begin.
+  int key = 0;
+  for (int hi = w.num_keys - 1; key < hi;) {
+    const int mid = (key + hi + 1) >> 1;
+    if (w.offsets[mid] <= e_begin) key = mid; else hi = mid - 1;
+  }
   const int di = p.di, di_chunks = di / 8;
   const int tid = threadIdx.x, warp = tid / 32, lane = tid % 32;
   const int g = lane / 4, tq = lane % 4;
   const T* QI = static_cast<const T*>(p.q_idx);
   const T* DS = static_cast<const T*>(p.dsi_part);
 
-  for (int i = i_begin; i < i_end;) {
-    // One key segment: the consecutive items of this key.
-    const int key = w.items[i].x;
-    const int u_begin = w.items[i].y;
-    int j = i + 1;
-    while (j < i_end && w.items[j].x == key) ++j;
-    const int u_end = min(w.items[j - 1].y + w.units_per_item, w.offsets[key + 1]);
-    i = j;
+  for (int pos = e_begin; pos < e_end;) {
+    // One key segment: this CTA's entries of one key.
+    while (w.offsets[key + 1] <= pos) ++key;  // empty keys
+    const int u_begin = pos, u_end = min(e_end, w.offsets[key + 1]);
+    pos = u_end;
     const int r = key / w.max_blocks, gb = key % w.max_blocks;
     const BlockSpan span = block_span(w.block_offsets, p.cu_seqlens, p.num_seqs, gb, p.block_size);
     const int n_tiles = (u_end - u_begin + kDkUnits - 1) / kDkUnits;
@@ -110,7 +116,7 @@ __global__ void __launch_bounds__(kDkThreads) index_dk_kernel(IndexDkParams p) {
             const int kr = warp * 16 + g + 8 * half;
             if (kr < span.blen) {
               float* d = p.dki_accum + (int64_t(span.seq_start + span.key0 + kr) * p.hki + kih) * di + col;
-              atomic_add2(d, acc[n][2 * half], acc[n][2 * half + 1]);
+              atomic_add2(d, acc[n][2 * half] * p.scale, acc[n][2 * half + 1] * p.scale);
             }
           }
         }
@@ -122,7 +128,14 @@ __global__ void __launch_bounds__(kDkThreads) index_dk_kernel(IndexDkParams p) {
 }  // namespace
 
 cudaError_t launch_index_dk(const IndexDkParams& p, bool bf16, cudaStream_t stream) {
-  const int64_t grid = (int64_t(p.work.max_items) + kItemsPerCta - 1) / kItemsPerCta;
+  int device = 0, sms = 0;
+  cudaError_t err = cudaGetDevice(&device);
+  if (err == cudaSuccess) err = cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, device);
+  if (err != cudaSuccess) return err;
+  // Two CTAs per SM, fewer when the chunk has fewer than 256 entries per CTA (an upper bound: the
+  // kernel shares out the valid entries it finds).
+  const int64_t entries = int64_t(p.hi) * p.chunk_tokens * p.topk;
+  const int64_t grid = std::min<int64_t>(2 * sms, (entries + 255) / 256);
   if (grid == 0) return cudaSuccess;
   if (bf16) index_dk_kernel<__nv_bfloat16><<<unsigned(grid), kDkThreads, 0, stream>>>(p);
   else index_dk_kernel<__half><<<unsigned(grid), kDkThreads, 0, stream>>>(p);

@@ -680,7 +680,8 @@ __global__ void __launch_bounds__(SparseFwdShape::threads<kOut, kWgmma>(), kOut 
 #pragma unroll
           for (int n = 0; n < 2; ++n) {
             const float4 v = quad_rows4(dq[n], tq);
-            if (uq < nu) atomic_add4(dst + n * 8, v);
+            const float s = p.dqi_scale;
+            if (uq < nu) atomic_add4(dst + n * 8, make_float4(v.x * s, v.y * s, v.z * s, v.w * s));
           }
         }
       }
