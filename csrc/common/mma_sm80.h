@@ -185,10 +185,13 @@ __device__ __forceinline__ float fast_log2(float x) {
 }
 
 // Per row of a warp's m16 x (8 N) fragment array (rows g and g + 8 of the lane, entries 0-1 and 2-3):
-// m = the row's max (-inf when the row is all -inf) and l = sum of exp2(x - m), both reduced over the
-// quad of lanes that holds the row. x is in the log2 domain.
+// m = the row's max of x * scale (-inf when the row is all -inf) and l = sum of exp2(x * scale - m),
+// both reduced over the quad of lanes that holds the row; x * scale is in the log2 domain. scale > 0
+// (the max is taken on x, then scaled: the same value as the max of the products), and the exponent
+// is one FMA per element.
 template <int N>
-__device__ __forceinline__ void quad_row_max_sum(const float (&x)[N][4], float (&m)[2], float (&l)[2]) {
+__device__ __forceinline__ void quad_row_max_sum(const float (&x)[N][4], float (&m)[2], float (&l)[2],
+                                                 float scale = 1.f) {
   m[0] = m[1] = -__builtin_huge_valf();
 #pragma unroll
   for (int n = 0; n < N; ++n) {
@@ -200,13 +203,15 @@ __device__ __forceinline__ void quad_row_max_sum(const float (&x)[N][4], float (
     m[0] = fmaxf(m[0], __shfl_xor_sync(0xffffffffu, m[0], off));
     m[1] = fmaxf(m[1], __shfl_xor_sync(0xffffffffu, m[1], off));
   }
+  m[0] *= scale;
+  m[1] *= scale;
   const float b0 = m[0] == -__builtin_huge_valf() ? 0.f : m[0];
   const float b1 = m[1] == -__builtin_huge_valf() ? 0.f : m[1];
   l[0] = l[1] = 0.f;
 #pragma unroll
   for (int n = 0; n < N; ++n) {
-    l[0] += fast_exp2(x[n][0] - b0) + fast_exp2(x[n][1] - b0);
-    l[1] += fast_exp2(x[n][2] - b1) + fast_exp2(x[n][3] - b1);
+    l[0] += fast_exp2(fmaf(x[n][0], scale, -b0)) + fast_exp2(fmaf(x[n][1], scale, -b0));
+    l[1] += fast_exp2(fmaf(x[n][2], scale, -b1)) + fast_exp2(fmaf(x[n][3], scale, -b1));
   }
 #pragma unroll
   for (int off = 1; off <= 2; off <<= 1) {

@@ -4,12 +4,11 @@
 // equal share of the chunk's entries in key order (the reverse index's CSR), so every CTA streams the
 // same number of units whatever the keys' sizes; its share splits into key segments (a hot key is
 // spread over several CTAs). Per segment the block's 128 x Di accumulator stays in
-// registers (warp w: keys [16w, 16w + 16)) while the segment's units stream through in tiles of 16 (the
-// MMA's k dimension), the next tile's dsi rows and q_idx rows fetched while this one computes; the
-// segment ends with one atomic add of the accumulator. Di = 64 is zero-padded to 128 in shared memory.
-// The kernel streams dsi and q_idx rows (512 B per unit) through a kDkStages-deep cp.async ring: at
-// two CTAs per SM (the accumulator's registers) a 2-stage ring kept ~16 KB per SM in flight and ran
-// at ~1.4 TB/s.
+// registers (warp w: keys [16w, 16w + 16)) while the segment's units stream through in tiles of 32 (two
+// MMA k-steps), later tiles' dsi rows and q_idx rows fetched while this one computes; the segment
+// ends with one atomic add of the accumulator. Di = 64 is zero-padded to 128 in shared memory.
+// The kernel streams dsi and q_idx rows (512 B per unit) through a kDkStages-deep cp.async ring (one
+// CTA barrier per tile: 16 KB per barrier; tiles of 16 units ran at ~1.2 TB/s, NOTES s27).
 #include <algorithm>
 
 #include "common/block_span.h"
@@ -21,12 +20,12 @@ namespace {
 
 constexpr int kDkThreads = 256;
 constexpr int kDkKeys = 128;
-constexpr int kDkUnits = 16;
+constexpr int kDkUnits = 32;  // per tile: two MMA k-steps
 constexpr int kDkDi = 128;  // shared-memory width of the q_idx tile (Di = 64: zeros)
-constexpr int kDkStages = 4;  // 4 x 8 KB of static shared memory
+constexpr int kDkStages = 3;  // 3 x 16 KB of static shared memory
 
 template <typename T>
-__global__ void __launch_bounds__(kDkThreads) index_dk_kernel(IndexDkParams p) {
+__global__ void __launch_bounds__(kDkThreads, 2) index_dk_kernel(IndexDkParams p) {
   using KTile = SwizzledTile<kDkKeys>;
   using QTile = SwizzledTile<kDkDi>;
   __shared__ __align__(128) T sDs[kDkStages][kDkUnits * kDkKeys];
@@ -58,21 +57,25 @@ __global__ void __launch_bounds__(kDkThreads) index_dk_kernel(IndexDkParams p) {
     const BlockSpan span = block_span(w.block_offsets, p.cu_seqlens, p.num_seqs, gb, p.block_size);
     const int n_tiles = (u_end - u_begin + kDkUnits - 1) / kDkUnits;
 
-    // Tile t's 16 dsi rows and q_idx rows into buffer b: thread = (unit tid / 16, 16-byte chunk tid % 16).
+    // Tile t's dsi rows and q_idx rows into buffer b: thread = (units tid / 16 + 16 i, 16-byte chunk
+    // tid % 16).
     auto fetch = [&](int t, int b) {
-      const int u = tid / 16, c = tid % 16;
-      const int ue = u_begin + t * kDkUnits + u;
-      int64_t el = -1, tok = 0;
-      if (ue < u_end) {
-        const int e = w.entries[ue];
-        const int tt = (e / p.topk) % p.total_tokens;
-        el = (int64_t(r) * p.chunk_tokens + (tt - p.chunk_begin)) * p.topk + e % p.topk;
-        tok = tt;
+      const int c = tid % 16;
+#pragma unroll
+      for (int u = tid / 16; u < kDkUnits; u += kDkThreads / 16) {
+        const int ue = u_begin + t * kDkUnits + u;
+        int64_t el = -1, tok = 0;
+        if (ue < u_end) {
+          const int e = w.entries[ue];
+          const int tt = (e / p.topk) % p.total_tokens;
+          el = (int64_t(r) * p.chunk_tokens + (tt - p.chunk_begin)) * p.topk + e % p.topk;
+          tok = tt;
+        }
+        cp_async_16(&sDs[b][KTile::offset(u, c)], DS + (el >= 0 ? el * kDkKeys + c * 8 : 0), el >= 0);
+        const bool qok = el >= 0 && c < di_chunks;
+        cp_async_16(&sQi[b][QTile::offset(u, c)],
+                    QI + (qok ? tok * p.qi_stride_t + int64_t(r) * p.qi_stride_h + c * 8 : 0), qok);
       }
-      cp_async_16(&sDs[b][KTile::offset(u, c)], DS + (el >= 0 ? el * kDkKeys + c * 8 : 0), el >= 0);
-      const bool qok = el >= 0 && c < di_chunks;
-      cp_async_16(&sQi[b][QTile::offset(u, c)],
-                  QI + (qok ? tok * p.qi_stride_t + int64_t(r) * p.qi_stride_h + c * 8 : 0), qok);
     };
 
     float acc[16][4];
@@ -93,14 +96,17 @@ __global__ void __launch_bounds__(kDkThreads) index_dk_kernel(IndexDkParams p) {
       const T* ds = sDs[t % kDkStages];
       const T* qi = sQi[t % kDkStages];
       if (warp * 16 < p.block_size) {
-        uint32_t a[4];  // dsi^T: m = keys, k = units
-        ldmatrix_x4_trans(a, ds + KTile::offset((lane % 8) + (lane / 16) * 8, warp * 2 + (lane / 8) % 2));
 #pragma unroll
-        for (int dp = 0; dp < kDkDi / 16; ++dp) {
-          uint32_t b[4];
-          ldmatrix_x4_trans(b, qi + QTile::offset((lane % 8) + ((lane / 8) % 2) * 8, dp * 2 + lane / 16));
-          MmaOp<T>::run(acc[2 * dp], a, b[0], b[1]);
-          MmaOp<T>::run(acc[2 * dp + 1], a, b[2], b[3]);
+        for (int ks = 0; ks < kDkUnits / 16; ++ks) {
+          uint32_t a[4];  // dsi^T: m = keys, k = units
+          ldmatrix_x4_trans(a, ds + KTile::offset(ks * 16 + (lane % 8) + (lane / 16) * 8, warp * 2 + (lane / 8) % 2));
+#pragma unroll
+          for (int dp = 0; dp < kDkDi / 16; ++dp) {
+            uint32_t b[4];
+            ldmatrix_x4_trans(b, qi + QTile::offset(ks * 16 + (lane % 8) + ((lane / 8) % 2) * 8, dp * 2 + lane / 16));
+            MmaOp<T>::run(acc[2 * dp], a, b[0], b[1]);
+            MmaOp<T>::run(acc[2 * dp + 1], a, b[2], b[3]);
+          }
         }
       }
     }

@@ -424,25 +424,24 @@ __global__ void __launch_bounds__(SparseFwdShape::threads<kOut, kWgmma>(), kOut 
           c[n][3] = full || col + 1 <= lim1 ? fast_exp2(fmaf(c[n][3], p.scale_log2, -e1)) : 0.f;
         }
       }
-    } else if (active && full) {
-#pragma unroll
-      for (int n = 0; n < kN8; ++n)
-#pragma unroll
-        for (int e = 0; e < 4; ++e) c[n][e] *= p.scale_log2;
-    } else if (active) {
+    } else if (active && (!full || !(p.scale_log2 > 0.f))) {
+      // Stats pass: the row max and sum below take the raw logits and apply a positive scale themselves
+      // (one FMA per exponent; the max of x then equals the max of x * scale). A scale <= 0 (allowed,
+      // if odd) is applied here instead. Masked logits are -inf.
+      const float pre = p.scale_log2 > 0.f ? 1.f : p.scale_log2;
 #pragma unroll
       for (int n = 0; n < kN8; ++n) {
         const int col = kb + n * 8 + 2 * tq;
-        c[n][0] = col <= lim0 ? c[n][0] * p.scale_log2 : kFwdNegInf;
-        c[n][1] = col + 1 <= lim0 ? c[n][1] * p.scale_log2 : kFwdNegInf;
-        c[n][2] = col <= lim1 ? c[n][2] * p.scale_log2 : kFwdNegInf;
-        c[n][3] = col + 1 <= lim1 ? c[n][3] * p.scale_log2 : kFwdNegInf;
+        c[n][0] = full || col <= lim0 ? c[n][0] * pre : kFwdNegInf;
+        c[n][1] = full || col + 1 <= lim0 ? c[n][1] * pre : kFwdNegInf;
+        c[n][2] = full || col <= lim1 ? c[n][2] * pre : kFwdNegInf;
+        c[n][3] = full || col + 1 <= lim1 ? c[n][3] * pre : kFwdNegInf;
       }
     }
     if constexpr (!kOut) {
       if (active) {
         float m[2], l[2];
-        quad_row_max_sum(c, m, l);
+        quad_row_max_sum(c, m, l, p.scale_log2 > 0.f ? p.scale_log2 : 1.f);
         if (tq == 0) {
           if (lim0 >= 0) p.stats[int64_t(sEntry[u0]) * G + j * Gu + hh0] = make_float2(m[0], l[0]);
           if (lim1 >= 0) p.stats[int64_t(sEntry[u1]) * G + j * Gu + hh1] = make_float2(m[1], l[1]);
