@@ -543,6 +543,8 @@ __global__ void __launch_bounds__(SparseFwdShape::threads<kOut, kWgmma>(), kOut 
                 if (u >= 0) {
                   const float2 si = *reinterpret_cast<const float2*>(sSi + u * Sh::kKeys + col);
                   const float pm0 = v[n][2 * h] * inv_g, pm1 = v[n][2 * h + 1] * inv_g;
+                  // The branch is needed: past block_size or blen the index logits were never written
+                  // (stale shared memory), and 0 * NaN is NaN (NOTES s35).
                   const float term = (pm0 > 0.f ? pm0 * (fast_log2(pm0) - si.x) : 0.f) +
                                      (pm1 > 0.f ? pm1 * (fast_log2(pm1) - si.y) : 0.f);
                   if (h) acc1 += term; else acc0 += term;
