@@ -28,6 +28,14 @@ void dispatch_dtype_dim(at::ScalarType dt, int64_t d, F&& f) {
   }
 }
 
+// The value of environment variable `name` when it is set to a positive integer, else `fallback`: the
+// test and experiment knobs (MSA_PARTIAL_BUDGET, MSA_FWD_UNITS_PER_ITEM, MSA_BWD_UNITS_PER_ITEM).
+inline int64_t env_positive(const char* name, int64_t fallback) {
+  const char* env = std::getenv(name);
+  const long long v = env != nullptr ? std::atoll(env) : 0;
+  return v > 0 ? int64_t(v) : fallback;
+}
+
 // The Hopper kernels when this build has them (MSA_CUDA_ARCHS with 90a), the GPU is sm_90 and
 // MSA_PORTABLE_KERNELS is not 1 (which keeps the portable kernels: tests compare the two).
 inline bool use_sm90_kernels() {

@@ -6,7 +6,6 @@
 #include <ATen/ops/_flash_attention_backward.h>
 #include <torch/library.h>
 
-#include <cstdlib>
 #include <optional>
 #include <tuple>
 
@@ -22,11 +21,7 @@ namespace {
 // Tokens per backward work item: a key selected by more tokens (a hot block, an attention sink) is
 // split over several CTAs. MSA_BWD_UNITS_PER_ITEM overrides it (tests force splits with small values).
 constexpr int64_t kBwdUnitsPerItem = 2048;
-int64_t bwd_units_per_item() {
-  const char* env = std::getenv("MSA_BWD_UNITS_PER_ITEM");
-  const long long v = env != nullptr ? std::atoll(env) : 0;
-  return v > 0 ? int64_t(v) : kBwdUnitsPerItem;
-}
+int64_t bwd_units_per_item() { return env_positive("MSA_BWD_UNITS_PER_ITEM", kBwdUnitsPerItem); }
 }  // namespace
 
 std::tuple<at::Tensor, at::Tensor, at::Tensor> sparse_backward_cuda(

@@ -8,7 +8,6 @@
 #include <torch/library.h>
 
 #include <algorithm>
-#include <cstdlib>
 #include <tuple>
 
 #include "api/checks.h"
@@ -28,19 +27,13 @@ namespace {
 constexpr int64_t kPartialBudget = int64_t(1) << 30;
 
 // MSA_PARTIAL_BUDGET (bytes) overrides the budget: tests use a small one to exercise many chunks.
-int64_t partial_budget() {
-  const char* env = std::getenv("MSA_PARTIAL_BUDGET");
-  const long long v = env != nullptr ? std::atoll(env) : 0;
-  return v > 0 ? int64_t(v) : kPartialBudget;
-}
+int64_t partial_budget() { return env_positive("MSA_PARTIAL_BUDGET", kPartialBudget); }
 // Units per forward work item (one CTA: one kv block, loaded once, and up to this many of the units that
 // selected it). MSA_FWD_UNITS_PER_ITEM overrides it (1 .. sm80::kFwdMaxItemUnits, the kernel's table size).
 constexpr int kUnitsPerItem = 512;  // 128 -> 512: fwd+bwd -0.3 ms at 32K, -1.0 at 128K (NOTES s30)
 static_assert(kUnitsPerItem <= sm80::kFwdMaxItemUnits, "the kernel's unit tables hold kFwdMaxItemUnits");
 int fwd_units_per_item() {
-  const char* env = std::getenv("MSA_FWD_UNITS_PER_ITEM");
-  const long long v = env != nullptr ? std::atoll(env) : 0;
-  return v > 0 ? int(std::min<long long>(v, sm80::kFwdMaxItemUnits)) : kUnitsPerItem;
+  return int(std::min<int64_t>(env_positive("MSA_FWD_UNITS_PER_ITEM", kUnitsPerItem), sm80::kFwdMaxItemUnits));
 }
 
 }  // namespace

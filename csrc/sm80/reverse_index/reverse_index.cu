@@ -4,6 +4,7 @@
 #include <cub/device/device_radix_sort.cuh>
 #include <cub/device/device_scan.cuh>
 
+#include "common/block_span.h"
 #include "common/cuda_check.h"
 #include "sm80/reverse_index/reverse_index.h"
 
@@ -36,12 +37,7 @@ __global__ void reverse_index_keys_kernel(ReverseIndexParams p) {
     const int t = p.token_begin + int(local_row % chunk);
     const int r = int(local_row / chunk);
     const int64_t e = (int64_t(r) * p.total_tokens + t) * p.topk + slot;
-    // Sequence of token t: the last s with cu[s] <= t.
-    int lo = 0, hi = p.num_seqs - 1;
-    while (lo < hi) {
-      const int mid = (lo + hi + 1) >> 1;
-      if (p.cu_seqlens[mid] <= t) lo = mid; else hi = mid - 1;
-    }
+    const int lo = last_leq(p.cu_seqlens, p.num_seqs, t);  // sequence of token t
     const int local_block = (t - p.cu_seqlens[lo]) / p.block_size;
     const int32_t b = p.dense ? slot : p.indices[e];
     bool valid = b >= 0 && b <= local_block;

@@ -36,12 +36,7 @@ __global__ void __launch_bounds__(kDkThreads, 2) index_dk_kernel(IndexDkParams p
   const int e_begin = int(min(int64_t(total), int64_t(blockIdx.x) * share));
   const int e_end = min(total, e_begin + share);
   if (e_begin >= e_end) return;
-  // The key holding entry e_begin: the last key whose first entry is <= e_begin.
-  int key = 0;
-  for (int hi = w.num_keys - 1; key < hi;) {
-    const int mid = (key + hi + 1) >> 1;
-    if (w.offsets[mid] <= e_begin) key = mid; else hi = mid - 1;
-  }
+  int key = last_leq(w.offsets, w.num_keys, e_begin);  // the key holding entry e_begin
   const int di = p.di, di_chunks = di / 8;
   const int tid = threadIdx.x, warp = tid / 32, lane = tid % 32;
   const int g = lane / 4, tq = lane % 4;
