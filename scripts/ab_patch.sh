@@ -1,6 +1,7 @@
 #!/usr/bin/env bash
 # A/B of a kernel change in one GPU call: the tree as it is (A) against the tree with PATCH applied (B).
-#   scripts/ab_patch.sh LOGDIR PATCH [bench args, e.g. --n 32768 131072 --reps 5]
+#   scripts/ab_patch.sh LOGDIR PATCH[,PATCH2,...] [bench args, e.g. --n 32768 131072 --reps 5]
+# Several comma-separated patches are applied in order (B = all of them; device time is scarce).
 # A: build + the tests in MSA_AB_A_TESTS (default tests/test_errors.py) + benchmark. B: patch, rebuild
 # (incremental), the GPU tests, benchmark; the patch is reverted at the end. Logs of LOGDIR/a and LOGDIR/b (scripts/gpu_check.sh each) come back packed as LOGDIR.tgz.
 set -uo pipefail
@@ -10,13 +11,23 @@ shift 2
 here=$(cd "$(dirname "$0")" && pwd)
 MSA_PYTEST_ARGS="${MSA_AB_A_TESTS:-tests/test_errors.py}" bash "$here/gpu_check.sh" "$LOG/a" "$@" > /dev/null 2>&1
 echo "A: $(tr '\n' ' ' < "$LOG/a/summary.txt")"
-patch -p1 --forward < "$PATCH" > "$LOG/patch.txt" 2>&1 || { echo "patch does not apply"; cat "$LOG/patch.txt"; exit 2; }
+IFS=, read -r -a patches <<< "$PATCH"
+applied=()
+revert() { for ((i = ${#applied[@]} - 1; i >= 0; i--)); do patch -p1 -R --no-backup-if-mismatch < "${applied[i]}" > /dev/null 2>&1; done; }
+tag=""
+for pf in "${patches[@]}"; do
+  if ! patch -p1 --forward --no-backup-if-mismatch < "$pf" >> "$LOG/patch.txt" 2>&1; then
+    echo "patch $pf does not apply"; cat "$LOG/patch.txt"; revert; exit 2
+  fi
+  applied+=("$pf")
+  tag="$tag-$(basename "$pf" .patch)"
+done
 base=$(cat .msa_commit 2>/dev/null || echo unknown)
-MSA_COMMIT="$base-$(basename "$PATCH" .patch)" MSA_PYTEST_ARGS="tests -m gpu" \
+MSA_COMMIT="$base$tag" MSA_PYTEST_ARGS="tests -m gpu" \
   bash "$here/gpu_check.sh" "$LOG/b" "$@" > /dev/null 2>&1
 rc=$?
 echo "B: $(tr '\n' ' ' < "$LOG/b/summary.txt")"
-patch -p1 -R < "$PATCH" > /dev/null 2>&1
+revert
 for side in a b; do echo "$side:"; grep -E "^\| [0-9]" "$LOG/$side/bench.txt"; done
 # Only a few files come back from a device call: keep the tables and summaries, pack the rest.
 for side in a b; do rm -f "$LOG/$side/build.log" "$LOG/$side/bench_progress.log"; gzip -f "$LOG/$side/tests.log"; done
