@@ -130,6 +130,7 @@ struct SparseFwdParams {
   void* dsi_part;          // (entries, 128) input dtype; nullptr: no index gradient
   float* dqi_accum;        // (T, Hi, Di) fp32
   float dqi_scale;         // index_scale / rows
+  int out_rows;            // rows per tile of the portable output pass: 128, or 64 (less shared memory)
 };
 
 // dk_idx of the KL for d_kl = 1, over the entries of one chunk: per key, scale times the sum over its

@@ -36,6 +36,12 @@ int fwd_units_per_item() {
   return int(std::min<int64_t>(env_positive("MSA_FWD_UNITS_PER_ITEM", kUnitsPerItem), sm80::kFwdMaxItemUnits));
 }
 
+// Rows per tile of the portable output pass: 128 (214 KB of shared memory at D = 128), or 64 (157 KB,
+// within the A100's 163 KB per block) when MSA_FWD_ROWS=64. The 64-row tile is not chosen by itself
+// on smaller GPUs yet: it has not run on a GPU (benchmarks/NOTES.md s37); until it has passed
+// tests/test_fwd_row_tile_gpu.py those GPUs keep the clear refusal of check_smem.
+int fwd_out_rows() { return env_positive("MSA_FWD_ROWS", 128) == 64 ? 64 : 128; }
+
 }  // namespace
 
 SparseForward sparse_forward_cuda(const at::Tensor& q_in, const at::Tensor& k_in, const at::Tensor& v_in,
@@ -81,7 +87,8 @@ SparseForward sparse_forward_cuda(const at::Tensor& q_in, const at::Tensor& k_in
   const int64_t S = int64_t(cu.size()) - 1;
 
   c10::cuda::CUDAGuard guard(q_in.device());
-  check_smem(q_in, std::max(sm80::sparse_smem_bytes(int(D), 0), sm80::sparse_smem_bytes(int(D), 1)),
+  const int out_rows = fwd_out_rows();
+  check_smem(q_in, std::max(sm80::sparse_smem_bytes(int(D), 0), sm80::sparse_smem_bytes(int(D), 1, out_rows)),
              "the sparse forward");
   const cudaStream_t stream = c10::cuda::getCurrentCUDAStream();
   const at::Tensor q = aligned_rows(q_in), k = aligned_rows(k_in), v = aligned_rows(v_in);
@@ -166,6 +173,7 @@ SparseForward sparse_forward_cuda(const at::Tensor& q_in, const at::Tensor& k_in
   fp.index_scale = float(index_scale);
   fp.main_stats = !kl_only;
   fp.write_out = !kl_only;
+  fp.out_rows = out_rows;
   fp.stats = reinterpret_cast<float2*>(stats.data_ptr<float>());
   fp.idx_stats = index ? reinterpret_cast<float2*>(idx_stats.data_ptr<float>()) : nullptr;
   fp.lse = res.lse.data_ptr<float>();

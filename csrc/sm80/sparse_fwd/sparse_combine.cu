@@ -76,12 +76,15 @@ cudaError_t launch_sparse_combine_kl(const SparseCombineParams& p, cudaStream_t 
   return cudaGetLastError();
 }
 
-int sparse_smem_bytes(int d, int pass) {
-  // Shared memory depends on the element size (2 bytes for bf16 and fp16) and D only.
+int sparse_smem_bytes(int d, int pass, int rows) {
+  // Shared memory depends on the element size (2 bytes for bf16 and fp16), D and the row tile only.
   using T = __nv_bfloat16;
+  using S = SparseFwdShape;
   switch (pass) {
-    case 0: return d == 64 ? SparseFwdShape::Smem<T, 64, false>::bytes : SparseFwdShape::Smem<T, 128, false>::bytes;
-    case 1: return d == 64 ? SparseFwdShape::Smem<T, 64, true>::bytes : SparseFwdShape::Smem<T, 128, true>::bytes;
+    case 0: return d == 64 ? S::Smem<T, 64, false>::bytes : S::Smem<T, 128, false>::bytes;
+    case 1:
+      if (rows == 64) return d == 64 ? S::Smem<T, 64, true, 64>::bytes : S::Smem<T, 128, true, 64>::bytes;
+      return d == 64 ? S::Smem<T, 64, true>::bytes : S::Smem<T, 128, true>::bytes;
     default: return d == 64 ? SparseBwdShape::Smem<T, 64>::bytes : SparseBwdShape::Smem<T, 128>::bytes;
   }
 }

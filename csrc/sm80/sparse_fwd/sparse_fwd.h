@@ -20,8 +20,8 @@ cudaError_t launch_sparse_combine_stats(const SparseCombineParams& p, cudaStream
 cudaError_t launch_sparse_combine_kl(const SparseCombineParams& p, cudaStream_t stream);
 cudaError_t launch_index_dk(const IndexDkParams& p, bool bf16, cudaStream_t stream);
 // Dynamic shared memory of the sparse kernels for head dim d: pass 0 = forward stats pass, 1 = forward
-// output pass, 2 = backward.
-int sparse_smem_bytes(int d, int pass);
+// output pass (portable: `rows` = 128 or 64 rows per tile), 2 = backward.
+int sparse_smem_bytes(int d, int pass, int rows = 128);
 
 }  // namespace msa::sm80
 

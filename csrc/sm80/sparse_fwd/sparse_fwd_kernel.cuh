@@ -9,7 +9,8 @@
 // next step's rows as soon as every warp has read this step's (right after Q K^T), so the gather
 // overlaps the rest of the step. The stats pass runs eight warps (a row group each) and fits two CTAs
 // per SM (<= 128 registers, 108 KB); the output pass runs sixteen (a pair per row group, see
-// SparseFwdShape; eight in the sm_90a variant) in one CTA per SM (212 KB). MMA loops run over
+// SparseFwdShape; eight in the sm_90a variant) in one CTA per SM (214 KB), or in 64-row tiles eight
+// (157 KB: the A100's 163 KB per block). MMA loops run over
 // compile-time extents: the whole 128-key tile and Di = 128, shorter blocks and Di = 64 being
 // zero-filled in shared memory.
 //
@@ -42,32 +43,35 @@ struct SparseFwdShape {
   // a pair per 16 rows that splits the keys for Q K^T and the KL terms and D for P V (P meets in
   // shared memory), so that each thread holds 64 accumulators and 16 warps fit in the registers.
   // The sm_90a output pass (kWgmma) runs eight warps of 16 rows x all 128 keys, P kept in registers.
-  template <bool kOut, bool kWgmma = false>
-  static constexpr int threads() { return kOut && !kWgmma ? 512 : 256; }
+  // kRows: main rows per tile (128; the portable output pass also comes with 64, in 8 warps and 157 KB
+  // of shared memory at D = 128, for GPUs with less than Hopper's 227 KB per block such as the A100).
+  template <bool kOut, bool kWgmma = false, int kRows = 128>
+  static constexpr int threads() { return kOut && !kWgmma ? 4 * kRows : 256; }
   static constexpr int kKeys = 128;     // MMA columns: one block (block_size 64 uses the first half)
   static constexpr int kMaxRows = 128;
-  static constexpr int kMaxUnits = 32;     // per tile
+  static constexpr int kMaxUnits = 32;     // per tile (kRows / 4)
   static constexpr int kMaxItemUnits = kFwdMaxItemUnits;  // per work item (sparse_fwd.h)
   static constexpr int kMaxDi = 128;
-  template <typename T, int D, bool kOut>
+  template <typename T, int D, bool kOut, int kRows = kMaxRows>
   struct Smem {  // byte offsets; the stats pass has no V, S_idx, P or dsi tiles (two CTAs per SM)
+    static constexpr int kUnits = kRows / 4;
     static constexpr int k = 0;
     static constexpr int v = k + kKeys * D * int(sizeof(T));
     static constexpr int ki = v + (kOut ? kKeys * D * int(sizeof(T)) : 0);
     static constexpr int q = ki + kKeys * kMaxDi * int(sizeof(T));
-    static constexpr int qi = q + kMaxRows * D * int(sizeof(T));
-    static constexpr int si = qi + kMaxUnits * kMaxDi * int(sizeof(T));
+    static constexpr int qi = q + kRows * D * int(sizeof(T));
+    static constexpr int si = qi + kUnits * kMaxDi * int(sizeof(T));
     // Output pass: index logits per (unit, key). Stats pass: per (warp, unit) max and sum of the index
     // logits over the warp's 16 keys.
-    static constexpr int p = si + (kOut ? kMaxUnits * kKeys * 4 : 8 * kMaxUnits * 8);
-    static constexpr int psum = p + (kOut ? kMaxRows * kKeys * int(sizeof(T)) : 0);  // P in the input dtype
-    static constexpr int dsi = psum + (kOut ? kMaxUnits * kKeys * 4 : 0);
-    static constexpr int lse = dsi + (kOut ? kMaxUnits * kKeys * int(sizeof(T)) : 0);
-    static constexpr int kl = lse + (kOut ? kMaxRows * 4 : 0);  // per key half and unit: the KL sums
-    static constexpr int lse_idx = kl + (kOut ? 2 * kMaxUnits * 4 : 0);  // per unit (register KL path)
-    static constexpr int unit = lse_idx + (kOut ? kMaxUnits * 4 : 0);
+    static constexpr int p = si + (kOut ? kUnits * kKeys * 4 : 8 * kUnits * 8);
+    static constexpr int psum = p + (kOut ? kRows * kKeys * int(sizeof(T)) : 0);  // P in the input dtype
+    static constexpr int dsi = psum + (kOut ? kUnits * kKeys * 4 : 0);
+    static constexpr int lse = dsi + (kOut ? kUnits * kKeys * int(sizeof(T)) : 0);
+    static constexpr int kl = lse + (kOut ? kRows * 4 : 0);  // per key half and unit: the KL sums
+    static constexpr int lse_idx = kl + (kOut ? 2 * kUnits * 4 : 0);  // per unit (register KL path)
+    static constexpr int unit = lse_idx + (kOut ? kUnits * 4 : 0);
     static constexpr int rows = unit + 2 * kMaxItemUnits * 4;  // row -> (unit, head) tables
-    static constexpr int bytes = rows + 2 * kMaxRows * 4;
+    static constexpr int bytes = rows + 2 * kRows * 4;
   };
 };
 
@@ -75,8 +79,8 @@ constexpr float kLog2e = 1.4426950408889634f;
 constexpr float kLn2 = 0.6931471805599453f;
 constexpr float kFwdNegInf = -__builtin_huge_valf();
 
-// Rows per tile for Gu heads per unit: 32 units, at most 128 rows.
-__host__ __device__ inline int sparse_rows_per_tile(int gu) { return gu >= 4 ? 128 : 32 * gu; }
+// Rows per tile for Gu heads per unit: kRows / 4 units, at most kRows rows.
+__host__ __device__ inline int sparse_rows_per_tile(int gu, int rows = 128) { return gu >= 4 ? rows : rows / 4 * gu; }
 
 // kWgmma (compiled for sm_90a only: csrc/instantiations/sparse_fwd_sm90_*.cu): eight warps in both
 // passes, warpgroup i (warps 4 i .. 4 i + 3) holding rows [64 i, +64) x all 128 keys. The main Q K^T
@@ -85,15 +89,18 @@ __host__ __device__ inline int sparse_rows_per_tile(int gu) { return gu >= 4 ? 1
 // RS wgmma P V (V in the same layout, read MN-major); O leaves through shared memory in 16-byte
 // chunks before the KL terms run (holding it across them spills). Everything else is the portable
 // pass's code.
-template <typename T, int D, bool kOut, bool kWgmma = false>
-__global__ void __launch_bounds__(SparseFwdShape::threads<kOut, kWgmma>(), kOut ? 1 : 2)
+template <typename T, int D, bool kOut, bool kWgmma = false, int kRows = 128>
+__global__ void __launch_bounds__(SparseFwdShape::threads<kOut, kWgmma, kRows>(), kOut ? 1 : 2)
     sparse_fwd_kernel(SparseFwdParams p) {
   using Sh = SparseFwdShape;
-  using L = typename Sh::template Smem<T, D, kOut>;
+  static_assert(kRows == 128 || (kRows == 64 && kOut && !kWgmma), "64-row tiles: portable output pass only");
+  using L = typename Sh::template Smem<T, D, kOut, kRows>;
+  constexpr int kUnitsT = L::kUnits;      // units per tile
+  constexpr int kRowGroups = kRows / 16;  // 16-row groups: a warp each (a warp pair in the portable output pass)
   using Tile = SwizzledTile<D>;
   using PTile = SwizzledTile<Sh::kKeys>;  // P and dsi tiles: rows x 128 keys
   static_assert(Sh::kKeys == 128, "mma_rows_keys (P V, dq_idx) runs over 128 keys");
-  constexpr int kThreadsT = Sh::template threads<kOut, kWgmma>();
+  constexpr int kThreadsT = Sh::template threads<kOut, kWgmma, kRows>();
   constexpr int kWarpsT = kThreadsT / 32;
   constexpr bool kPair = kOut && !kWgmma;  // portable output pass: a warp pair per 16 rows
   constexpr int kN8 = kPair ? 8 : 16;      // n8 key tiles per warp
@@ -119,7 +126,7 @@ __global__ void __launch_bounds__(SparseFwdShape::threads<kOut, kWgmma>(), kOut 
   int* sEntryAll = reinterpret_cast<int*>(smem + L::unit);  // the item's units: local entry ids, tokens
   int* sTokAll = sEntryAll + Sh::kMaxItemUnits;
   int* sRowU = reinterpret_cast<int*>(smem + L::rows);  // tile row -> unit (-1: padding) and head in unit
-  int* sRowH = sRowU + Sh::kMaxRows;
+  int* sRowH = sRowU + kRows;
 
   const SparseWork& w = p.work;
   const int item = w.item_order != nullptr ? w.item_order[blockIdx.x] : int(blockIdx.x);
@@ -135,8 +142,8 @@ __global__ void __launch_bounds__(SparseFwdShape::threads<kOut, kWgmma>(), kOut 
   const int G = p.hq / p.hi;
   const int J = p.hkv > p.hi ? p.hkv / p.hi : 1;
   const int Gu = G / J;
-  const int R = sparse_rows_per_tile(Gu);
-  const int U = min(R / Gu, Sh::kMaxUnits);
+  const int R = sparse_rows_per_tile(Gu, kRows);
+  const int U = min(R / Gu, kUnitsT);
   const bool index = p.q_idx != nullptr;
   // KL terms in the MMA register layout when a unit's heads sit in one warp's rows (J = 1, Gu a power
   // of two <= 8); otherwise P goes through shared memory and a per-unit loop.
@@ -154,7 +161,7 @@ __global__ void __launch_bounds__(SparseFwdShape::threads<kOut, kWgmma>(), kOut 
   const int g = lane / 4, tq = lane % 4;
   // Row group (16 rows), key half (output pass: also the half of D in P V), first key, and the 16 keys
   // of the index logits of this warp.
-  const int rg = warp % 8, kh = kOut ? warp / 8 : 0, kb = kh * kN8 * 8, kw = warp % 8;
+  const int rg = warp % kRowGroups, kh = kOut ? warp / kRowGroups : 0, kb = kh * kN8 * 8, kw = warp % 8;
   const T* Q = static_cast<const T*>(p.q);
   const T* K = static_cast<const T*>(p.k);
   const T* V = static_cast<const T*>(p.v);
@@ -162,7 +169,7 @@ __global__ void __launch_bounds__(SparseFwdShape::threads<kOut, kWgmma>(), kOut 
   const T* KI = static_cast<const T*>(p.k_idx);
 
   // Row -> (unit, head) once: the hot loops below do no runtime division.
-  for (int row = tid; row < Sh::kMaxRows; row += kThreadsT) {
+  for (int row = tid; row < kRows; row += kThreadsT) {
     const int u = row / Gu;
     sRowU[row] = (row < R && u < U) ? u : -1;
     sRowH[row] = row % Gu;
@@ -228,7 +235,7 @@ __global__ void __launch_bounds__(SparseFwdShape::threads<kOut, kWgmma>(), kOut 
     }
     if (index && j == 0) {
       const int ci = tid % kIChunks;
-      for (int u = tid / kIChunks; u < Sh::kMaxUnits; u += kThreadsT / kIChunks) {
+      for (int u = tid / kIChunks; u < kUnitsT; u += kThreadsT / kIChunks) {
         const bool ok = u < nu && ci < di_chunks;
         const T* src = QI + (ok ? int64_t(sTokAll[ub + u]) * p.qi_stride_t + int64_t(r) * p.qi_stride_h + ci * 8 : 0);
         cp_async_16(sQi + ITile::offset(u, ci), src, ok);
@@ -292,8 +299,8 @@ __global__ void __launch_bounds__(SparseFwdShape::threads<kOut, kWgmma>(), kOut 
         float m[2], l[2];
         quad_row_max_sum(x, m, l);
         if (tq == 0) {
-          sIPart[part * Sh::kMaxUnits + ua] = make_float2(m[0], l[0]);
-          sIPart[part * Sh::kMaxUnits + ub2] = make_float2(m[1], l[1]);
+          sIPart[part * kUnitsT + ua] = make_float2(m[0], l[0]);
+          sIPart[part * kUnitsT + ub2] = make_float2(m[1], l[1]);
         }
       }
     };
@@ -569,8 +576,8 @@ __global__ void __launch_bounds__(SparseFwdShape::threads<kOut, kWgmma>(), kOut 
             acc1 += __shfl_xor_sync(0xffffffffu, acc1, off);
           }
           if (tq == 0 && gi == 0) {  // this key half's KL sum per unit; the halves are added below
-            if (ok0) sKl[kh * Sh::kMaxUnits + uu0] = acc0 * kLn2;
-            if (ok1) sKl[kh * Sh::kMaxUnits + uu1] = acc1 * kLn2;
+            if (ok0) sKl[kh * kUnitsT + uu0] = acc0 * kLn2;
+            if (ok1) sKl[kh * kUnitsT + uu1] = acc1 * kLn2;
           }
         }
       }
@@ -601,7 +608,7 @@ __global__ void __launch_bounds__(SparseFwdShape::threads<kOut, kWgmma>(), kOut 
     if constexpr (kOut) {
       if (fast_kl) {  // the KL sum per unit: both key halves, in a fixed order
         for (int u = tid; u < nu; u += kThreadsT)
-          p.kl_part[sEntry[u]] = kPair ? sKl[u] + sKl[Sh::kMaxUnits + u] : sKl[u];
+          p.kl_part[sEntry[u]] = kPair ? sKl[u] + sKl[kUnitsT + u] : sKl[u];
       }
       if (index && J > 1) {  // the group's heads meet here: sum this pass's heads per (unit, key)
         for (int i = tid; i < U * Sh::kKeys; i += kThreadsT) {
@@ -621,10 +628,10 @@ __global__ void __launch_bounds__(SparseFwdShape::threads<kOut, kWgmma>(), kOut 
         const int nw = kWgmma ? (p.block_size + 63) / 64 : min(8, p.block_size / 16);  // parts
         for (int u = tid; u < nu; u += kThreadsT) {
           float m = kFwdNegInf;
-          for (int w2 = 0; w2 < nw; ++w2) m = fmaxf(m, sIPart[w2 * Sh::kMaxUnits + u].x);
+          for (int w2 = 0; w2 < nw; ++w2) m = fmaxf(m, sIPart[w2 * kUnitsT + u].x);
           float l = 0.f;
           for (int w2 = 0; w2 < nw; ++w2) {
-            const float2 part = sIPart[w2 * Sh::kMaxUnits + u];
+            const float2 part = sIPart[w2 * kUnitsT + u];
             if (part.x != kFwdNegInf) l += part.y * exp2f(part.x - m);
           }
           p.idx_stats[sEntry[u]] = make_float2(m, l);
@@ -690,23 +697,25 @@ __global__ void __launch_bounds__(SparseFwdShape::threads<kOut, kWgmma>(), kOut 
   }
 }
 
-template <typename T, int D, bool kOut, bool kWgmma = false>
+template <typename T, int D, bool kOut, bool kWgmma = false, int kRows = 128>
 cudaError_t launch_sparse_fwd_pass(const SparseFwdParams& p, cudaStream_t stream) {
   if (p.work.max_items == 0) return cudaSuccess;
-  constexpr int smem = SparseFwdShape::Smem<T, D, kOut>::bytes + (kWgmma ? 1024 : 0);
-  auto kernel = sparse_fwd_kernel<T, D, kOut, kWgmma>;
+  constexpr int smem = SparseFwdShape::Smem<T, D, kOut, kRows>::bytes + (kWgmma ? 1024 : 0);
+  auto kernel = sparse_fwd_kernel<T, D, kOut, kWgmma, kRows>;
   cudaError_t err = cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, smem);
   // The stats pass runs two CTAs per SM: ask for the largest shared-memory carve-out.
   if (err == cudaSuccess)
     err = cudaFuncSetAttribute(kernel, cudaFuncAttributePreferredSharedMemoryCarveout, cudaSharedmemCarveoutMaxShared);
   if (err != cudaSuccess) return err;
-  kernel<<<p.work.max_items, SparseFwdShape::threads<kOut, kWgmma>(), smem, stream>>>(p);
+  kernel<<<p.work.max_items, SparseFwdShape::threads<kOut, kWgmma, kRows>(), smem, stream>>>(p);
   return cudaGetLastError();
 }
 
 template <typename T, int D>
 cudaError_t launch_sparse_fwd(const SparseFwdParams& p, bool out_pass, cudaStream_t stream) {
-  return out_pass ? launch_sparse_fwd_pass<T, D, true>(p, stream) : launch_sparse_fwd_pass<T, D, false>(p, stream);
+  if (!out_pass) return launch_sparse_fwd_pass<T, D, false>(p, stream);
+  return p.out_rows == 64 ? launch_sparse_fwd_pass<T, D, true, false, 64>(p, stream)
+                          : launch_sparse_fwd_pass<T, D, true>(p, stream);
 }
 
 }  // namespace msa::sm80
