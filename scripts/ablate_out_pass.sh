@@ -1,0 +1,17 @@
+#!/usr/bin/env bash
+# What each piece of the sm_90a output pass costs today, by removing it (scripts/ablate.sh: timings only,
+# the edited builds compute wrong results). One GPU call, ~1 min per variant (ABLATE_N=32768 for 32K only).
+#   scripts/ablate_out_pass.sh OUTDIR
+# Variants (each sed was checked to change exactly one line and to compile):
+#   no_out_store   the output partials' 16-byte stores (O staged in shared memory, then global)
+#   no_kl_block    the register KL block: reduce-scatter of P over the unit's heads, KL terms, dsi
+#   no_dsi_dq      the tile's dsi copy to global memory and dq_idx (mma.sync + atomics)
+#   no_dq_atomics  only dq_idx's atomics
+#   no_idx_logits  the index logits (both passes: they share the code)
+F=csrc/sm80/sparse_fwd/sparse_fwd_kernel.cuh
+exec "$(dirname "$0")/ablate.sh" "${1:?usage: scripts/ablate_out_pass.sh OUTDIR}" \
+  "no_out_store|$F|s/^              if (u >= 0 \&\& u < nu)\$/              if (false)/" \
+  "no_kl_block|$F|s/^        if (fast_kl) {\$/        if (false) {/" \
+  "no_dsi_dq|$F|s/^      if (p.dsi_part != nullptr) {\$/      if (false) {/" \
+  "no_dq_atomics|$F|s/if (uq < nu) atomic_add4(/if (false) atomic_add4(/" \
+  "no_idx_logits|$F|s/if (index \&\& j == 0) {  \/\/ CTA-uniform/if (false) {  \/\/ CTA-uniform/"
