@@ -163,20 +163,30 @@ MSA_WGMMA_RS_ALL(__half, "f16", 1)
 #undef MSA_WGMMA_ACC_64
 #undef MSA_WGMMA_ACC_32
 
+// acc (64 x N) (+)= A (64 x 16 kSteps) * B, A from registers: every A fragment is loaded (load_a(frag, kk))
+// before the first wgmma, then one commit and one wait, so the loads overlap and nothing waits between
+// groups of k-steps (4 kSteps registers for the fragments). Returns once the wgmmas are done.
+template <typename T, int N, int kSteps, bool kTransB = false, typename LoadA, typename BDesc>
+__device__ __forceinline__ void wgmma_rs_ksteps(float (&acc)[N / 2], LoadA load_a, BDesc b_desc,
+                                                bool accumulate_first) {
+  uint32_t a[kSteps][4];
+#pragma unroll
+  for (int kk = 0; kk < kSteps; ++kk) load_a(a[kk], kk);
+  wgmma_fence();
+#pragma unroll
+  for (int kk = 0; kk < kSteps; ++kk)
+    WgmmaRS<T, N, kTransB>::run(acc, a[kk], b_desc(kk), accumulate_first || kk > 0);
+  wgmma_commit();
+  wgmma_wait<0>();
+}
+
 // acc (64 x N) (+)= A (64 x 64: four k-steps) * B, A from registers: load_a(frag, kk) fills this warp's
 // A fragment of k-step kk (e.g. by ldmatrix), b_desc(kk) gives B's descriptor. accumulate_first =
 // false overwrites acc at the first k-step. Returns once the wgmmas are done (the fragments and acc
 // are ordinary registers again).
 template <typename T, int N, bool kTransB = false, typename LoadA, typename BDesc>
 __device__ __forceinline__ void wgmma_rs_k64(float (&acc)[N / 2], LoadA load_a, BDesc b_desc, bool accumulate_first) {
-  uint32_t a[4][4];
-#pragma unroll
-  for (int kk = 0; kk < 4; ++kk) load_a(a[kk], kk);
-  wgmma_fence();
-#pragma unroll
-  for (int kk = 0; kk < 4; ++kk) WgmmaRS<T, N, kTransB>::run(acc, a[kk], b_desc(kk), accumulate_first || kk > 0);
-  wgmma_commit();
-  wgmma_wait<0>();
+  wgmma_rs_ksteps<T, N, 4, kTransB>(acc, load_a, b_desc, accumulate_first);
 }
 
 // D (64 x N, fp32) (+)= A (64 x 16, shared) * B (16 x N, shared): wgmma m64nNk16 with both operands
