@@ -48,8 +48,7 @@ struct SparseFwdShape {
   template <bool kOut, bool kWgmma = false, int kRows = 128>
   static constexpr int threads() { return kOut && !kWgmma ? 4 * kRows : 256; }
   static constexpr int kKeys = 128;     // MMA columns: one block (block_size 64 uses the first half)
-  static constexpr int kMaxRows = 128;
-  static constexpr int kMaxUnits = 32;     // per tile (kRows / 4)
+  static constexpr int kMaxRows = 128;  // rows per tile (kRows: 128 or 64); units per tile are kRows / 4
   static constexpr int kMaxItemUnits = kFwdMaxItemUnits;  // per work item (sparse_fwd.h)
   static constexpr int kMaxDi = 128;
   template <typename T, int D, bool kOut, int kRows = kMaxRows>
@@ -80,7 +79,7 @@ constexpr float kLn2 = 0.6931471805599453f;
 constexpr float kFwdNegInf = -__builtin_huge_valf();
 
 // Rows per tile for Gu heads per unit: kRows / 4 units, at most kRows rows.
-__host__ __device__ inline int sparse_rows_per_tile(int gu, int rows = 128) { return gu >= 4 ? rows : rows / 4 * gu; }
+__host__ __device__ inline int sparse_rows_per_tile(int gu, int rows) { return gu >= 4 ? rows : rows / 4 * gu; }
 
 // kWgmma (compiled for sm_90a only: csrc/instantiations/sparse_fwd_sm90_*.cu): eight warps in both
 // passes, warpgroup i (warps 4 i .. 4 i + 3) holding rows [64 i, +64) x all 128 keys. The main Q K^T
