@@ -29,19 +29,26 @@ void dispatch_dtype_dim(at::ScalarType dt, int64_t d, F&& f) {
 }
 
 // The value of environment variable `name` when it is set to a positive integer, else `fallback`: the
-// test and experiment knobs (MSA_PARTIAL_BUDGET, MSA_FWD_UNITS_PER_ITEM, MSA_BWD_UNITS_PER_ITEM).
+// test and experiment knobs (MSA_PARTIAL_BUDGET, MSA_FWD_UNITS_PER_ITEM, MSA_BWD_UNITS_PER_ITEM,
+// MSA_FWD_ROWS).
 inline int64_t env_positive(const char* name, int64_t fallback) {
   const char* env = std::getenv(name);
   const long long v = env != nullptr ? std::atoll(env) : 0;
   return v > 0 ? int64_t(v) : fallback;
 }
 
+// Whether environment variable `name` is set to exactly `value` (the on/off knobs: MSA_PORTABLE_KERNELS=1,
+// MSA_ITEM_ORDER=0).
+inline bool env_is(const char* name, const char* value) {
+  const char* env = std::getenv(name);
+  return env != nullptr && std::strcmp(env, value) == 0;
+}
+
 // The Hopper kernels when this build has them (MSA_CUDA_ARCHS with 90a), the GPU is sm_90 and
 // MSA_PORTABLE_KERNELS is not 1 (which keeps the portable kernels: tests compare the two).
 inline bool use_sm90_kernels() {
 #ifdef MSA_WITH_SM90
-  const char* env = std::getenv("MSA_PORTABLE_KERNELS");
-  if (env != nullptr && std::strcmp(env, "1") == 0) return false;
+  if (env_is("MSA_PORTABLE_KERNELS", "1")) return false;
   int device = 0, major = 0, minor = 0;
   if (cudaGetDevice(&device) != cudaSuccess) return false;
   if (cudaDeviceGetAttribute(&major, cudaDevAttrComputeCapabilityMajor, device) != cudaSuccess) return false;

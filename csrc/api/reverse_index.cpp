@@ -4,8 +4,6 @@
 #include <torch/library.h>
 
 #include <algorithm>
-#include <cstdlib>
-#include <cstring>
 #include <tuple>
 
 #include "api/checks.h"
@@ -15,10 +13,7 @@
 
 namespace msa::api {
 
-bool item_order_enabled() {
-  const char* env = std::getenv("MSA_ITEM_ORDER");
-  return env == nullptr || std::strcmp(env, "0") != 0;
-}
+bool item_order_enabled() { return !env_is("MSA_ITEM_ORDER", "0"); }
 
 ReverseIndex alloc_reverse_index(const at::Tensor& indices, const at::Tensor& cu_seqlens, int64_t topk,
                                  int64_t block_size, int64_t capacity, int64_t units_per_item) {
