@@ -131,6 +131,7 @@ struct SparseFwdParams {
   float* dqi_accum;        // (T, Hi, Di) fp32
   float dqi_scale;         // index_scale / rows
   int out_rows;            // rows per tile of the portable output pass: 128, or 64 (less shared memory)
+  int fixed_gu;            // sm_90a output pass: 4 = the kernel compiled for Gu = 4 (J = 1), 0 = any
 };
 
 // dk_idx of the KL for d_kl = 1, over the entries of one chunk: per key, scale times the sum over its

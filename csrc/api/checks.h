@@ -25,7 +25,7 @@ inline void check_cuda_int32(const at::Tensor& t, const char* name, int64_t dim)
 std::vector<int32_t> check_cu_seqlens(const at::Tensor& cu, int64_t total_tokens, int64_t max_seqlen);
 
 // The sparse kernels keep a kv block and their tiles in shared memory; a GPU with less per-block
-// shared memory than they need (A100: 163 KB) is refused with a clear error before any launch.
+// shared memory than they need (sm_86 / sm_89: 99 KB) is refused with a clear error before any launch.
 inline void check_smem(const at::Tensor& x, int64_t needed, const char* what) {
   int dev = x.get_device(), optin = 0;
   const cudaError_t err = cudaDeviceGetAttribute(&optin, cudaDevAttrMaxSharedMemoryPerBlockOptin, dev);

@@ -36,11 +36,16 @@ int fwd_units_per_item() {
   return int(std::min<int64_t>(env_positive("MSA_FWD_UNITS_PER_ITEM", kUnitsPerItem), sm80::kFwdMaxItemUnits));
 }
 
-// Rows per tile of the portable output pass: 128 (214 KB of shared memory at D = 128), or 64 (157 KB,
-// within the A100's 163 KB per block) when MSA_FWD_ROWS=64. The 64-row tile is not chosen by itself
-// on smaller GPUs yet: it has not run on a GPU (benchmarks/NOTES.md s37); until it has passed
-// tests/test_fwd_row_tile_gpu.py those GPUs keep the clear refusal of check_smem.
-int fwd_out_rows() { return env_positive("MSA_FWD_ROWS", 128) == 64 ? 64 : 128; }
+// Rows per tile of the portable output pass: 128 where the GPU offers the shared memory (214 KB at
+// D = 128: Hopper), else 64 (157 KB, within the A100's 163 KB per block). MSA_FWD_ROWS=64 forces the
+// small tile, so the tests run it on Hopper too.
+int fwd_out_rows(const at::Tensor& q, int64_t D) {
+  if (env_positive("MSA_FWD_ROWS", 128) == 64) return 64;
+  int optin = 0;
+  const cudaError_t err = cudaDeviceGetAttribute(&optin, cudaDevAttrMaxSharedMemoryPerBlockOptin, q.get_device());
+  TORCH_CHECK(err == cudaSuccess, "msa: cannot query the shared memory of device ", q.get_device());
+  return optin >= sm80::sparse_smem_bytes(int(D), 1, 128) ? 128 : 64;
+}
 
 }  // namespace
 
@@ -87,7 +92,7 @@ SparseForward sparse_forward_cuda(const at::Tensor& q_in, const at::Tensor& k_in
   const int64_t S = int64_t(cu.size()) - 1;
 
   c10::cuda::CUDAGuard guard(q_in.device());
-  const int out_rows = fwd_out_rows();
+  const int out_rows = fwd_out_rows(q_in, D);
   check_smem(q_in, std::max(sm80::sparse_smem_bytes(int(D), 0), sm80::sparse_smem_bytes(int(D), 1, out_rows)),
              "the sparse forward");
   const cudaStream_t stream = c10::cuda::getCurrentCUDAStream();
@@ -174,6 +179,9 @@ SparseForward sparse_forward_cuda(const at::Tensor& q_in, const at::Tensor& k_in
   fp.main_stats = !kl_only;
   fp.write_out = !kl_only;
   fp.out_rows = out_rows;
+  // The sm_90a output pass compiled for Gu = 4 heads per unit (fewer registers, compile-time KL loops)
+  // where it applies; MSA_FWD_FIXED_GU=0 keeps the general kernel (tests compare the two).
+  fp.fixed_gu = J == 1 && G == 4 && !env_is("MSA_FWD_FIXED_GU", "0") ? 4 : 0;
   fp.stats = reinterpret_cast<float2*>(stats.data_ptr<float>());
   fp.idx_stats = index ? reinterpret_cast<float2*>(idx_stats.data_ptr<float>()) : nullptr;
   fp.lse = res.lse.data_ptr<float>();

@@ -322,20 +322,17 @@ __global__ void __launch_bounds__(SparseBwdShape::kThreads, 1) sparse_bwd_kernel
       };
       if constexpr (kWgmma) {
         // Warpgroup `half` takes D columns [64 half, +64) (D = 64: warpgroup 0 all of them), m64n64
-        // over the 128 keys in two groups of four k-steps (A = dS by ldmatrix, B = K MN-major).
+        // over the 128 keys in one batch of eight k-steps (A = dS by ldmatrix, B = K MN-major).
         if (D == 128 || half == 0) {
           float dq[8][4];
           float(&dq_w)[32] = *reinterpret_cast<float(*)[32]>(&dq[0][0]);
           const uint32_t k_addr = smem_addr(sK) + half * (KW::kPanelElems * int(sizeof(T)));
-#pragma unroll
-          for (int kg = 0; kg < 2; ++kg) {
-            sm90::wgmma_rs_k64<T, 64, true>(
-                dq_w,
-                [&](uint32_t(&a)[4], int kk) {
-                  ldmatrix_x4(a, sdS + KTile::offset(rw * 16 + lane % 16, (kg * 4 + kk) * 2 + lane / 16));
-                },
-                [&](int kk) { return KW::desc_mn(k_addr, kg * 4 + kk); }, kg > 0);
-          }
+          sm90::wgmma_rs_ksteps<T, 64, Sh::kKeys / 16, true>(
+              dq_w,
+              [&](uint32_t(&a)[4], int kk) {
+                ldmatrix_x4(a, sdS + KTile::offset(rw * 16 + lane % 16, kk * 2 + lane / 16));
+              },
+              [&](int kk) { return KW::desc_mn(k_addr, kk); }, false);
           add_dq(dq, half * 64);
         }
       } else {
