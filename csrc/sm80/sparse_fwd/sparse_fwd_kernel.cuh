@@ -184,10 +184,10 @@ __global__ void __launch_bounds__(SparseFwdShape::threads<kOut, kWgmma, kRows>()
   // Row -> unit (-1: padding) and head in unit: the tables, or arithmetic when Gu is compile-time
   // (kGu: R = 128 rows of 32 units, no padding rows).
   auto row_unit = [&](int row) -> int {
-    if constexpr (kGu > 0) return row / kGu; else return sRowU[row];
+    if constexpr (kGu > 0) return int(unsigned(row) / kGu); else return sRowU[row];
   };
   auto row_head = [&](int row) -> int {
-    if constexpr (kGu > 0) return row % kGu; else return sRowH[row];
+    if constexpr (kGu > 0) return int(unsigned(row) % kGu); else return sRowH[row];
   };
 
   // The item's unit table, once.
@@ -528,14 +528,18 @@ __global__ void __launch_bounds__(SparseFwdShape::threads<kOut, kWgmma, kRows>()
           __syncwarp();
           T* part = static_cast<T*>(p.out_part);
           if constexpr (kGu > 0) {
-            // Row r is head r % kGu of unit r / kGu (J = 1): no table lookups; four rows in flight.
+            // J = 1 and G = kGu: a unit's kGu rows are one contiguous run of kGu * D outputs in part, so
+            // the warp's 16 rows (16 / kGu units) leave as whole units, 16-byte chunk c of a unit
+            // being chunk c % (D / 8) of its row c / (D / 8). One table lookup per unit.
+            constexpr int kUnitChunks = kGu * D / 8;
+            static_assert(kUnitChunks % 32 == 0, "a unit's chunks fill whole warp passes");
 #pragma unroll 4
             for (int i = lane; i < 16 * (D / 8); i += 32) {
-              const int row = rg * 16 + i / (D / 8), ch = i % (D / 8);
-              const int u = row / kGu;
+              const int uw = i / kUnitChunks, c = i % kUnitChunks;
+              const int u = rg * (16 / kGu) + uw;
               if (u < nu)
-                *reinterpret_cast<uint4*>(part + (int64_t(sEntry[u]) * G + row % kGu) * D + ch * 8) =
-                    *reinterpret_cast<const uint4*>(sP + PTile::offset(row, ch));
+                *reinterpret_cast<uint4*>(part + int64_t(sEntry[u]) * (kGu * D) + c * 8) =
+                    *reinterpret_cast<const uint4*>(sP + PTile::offset(u * kGu + c / (D / 8), c % (D / 8)));
             }
           } else {
 #pragma unroll 1
@@ -596,31 +600,42 @@ __global__ void __launch_bounds__(SparseFwdShape::threads<kOut, kWgmma, kRows>()
           const bool ok0 = uu0 >= 0 && uu0 < nu, ok1 = uu1 >= 0 && uu1 < nu;
           const float inv_g = 1.f / float(G);
           float acc0 = 0.f, acc1 = 0.f;  // log2 domain: sum pm (log2 pm - si log2 e)
+          // kGu: instantiated with and without dsi (a CTA-uniform choice), and every row is a unit's (no
+          // padding rows), so the body has no branches and the compiler can overlap the pairs' LDS ->
+          // MUFU chains (NOTES s41). The general kernel tests both at run time (one copy: registers).
+          auto kl_terms = [&](auto mode) {  // mode: 0 = no dsi, 1 = dsi, 2 = dsi when grad
+            constexpr int kMode = decltype(mode)::value;
 #pragma unroll
-          for (int n = 0; n < kN8; ++n) {
-            if ((n & (Gu - 1)) == 0) {
-              const int col = kb + (n + gi) * 8 + 2 * tq;  // this lane's key pair
+            for (int n = 0; n < kN8; ++n) {
+              if ((n & (Gu - 1)) == 0) {
+                const int col = kb + (n + gi) * 8 + 2 * tq;  // this lane's key pair
 #pragma unroll
-              for (int h = 0; h < 2; ++h) {  // rows g and g + 8: accumulator entries 2 h, 2 h + 1
-                const int u = h ? uu1 : uu0;
-                if (u >= 0) {
-                  const float2 si = *reinterpret_cast<const float2*>(sSi + u * Sh::kKeys + col);
-                  const float pm0 = v[n][2 * h] * inv_g, pm1 = v[n][2 * h + 1] * inv_g;
-                  // The branch is needed: past block_size or blen the index logits were never written
-                  // (stale shared memory), and 0 * NaN is NaN (NOTES s35).
-                  const float term = (pm0 > 0.f ? pm0 * (fast_log2(pm0) - si.x) : 0.f) +
-                                     (pm1 > 0.f ? pm1 * (fast_log2(pm1) - si.y) : 0.f);
-                  if (h) acc1 += term; else acc0 += term;
-                  if (grad) {  // SPEC 4: Pidx - P (times d_kl / rows later); 0 past the visible keys
-                    const int lim = h ? lim1 : lim0;
-                    const float li = h ? li1 : li0;
-                    const float d0 = col <= lim ? fast_exp2(si.x - li) - pm0 : 0.f;
-                    const float d1 = col + 1 <= lim ? fast_exp2(si.y - li) - pm1 : 0.f;
-                    *reinterpret_cast<uint32_t*>(sDsi + PTile::offset(u, col / 8) + col % 8) = pack2<T>(d0, d1);
+                for (int h = 0; h < 2; ++h) {  // rows g and g + 8: accumulator entries 2 h, 2 h + 1
+                  const int u = h ? uu1 : uu0;
+                  if (kGu > 0 || u >= 0) {
+                    const float2 si = *reinterpret_cast<const float2*>(sSi + u * Sh::kKeys + col);
+                    const float pm0 = v[n][2 * h] * inv_g, pm1 = v[n][2 * h + 1] * inv_g;
+                    // The select is needed: past block_size or blen the index logits were never written
+                    // (stale shared memory), and 0 * NaN is NaN (NOTES s35).
+                    const float term = (pm0 > 0.f ? pm0 * (fast_log2(pm0) - si.x) : 0.f) +
+                                       (pm1 > 0.f ? pm1 * (fast_log2(pm1) - si.y) : 0.f);
+                    if (h) acc1 += term; else acc0 += term;
+                    if (kMode == 1 || (kMode == 2 && grad)) {  // SPEC 4: Pidx - P (times d_kl / rows later); 0 past the visible keys
+                      const int lim = h ? lim1 : lim0;
+                      const float li = h ? li1 : li0;
+                      const float d0 = col <= lim ? fast_exp2(si.x - li) - pm0 : 0.f;
+                      const float d1 = col + 1 <= lim ? fast_exp2(si.y - li) - pm1 : 0.f;
+                      *reinterpret_cast<uint32_t*>(sDsi + PTile::offset(u, col / 8) + col % 8) = pack2<T>(d0, d1);
+                    }
                   }
                 }
               }
             }
+          };
+          if constexpr (kGu > 0) {
+            if (grad) kl_terms(std::integral_constant<int, 1>{}); else kl_terms(std::integral_constant<int, 0>{});
+          } else {
+            kl_terms(std::integral_constant<int, 2>{});
           }
 #pragma unroll
           for (int off = 1; off <= 2; off <<= 1) {
@@ -781,7 +796,7 @@ cudaError_t launch_sparse_fwd(const SparseFwdParams& p, bool out_pass, cudaStrea
 namespace msa::sm90 {
 // The stats and output passes with their Q K^T on wgmma (sm_90a builds only).
 // The output pass with Gu = 4 heads per unit (the bench configuration) fixed at compile time when the
-// host asks for it (SparseFwdParams::fixed_gu: J = 1, the index branch, G = 4).
+// host asks for it (SparseFwdParams::fixed_gu: J = 1, G = 4).
 template <typename T, int D>
 cudaError_t launch_sparse_fwd(const SparseFwdParams& p, bool out_pass, cudaStream_t stream) {
   if (!out_pass) return sm80::launch_sparse_fwd_pass<T, D, false, true>(p, stream);
