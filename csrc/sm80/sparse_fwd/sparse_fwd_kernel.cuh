@@ -234,11 +234,24 @@ __global__ void __launch_bounds__(SparseFwdShape::threads<kOut, kWgmma, kRows>()
     // Each thread copies one 16-byte chunk column of rows tid / kChunks, + kThreadsT / kChunks, ...
     static_assert(kThreadsT % kChunks == 0 && kThreadsT % kIChunks == 0, "chunk columns per thread");
     const int c = tid % kChunks;
-    for (int row = tid / kChunks; row < R; row += kThreadsT / kChunks) {
-      const int u = row_unit(row);
-      const bool ok = u >= 0 && u < nu;
-      const T* src = Q + int64_t(ok ? sTokAll[ub + u] : 0) * p.q_stride_t + int64_t(h0 + row_head(row)) * p.q_stride_h + c * 8;
-      cp_async_16(sQ + Tile::offset(row, c), src, ok);
+    if constexpr (kGu > 0) {
+      // A thread's rows are kThreadsT / kChunks apart, a multiple of kGu: its head, and with it the
+      // head and chunk part of the address, is the same on every pass.
+      static_assert((kThreadsT / kChunks) % (kGu > 0 ? kGu : 1) == 0, "one head per thread");
+      const T* qh = Q + int64_t(h0 + row_head(tid / kChunks)) * p.q_stride_h + c * 8;
+      for (int row = tid / kChunks; row < R; row += kThreadsT / kChunks) {
+        const int u = row_unit(row);
+        const bool ok = u < nu;
+        cp_async_16(sQ + Tile::offset(row, c), qh + int64_t(ok ? sTokAll[ub + u] : 0) * p.q_stride_t, ok);
+      }
+    } else {
+      for (int row = tid / kChunks; row < R; row += kThreadsT / kChunks) {
+        const int u = row_unit(row);
+        const bool ok = u >= 0 && u < nu;
+        const T* src =
+            Q + int64_t(ok ? sTokAll[ub + u] : 0) * p.q_stride_t + int64_t(h0 + row_head(row)) * p.q_stride_h + c * 8;
+        cp_async_16(sQ + Tile::offset(row, c), src, ok);
+      }
     }
     if constexpr (kOut) {
       for (int row = tid; row < R; row += kThreadsT) {
