@@ -36,7 +36,7 @@ int fwd_units_per_item() {
   return int(std::min<int64_t>(env_positive("MSA_FWD_UNITS_PER_ITEM", kUnitsPerItem), sm80::kFwdMaxItemUnits));
 }
 
-// Rows per tile of the portable output pass: 128 where the GPU offers the shared memory (214 KB at
+// Rows per tile of the portable output pass: 128 where the GPU offers the shared memory (215 KB at
 // D = 128: Hopper), else 64 (157 KB, within the A100's 163 KB per block). MSA_FWD_ROWS=64 forces the
 // small tile, so the tests run it on Hopper too.
 int fwd_out_rows(const at::Tensor& q, int64_t D) {

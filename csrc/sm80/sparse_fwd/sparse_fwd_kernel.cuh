@@ -9,7 +9,7 @@
 // next step's rows as soon as every warp has read this step's (right after Q K^T), so the gather
 // overlaps the rest of the step. The stats pass runs eight warps (a row group each) and fits two CTAs
 // per SM (<= 128 registers, 108 KB); the output pass runs sixteen (a pair per row group, see
-// SparseFwdShape; eight in the sm_90a variant) in one CTA per SM (214 KB), or in 64-row tiles eight
+// SparseFwdShape; eight in the sm_90a variant) in one CTA per SM (215 KB), or in 64-row tiles eight
 // (157 KB: the A100's 163 KB per block). MMA loops run over
 // compile-time extents: the whole 128-key tile and Di = 128, shorter blocks and Di = 64 being
 // zero-filled in shared memory.
@@ -51,6 +51,10 @@ struct SparseFwdShape {
   static constexpr int kMaxRows = 128;  // rows per tile (kRows: 128 or 64); units per tile are kRows / 4
   static constexpr int kMaxItemUnits = kFwdMaxItemUnits;  // per work item (sparse_fwd.h)
   static constexpr int kMaxDi = 128;
+  // Floats per unit row of the output pass's index logits: 8 more than the keys, so that the eight
+  // units of an m16n8 fragment's rows (g = lane / 4) land in different banks. At a stride of 128 the
+  // epilogue's stores were 8-way bank conflicts (NOTES s43).
+  static constexpr int kSiStride = kKeys + 8;
   template <typename T, int D, bool kOut, int kRows = kMaxRows>
   struct Smem {  // byte offsets; the stats pass has no V, S_idx, P or dsi tiles (two CTAs per SM)
     static constexpr int kUnits = kRows / 4;
@@ -62,7 +66,7 @@ struct SparseFwdShape {
     static constexpr int si = qi + kUnits * kMaxDi * int(sizeof(T));
     // Output pass: index logits per (unit, key). Stats pass: per (warp, unit) max and sum of the index
     // logits over the warp's 16 keys.
-    static constexpr int p = si + (kOut ? kUnits * kKeys * 4 : 8 * kUnits * 8);
+    static constexpr int p = si + (kOut ? kUnits * kSiStride * 4 : 8 * kUnits * 8);
     static constexpr int psum = p + (kOut ? kRows * kKeys * int(sizeof(T)) : 0);  // P in the input dtype
     static constexpr int dsi = psum + (kOut ? kUnits * kKeys * 4 : 0);
     static constexpr int lse = dsi + (kOut ? kUnits * kKeys * int(sizeof(T)) : 0);
@@ -307,10 +311,9 @@ __global__ void __launch_bounds__(SparseFwdShape::threads<kOut, kWgmma, kRows>()
         for (int n = 0; n < NI; ++n) {
           const int col = kc0 + n * 8 + 2 * tq;
           const int row = mt * 16 + g;
-          sSi[row * Sh::kKeys + col] = ci[n][0] * iscale2;
-          sSi[row * Sh::kKeys + col + 1] = ci[n][1] * iscale2;
-          sSi[(row + 8) * Sh::kKeys + col] = ci[n][2] * iscale2;
-          sSi[(row + 8) * Sh::kKeys + col + 1] = ci[n][3] * iscale2;
+          *reinterpret_cast<float2*>(sSi + row * Sh::kSiStride + col) = make_float2(ci[n][0] * iscale2, ci[n][1] * iscale2);
+          *reinterpret_cast<float2*>(sSi + (row + 8) * Sh::kSiStride + col) =
+              make_float2(ci[n][2] * iscale2, ci[n][3] * iscale2);
         }
       } else {
         const int ua = mt * 16 + g, ub2 = ua + 8;
@@ -626,7 +629,7 @@ __global__ void __launch_bounds__(SparseFwdShape::threads<kOut, kWgmma, kRows>()
                 for (int h = 0; h < 2; ++h) {  // rows g and g + 8: accumulator entries 2 h, 2 h + 1
                   const int u = h ? uu1 : uu0;
                   if (kGu > 0 || u >= 0) {
-                    const float2 si = *reinterpret_cast<const float2*>(sSi + u * Sh::kKeys + col);
+                    const float2 si = *reinterpret_cast<const float2*>(sSi + u * Sh::kSiStride + col);
                     const float pm0 = v[n][2 * h] * inv_g, pm1 = v[n][2 * h + 1] * inv_g;
                     // The select is needed: past block_size or blen the index logits were never written
                     // (stale shared memory), and 0 * NaN is NaN (NOTES s35).
@@ -728,7 +731,7 @@ __global__ void __launch_bounds__(SparseFwdShape::threads<kOut, kWgmma, kRows>()
     if (kOut && index && j == J - 1) {
       for (int u = warp; u < nu && !fast_kl; u += kWarpsT) {
         const int lim = key_limit(u, nu);
-        const float* si = sSi + u * Sh::kKeys;
+        const float* si = sSi + u * Sh::kSiStride;
         const float inv_g = 1.f / float(G);
         const bool grad = p.dsi_part != nullptr;
         const float lse_idx2 = grad ? p.lse_idx[int64_t(r) * p.total_tokens + sTok[u]] * kLog2e : 0.f;
