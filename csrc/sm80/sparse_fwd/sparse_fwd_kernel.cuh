@@ -84,7 +84,7 @@ constexpr float kFwdNegInf = -__builtin_huge_valf();
 // Smallest normal float. The KL terms take pm * log2(pm) only from here on: lg2.approx.ftz reads a
 // subnormal pm as 0 (-inf), and pm = (sum of the heads' P) / G is subnormal when the sum is below
 // 2^-124 (one head's P a little above the exp2 underflow, the others 0), which made the KL -inf.
-// The terms skipped are below 2^-126 * 126 in size.
+// Each term skipped is below 2^-126 * |log2 pm - si| in size.
 constexpr float kMinNormal = 1.17549435e-38f;
 
 // Rows per tile for Gu heads per unit: kRows / 4 units, at most kRows rows.
