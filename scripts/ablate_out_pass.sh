@@ -14,7 +14,7 @@ F=csrc/sm80/sparse_fwd/sparse_fwd_kernel.cuh
 exec "$(dirname "$0")/ablate.sh" "${1:?usage: scripts/ablate_out_pass.sh OUTDIR}" \
   "no_pv_out|$F|s/^        if (!p.write_out) return;  \/\/ CTA-uniform/        return;  \/\/ CTA-uniform/" \
   "no_out_store|$F|s/^              if (u < nu)\$/              if (false)/" \
-  "no_kl_terms|$F|s/^            if ((n \& (Gu - 1)) == 0) {\$/            if (false) {/" \
+  "no_kl_terms|$F|s/^              if ((n \& (Gu - 1)) == 0) {\$/              if (false) {/" \
   "no_dsi_dq|$F|s/^      if (p.dsi_part != nullptr) {\$/      if (false) {/" \
   "no_dq_atomics|$F|s/if (uq < nu) atomic_add4(/if (false) atomic_add4(/" \
   "no_idx_logits|$F|s/if (index \&\& j == 0) {  \/\/ CTA-uniform/if (false) {  \/\/ CTA-uniform/"
