@@ -89,3 +89,38 @@ def test_sparse_attention_hand_made_indices(heads, dtype):
     assert_lse_close("lse", lse, exact_lse)
     assert torch.isinf(lse).any(), "the case should contain rows that attend to nothing"
     assert (out[torch.isinf(lse).T] == 0).all()
+
+
+@pytest.mark.parametrize("fixed_gu", ["default", "0"])
+def test_kl_with_subnormal_group_mean(monkeypatch, fixed_gu):
+    """A key whose group-averaged probability pm is a subnormal float: one head's P just above the exp2
+    underflow (e^-83 / t for tokens t ~ 20-75), the group's other heads 0. lg2.approx.ftz reads a
+    subnormal as 0, so pm * log2(pm) must not be taken there (it made the KL -inf)."""
+    if fixed_gu == "0":
+        monkeypatch.setenv("MSA_FWD_FIXED_GU", "0")
+    else:
+        monkeypatch.delenv("MSA_FWD_FIXED_GU", raising=False)
+    T, D, bs = 256, 64, 128
+    g = torch.Generator(device="cpu").manual_seed(11)
+    q = torch.zeros(T, 4, D)  # Hq = 4, Hkv = Hi = Hki = 1: G = 4, J = 1 (the bench's head layout)
+    q[:, 0, 0] = 664.0  # head 0: logit -83 against key 0 (scale 1/8), 0 against the others
+    q[:, 1:, 0] = 1600.0  # heads 1-3: logit -200 against key 0, so P = 0 there
+    k = torch.zeros(T, 1, D)
+    k[0, 0, 0] = -1.0
+    v = torch.randn(T, 1, D, generator=g)
+    qi = torch.randn(T, 1, D, generator=g) * 0.5
+    ki = torch.randn(T, 1, D, generator=g) * 0.5
+    q, k, v, qi, ki = (x.to(device="cuda", dtype=torch.bfloat16) for x in (q, k, v, qi, ki))
+    cu = torch.tensor([0, T], dtype=torch.int32, device="cuda")
+    scale, iscale = 1 / math.sqrt(D), 1 / math.sqrt(D)
+    # The case is there: token t >= 1 sees key 0 and t keys of logit 0, so head 0's P of key 0 is
+    # 2^(-83 log2 e - log2 t) in fp32 (0 below 2^-126, as exp2.approx.ftz gives), and pm = P / 4.
+    t = torch.arange(1, T, dtype=torch.float64)
+    p0 = torch.exp2((-83.0 * math.log2(math.e) - torch.log2(t)).float())
+    pm = torch.where(p0 < 2.0 ** -126, torch.zeros_like(p0), p0) / 4
+    assert ((pm > 0) & (pm < 2.0 ** -126)).sum() > 10
+    poison_allocator()
+    out, kl, idx, lse, lse_idx = ops.msa_fwd(q, k, v, qi, ki, cu, T, 2, bs, scale, iscale, False, True, False)[:5]
+    assert torch.isfinite(kl), f"kl = {kl.item()}"
+    exact, (lowp_out, _) = reference_forward(q, k, v, qi, ki, idx, cu, bs, scale, iscale)
+    assert_forward_close(out, kl, lse, lse_idx, exact, lowp_out)
