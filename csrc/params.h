@@ -127,7 +127,7 @@ struct SparseFwdParams {
   // Output pass, optional: the KL's index gradient for d_kl = 1 (SPEC 4): dsi = Pidx - Pm per (entry,
   // key) without its constant factor, and dq_idx = dqi_scale * sum over the entries of dsi K_idx.
   const float* lse_idx;    // (Hi, T) natural log
-  void* dsi_part;          // (entries, 128) input dtype; nullptr: no index gradient
+  void* dsi_part;          // (entries, 128) input dtype, row i = entry work.entries[i]; nullptr: none
   float* dqi_accum;        // (T, Hi, Di) fp32
   float dqi_scale;         // index_scale / rows
   int out_rows;            // rows per tile of the portable output pass: 128, or 64 (less shared memory)
@@ -149,8 +149,7 @@ struct IndexDkParams {
   int topk;
   int block_size;
   int hi, hki, di;
-  int chunk_begin;
-  int chunk_tokens;
+  int chunk_tokens;         // bounds the grid (entries of the chunk)
 };
 
 // Combines the per-entry results of one chunk: lse (Hq, T) and lse_idx (Hi, T) from the stats;

@@ -267,7 +267,6 @@ SparseForward sparse_forward_cuda(const at::Tensor& q_in, const at::Tensor& k_in
       MSA_LAUNCH_CHECK(sm80::launch_sparse_combine_kl(cp, stream), "sparse_fwd (kl combine)");
     });
     if (grad) {
-      dp.chunk_begin = int(t0);
       dp.chunk_tokens = int(tc);
       dp.work.max_items = fp.work.max_items;
       MSA_LAUNCH_CHECK(sm80::launch_index_dk(dp, q.scalar_type() == at::kBFloat16, stream), "msa_fwd (index dk)");

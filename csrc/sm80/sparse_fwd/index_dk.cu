@@ -8,7 +8,9 @@
 // MMA k-steps), later tiles' dsi rows and q_idx rows fetched while this one computes; the segment
 // ends with one atomic add of the accumulator. Di = 64 is zero-padded to 128 in shared memory.
 // The kernel streams dsi and q_idx rows (512 B per unit) through a kDkStages-deep cp.async ring (one
-// CTA barrier per tile: 16 KB per barrier; tiles of 16 units ran at ~1.2 TB/s, NOTES s27).
+// CTA barrier per tile: 16 KB per barrier; tiles of 16 units ran at ~1.2 TB/s, NOTES s27). dsi rows
+// are in reverse-index order (the output pass writes them so), so a tile's 32 rows are one
+// contiguous 8 KB read; only q_idx is gathered by token.
 #include <algorithm>
 
 #include "common/block_span.h"
@@ -59,15 +61,10 @@ __global__ void __launch_bounds__(kDkThreads, 2) index_dk_kernel(IndexDkParams p
 #pragma unroll
       for (int u = tid / 16; u < kDkUnits; u += kDkThreads / 16) {
         const int ue = u_begin + t * kDkUnits + u;
-        int64_t el = -1, tok = 0;
-        if (ue < u_end) {
-          const int e = w.entries[ue];
-          const int tt = (e / p.topk) % p.total_tokens;
-          el = (int64_t(r) * p.chunk_tokens + (tt - p.chunk_begin)) * p.topk + e % p.topk;
-          tok = tt;
-        }
-        cp_async_16(&sDs[b][KTile::offset(u, c)], DS + (el >= 0 ? el * kDkKeys + c * 8 : 0), el >= 0);
-        const bool qok = el >= 0 && c < di_chunks;
+        const bool ok = ue < u_end;
+        const int64_t tok = ok ? (w.entries[ue] / p.topk) % p.total_tokens : 0;
+        cp_async_16(&sDs[b][KTile::offset(u, c)], DS + (ok ? int64_t(ue) * kDkKeys + c * 8 : 0), ok);
+        const bool qok = ok && c < di_chunks;
         cp_async_16(&sQi[b][QTile::offset(u, c)],
                     QI + (qok ? tok * p.qi_stride_t + int64_t(r) * p.qi_stride_h + c * 8 : 0), qok);
       }

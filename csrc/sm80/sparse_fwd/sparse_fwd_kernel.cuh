@@ -21,7 +21,8 @@
 //  - output pass: P = exp(s - lse) with the final lse, the partial output P V per (entry, head), and
 //    per entry sum_j Pm_j (ln Pm_j - S_idx_j), Pm = the group's mean of P (needs all G heads: they
 //    meet in shared memory). The combine sums the partials in slot order: deterministic. With
-//    dsi_part, also the KL's index gradient for d_kl = 1: dsi = Pidx - Pm per (entry, key) and
+//    dsi_part, also the KL's index gradient for d_kl = 1: dsi = Pidx - Pm per (entry, key), stored in
+//    reverse-index order, and
 //    dq_idx += dsi K_idx (index_dk.cu turns dsi into dk_idx).
 // Warmup (dense mode) runs the same kernel with main_stats = write_out = false: the KL part only.
 // Only the unit's own block needs the causal mask; keys past the sequence end are masked too.
@@ -761,7 +762,9 @@ __global__ void __launch_bounds__(SparseFwdShape::threads<kOut, kWgmma, kRows>()
         if (lane == 0) p.kl_part[sEntry[u]] = acc * kLn2;
       }
       if (p.dsi_part != nullptr) {
-        // dsi of the tile's units to the chunk's buffer (16 bytes per thread and row chunk), and dq_idx:
+        // dsi of the tile's units to the chunk's buffer at their places in the reverse index (the
+        // item's units are consecutive there: one contiguous run of nu rows, which index_dk.cu then
+        // streams in order), 16 bytes per thread and row chunk; and dq_idx:
         // dsi (units x keys) K_idx (keys x Di); warp w takes the units' m-tiles w / 8, w / 8 + kWarpsT
         // / 8, ... and 16 columns of Di. The register KL path wrote dsi before the barrier after the
         // KL block; only the per-unit loop above needs another (the next step's writes to dsi come
@@ -769,7 +772,7 @@ __global__ void __launch_bounds__(SparseFwdShape::threads<kOut, kWgmma, kRows>()
         if (!fast_kl) __syncthreads();
         for (int i = tid; i < nu * (Sh::kKeys / 8); i += kThreadsT) {
           const int u = i / (Sh::kKeys / 8), ch = i % (Sh::kKeys / 8);
-          *reinterpret_cast<uint4*>(static_cast<T*>(p.dsi_part) + int64_t(sEntry[u]) * Sh::kKeys + ch * 8) =
+          *reinterpret_cast<uint4*>(static_cast<T*>(p.dsi_part) + int64_t(u_begin + ub + u) * Sh::kKeys + ch * 8) =
               *reinterpret_cast<const uint4*>(sDsi + PTile::offset(u, ch));
         }
         for (int mt = warp / 8; mt * 16 < nu && kw * 16 < di; mt += kWarpsT / 8) {
