@@ -1,7 +1,7 @@
-"""The sm_90a output pass compiled for Gu = 4 heads per unit (the bench configuration: G = 4, J = 1, with
-the index branch) against the general one (MSA_FWD_FIXED_GU=0): the same operations per entry in
-another order, so out, lse, lse_idx and the KL must be bitwise equal. Without the index branch
-(sparse_attention) the Gu = 4 kernel runs too (G = 4, J = 1) and must match as well."""
+"""The sm_90a stats and output passes compiled for Gu = 4 heads per unit (the bench configuration:
+G = 4, J = 1, with the index branch) against the general ones (MSA_FWD_FIXED_GU=0): the same
+operations per entry in another order, so out, lse, lse_idx and the KL must be bitwise equal. Without
+the index branch (sparse_attention) the Gu = 4 kernels run too (G = 4, J = 1) and must match as well."""
 import math
 
 import pytest
@@ -35,7 +35,7 @@ def test_fixed_gu_matches_general(monkeypatch, case, warmup):
     general = _run(monkeypatch, False, args)
     fixed = _run(monkeypatch, True, args)
     for name, a, b in zip(("out", "kl", "indices", "lse", "lse_idx"), general[:5], fixed[:5]):
-        assert torch.equal(a, b), f"{name} differs between the Gu = 4 and the general output pass"
+        assert torch.equal(a, b), f"{name} differs between the Gu = 4 and the general kernels"
     for name, a, b in zip(("kl_dq_idx", "kl_dk_idx"), general[5:], fixed[5:]):
         torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-9, msg=f"{name} differs between the two kernels")
 
@@ -51,4 +51,4 @@ def test_fixed_gu_without_index_matches_general(monkeypatch, case):
     fixed = _run(monkeypatch, True, sargs, ops.sparse_fwd)
     for name, a, b in zip(("out", "lse"), general, fixed):
         assert torch.isfinite(a).all(), f"{name}: poison left in the general kernel's result"
-        assert torch.equal(a, b), f"{name} differs between the Gu = 4 and the general output pass"
+        assert torch.equal(a, b), f"{name} differs between the Gu = 4 and the general kernels"

@@ -99,7 +99,7 @@ __host__ __device__ inline int sparse_rows_per_tile(int gu, int rows) { return g
 // chunks before the KL terms run (holding it across them spills). Everything else is the portable
 // pass's code.
 //
-// kGu > 0 (the sm_90a output pass only): the launch has Gu = kGu heads per unit and J = 1. With the index
+// kGu > 0 (the sm_90a passes only): the launch has Gu = kGu heads per unit and J = 1. With the index
 // branch the register KL path applies and its loops are compile-time. It sums P over the unit's
 // heads before P V, which lets the reduce-scatter free three quarters of the fp32 P first; rows map to
 // (unit, head) arithmetically. The registers this frees go to batching Q K^T and the index logits
@@ -110,7 +110,7 @@ __global__ void __launch_bounds__(SparseFwdShape::threads<kOut, kWgmma, kRows>()
     sparse_fwd_kernel(SparseFwdParams p) {
   using Sh = SparseFwdShape;
   static_assert(kRows == 128 || (kRows == 64 && kOut && !kWgmma), "64-row tiles: portable output pass only");
-  static_assert(kGu == 0 || (kOut && kWgmma && kRows == 128), "compile-time Gu: sm_90a output pass only");
+  static_assert(kGu == 0 || (kWgmma && kRows == 128), "compile-time Gu: sm_90a passes only");
   using L = typename Sh::template Smem<T, D, kOut, kRows>;
   constexpr int kUnitsT = L::kUnits;      // units per tile
   constexpr int kRowGroups = kRows / 16;  // 16-row groups: a warp each (a warp pair in the portable output pass)
@@ -356,7 +356,7 @@ __global__ void __launch_bounds__(SparseFwdShape::threads<kOut, kWgmma, kRows>()
             a[0] = a[1] = a[2] = a[3] = 0u;
           }
         };
-        if constexpr (kGu > 0) {  // registers to spare: all of Di in one batch of wgmmas
+        if constexpr (kGu > 0 && kOut) {  // registers to spare: all of Di in one batch of wgmmas
           sm90::wgmma_rs_ksteps<T, 64, Sh::kMaxDi / 16>(cw, load_qi, [&](int ks) { return KiTileW::desc(ki_addr, ks); },
                                                         false);
         } else {
@@ -408,7 +408,7 @@ __global__ void __launch_bounds__(SparseFwdShape::threads<kOut, kWgmma, kRows>()
       if (kOut || p.main_stats) {  // CTA-uniform
         float cw[4 * kN8];
         const uint32_t k_addr = smem_addr(sK);
-        if constexpr (kGu > 0) {  // registers to spare: all of D in one batch of wgmmas
+        if constexpr (kGu > 0 && kOut) {  // registers to spare: all of D in one batch of wgmmas
           sm90::wgmma_rs_ksteps<T, Sh::kKeys, D / 16>(
               cw, [&](uint32_t(&a)[4], int ks) { ldmatrix_x4(a, sQ + Tile::offset(rg * 16 + lane % 16, ks * 2 + lane / 16)); },
               [&](int ks) { return KTileW::desc(k_addr, ks); }, false);
@@ -819,11 +819,13 @@ cudaError_t launch_sparse_fwd(const SparseFwdParams& p, bool out_pass, cudaStrea
 
 namespace msa::sm90 {
 // The stats and output passes with their Q K^T on wgmma (sm_90a builds only).
-// The output pass with Gu = 4 heads per unit (the bench configuration) fixed at compile time when the
-// host asks for it (SparseFwdParams::fixed_gu: J = 1, G = 4).
+// Both passes with Gu = 4 heads per unit (the bench configuration) fixed at compile time when the host
+// asks for it (SparseFwdParams::fixed_gu: J = 1, G = 4).
 template <typename T, int D>
 cudaError_t launch_sparse_fwd(const SparseFwdParams& p, bool out_pass, cudaStream_t stream) {
-  if (!out_pass) return sm80::launch_sparse_fwd_pass<T, D, false, true>(p, stream);
+  if (!out_pass)
+    return p.fixed_gu == 4 ? sm80::launch_sparse_fwd_pass<T, D, false, true, 128, 4>(p, stream)
+                           : sm80::launch_sparse_fwd_pass<T, D, false, true>(p, stream);
   return p.fixed_gu == 4 ? sm80::launch_sparse_fwd_pass<T, D, true, true, 128, 4>(p, stream)
                          : sm80::launch_sparse_fwd_pass<T, D, true, true>(p, stream);
 }
