@@ -131,17 +131,35 @@ __global__ void __launch_bounds__(SparseBwdShape::kThreads, 1) sparse_bwd_kernel
       const int u = tile * U + row / Gu;
       return (tile < n_tiles && row < U * Gu && u_begin + u < u_end) ? p.tokens[u_begin + u] : -1;
     };
+    // A thread's rows are kThreads / kChunks apart (chunk tid % kChunks); where Gu divides that, they
+    // all have one head, and the head and chunk part of each address is computed once.
+    constexpr int kRowStep = Sh::kThreads / kChunks;
+    const bool one_head = kRowStep % Gu == 0;
+    const int64_t h_own = h0 + (tid / kChunks) % Gu;
+    const T* q_own = Q + h_own * p.q_stride_h + (tid % kChunks) * 8;
+    const T* do_own = dO + h_own * p.do_stride_h + (tid % kChunks) * 8;
     auto fetch = [&](int b) {
       const int* toks = sTok + b * Sh::kRows;
-      for (int i = tid; i < Sh::kRows * kChunks; i += Sh::kThreads) {
-        const int row = i / kChunks, c = i % kChunks;
-        const int t = toks[row];
-        const bool ok = t >= 0;
-        const int64_t h = h0 + sRowH[row];
-        cp_async_16(sQ + b * Sh::kRows * D + qoff(row, c),
-                    Q + int64_t(ok ? t : 0) * p.q_stride_t + h * p.q_stride_h + c * 8, ok);
-        cp_async_16(sdO + b * Sh::kRows * D + qoff(row, c),
-                    dO + int64_t(ok ? t : 0) * p.do_stride_t + h * p.do_stride_h + c * 8, ok);
+      if (one_head) {  // CTA-uniform
+        const int c = tid % kChunks;
+#pragma unroll
+        for (int row = tid / kChunks; row < Sh::kRows; row += kRowStep) {
+          const int t = toks[row];
+          const bool ok = t >= 0;
+          cp_async_16(sQ + b * Sh::kRows * D + qoff(row, c), q_own + int64_t(ok ? t : 0) * p.q_stride_t, ok);
+          cp_async_16(sdO + b * Sh::kRows * D + qoff(row, c), do_own + int64_t(ok ? t : 0) * p.do_stride_t, ok);
+        }
+      } else {
+        for (int i = tid; i < Sh::kRows * kChunks; i += Sh::kThreads) {
+          const int row = i / kChunks, c = i % kChunks;
+          const int t = toks[row];
+          const bool ok = t >= 0;
+          const int64_t h = h0 + sRowH[row];
+          cp_async_16(sQ + b * Sh::kRows * D + qoff(row, c),
+                      Q + int64_t(ok ? t : 0) * p.q_stride_t + h * p.q_stride_h + c * 8, ok);
+          cp_async_16(sdO + b * Sh::kRows * D + qoff(row, c),
+                      dO + int64_t(ok ? t : 0) * p.do_stride_t + h * p.do_stride_h + c * 8, ok);
+        }
       }
       for (int row = tid; row < Sh::kRows; row += Sh::kThreads) {
         const int t = toks[row];
