@@ -527,15 +527,7 @@ __global__ void __launch_bounds__(SparseFwdShape::threads<kOut, kWgmma, kRows>()
         // writes it after this), then leaves in 16-byte chunks, a row per 16 (D = 128) or 8 lanes.
         const uint32_t v_addr = smem_addr(sV);
 #pragma unroll
-        for (int panel = 0; panel < D / 64; ++panel) {
-          float ow[32];
-          sm90::wgmma_fence();
-#pragma unroll
-          for (int kk = 0; kk < Sh::kKeys / 16; ++kk)
-            sm90::WgmmaRS<T, 64, true>::run(ow, pa[kk], KTileW::desc_mn(v_addr + panel * KTileW::kPanelElems * 2, kk),
-                                            kk > 0);
-          sm90::wgmma_commit();
-          sm90::wgmma_wait<0>();
+        auto stage = [&](const float(&ow)[32], int panel) {
           if (live) {
 #pragma unroll
             for (int n = 0; n < 8; ++n) {
@@ -544,6 +536,33 @@ __global__ void __launch_bounds__(SparseFwdShape::threads<kOut, kWgmma, kRows>()
               *reinterpret_cast<uint32_t*>(sP + PTile::offset(row1, panel * 8 + n) + 2 * tq) =
                   pack2<T>(ow[4 * n + 2], ow[4 * n + 3]);
             }
+          }
+        };
+        auto issue = [&](float(&ow)[32], int panel) {
+          sm90::wgmma_fence();
+#pragma unroll
+          for (int kk = 0; kk < Sh::kKeys / 16; ++kk)
+            sm90::WgmmaRS<T, 64, true>::run(ow, pa[kk], KTileW::desc_mn(v_addr + panel * KTileW::kPanelElems * 2, kk),
+                                            kk > 0);
+          sm90::wgmma_commit();
+        };
+        if constexpr (kGu > 0 && D == 128) {
+          // Both panels in flight (P V runs after the reduce-scatter here: the registers allow it); the
+          // first is staged while the second computes.
+          float ow0[32], ow1[32];
+          issue(ow0, 0);
+          issue(ow1, 1);
+          sm90::wgmma_wait<1>();
+          stage(ow0, 0);
+          sm90::wgmma_wait<0>();
+          stage(ow1, 1);
+        } else {
+#pragma unroll
+          for (int panel = 0; panel < D / 64; ++panel) {
+            float ow[32];
+            issue(ow, panel);
+            sm90::wgmma_wait<0>();
+            stage(ow, panel);
           }
         }
         if (live) {
