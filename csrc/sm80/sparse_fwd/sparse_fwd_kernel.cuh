@@ -468,16 +468,21 @@ __global__ void __launch_bounds__(SparseFwdShape::threads<kOut, kWgmma, kRows>()
     // the tile needs no mask (padding rows then hold finite values that are never stored).
     const bool full = blen == Sh::kKeys && sTok[0] - seq_start - key0 >= Sh::kKeys - 1;
     if (kOut) {
-      // P = 2^(s scale_log2 - lse log2 e), 0 past the visible keys.
-      if (active) {
+      // P = 2^(s scale_log2 - lse log2 e), 0 past the visible keys. Two copies: most tiles are full
+      // (every non-local block), and theirs has no compare and no predicate per element (NOTES s44).
+      auto exp_tile = [&](auto masked) {
+        constexpr bool kMasked = decltype(masked)::value;
 #pragma unroll
         for (int n = 0; n < kN8; ++n) {
           const int col = kb + n * 8 + 2 * tq;
-          c[n][0] = full || col <= lim0 ? fast_exp2(fmaf(c[n][0], p.scale_log2, -e0)) : 0.f;
-          c[n][1] = full || col + 1 <= lim0 ? fast_exp2(fmaf(c[n][1], p.scale_log2, -e0)) : 0.f;
-          c[n][2] = full || col <= lim1 ? fast_exp2(fmaf(c[n][2], p.scale_log2, -e1)) : 0.f;
-          c[n][3] = full || col + 1 <= lim1 ? fast_exp2(fmaf(c[n][3], p.scale_log2, -e1)) : 0.f;
+          c[n][0] = !kMasked || col <= lim0 ? fast_exp2(fmaf(c[n][0], p.scale_log2, -e0)) : 0.f;
+          c[n][1] = !kMasked || col + 1 <= lim0 ? fast_exp2(fmaf(c[n][1], p.scale_log2, -e0)) : 0.f;
+          c[n][2] = !kMasked || col <= lim1 ? fast_exp2(fmaf(c[n][2], p.scale_log2, -e1)) : 0.f;
+          c[n][3] = !kMasked || col + 1 <= lim1 ? fast_exp2(fmaf(c[n][3], p.scale_log2, -e1)) : 0.f;
         }
+      };
+      if (active) {
+        if (full) exp_tile(std::false_type{}); else exp_tile(std::true_type{});
       }
     } else if (active && (!full || !(p.scale_log2 > 0.f))) {
       // Stats pass: the row max and sum below take the raw logits and apply a positive scale themselves
