@@ -247,7 +247,7 @@ __global__ void __launch_bounds__(SparseFwdShape::threads<kOut, kWgmma, kRows>()
     if constexpr (kGu > 0) {
       // A thread's rows are kThreadsT / kChunks apart, a multiple of kGu: its head, and with it the
       // head and chunk part of the address, is the same on every pass.
-      static_assert((kThreadsT / kChunks) % (kGu > 0 ? kGu : 1) == 0, "one head per thread");
+      static_assert((kThreadsT / kChunks) % kGu == 0, "one head per thread");
       const T* qh = Q + int64_t(h0 + row_head(tid / kChunks)) * p.q_stride_h + c * 8;
       for (int row = tid / kChunks; row < R; row += kThreadsT / kChunks) {
         const int u = row_unit(row);
@@ -408,18 +408,17 @@ __global__ void __launch_bounds__(SparseFwdShape::threads<kOut, kWgmma, kRows>()
       if (kOut || p.main_stats) {  // CTA-uniform
         float cw[4 * kN8];
         const uint32_t k_addr = smem_addr(sK);
+        // A fragment of Q, k-step ks (16 columns) of the warp's 16 rows.
+        auto load_q = [&](uint32_t(&a)[4], int ks) {
+          ldmatrix_x4(a, sQ + Tile::offset(rg * 16 + lane % 16, ks * 2 + lane / 16));
+        };
         if constexpr (kGu > 0 && kOut) {  // registers to spare: all of D in one batch of wgmmas
-          sm90::wgmma_rs_ksteps<T, Sh::kKeys, D / 16>(
-              cw, [&](uint32_t(&a)[4], int ks) { ldmatrix_x4(a, sQ + Tile::offset(rg * 16 + lane % 16, ks * 2 + lane / 16)); },
-              [&](int ks) { return KTileW::desc(k_addr, ks); }, false);
+          sm90::wgmma_rs_ksteps<T, Sh::kKeys, D / 16>(cw, load_q, [&](int ks) { return KTileW::desc(k_addr, ks); }, false);
         } else {
 #pragma unroll
           for (int half = 0; half < D / 64; ++half) {
             sm90::wgmma_rs_k64<T, Sh::kKeys>(
-                cw,
-                [&](uint32_t(&a)[4], int k4) {
-                  ldmatrix_x4(a, sQ + Tile::offset(rg * 16 + lane % 16, (half * 4 + k4) * 2 + lane / 16));
-                },
+                cw, [&](uint32_t(&a)[4], int k4) { load_q(a, half * 4 + k4); },
                 [&](int k4) { return KTileW::desc(k_addr, half * 4 + k4); }, half > 0);
           }
         }
