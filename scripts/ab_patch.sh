@@ -3,13 +3,16 @@
 #   scripts/ab_patch.sh LOGDIR PATCH[,PATCH2,...] [bench args, e.g. --n 32768 131072 --reps 5]
 # Several comma-separated patches are applied in order (B = all of them; device time is scarce).
 # A: build + the tests in MSA_AB_A_TESTS (default tests/test_errors.py) + benchmark. B: patch, rebuild
-# (incremental), the GPU tests, benchmark; the patch is reverted at the end. Logs of LOGDIR/a and LOGDIR/b (scripts/gpu_check.sh each) come back packed as LOGDIR.tgz.
+# (incremental), the GPU tests, benchmark; the patch is reverted at the end. MSA_AB_PROFILE=N adds a
+# per-kernel profile (scripts/profile_msa.py N) of each side, as LOGDIR/{a,b}/profile.txt. Logs of LOGDIR/a and LOGDIR/b (scripts/gpu_check.sh each) come back packed as LOGDIR.tgz.
 set -uo pipefail
 LOG=${1:?usage: scripts/ab_patch.sh LOGDIR PATCH [bench args...]}
 PATCH=${2:?usage: scripts/ab_patch.sh LOGDIR PATCH [bench args...]}
 shift 2
 here=$(cd "$(dirname "$0")" && pwd)
 MSA_PYTEST_ARGS="${MSA_AB_A_TESTS:-tests/test_errors.py}" bash "$here/gpu_check.sh" "$LOG/a" "$@" > /dev/null 2>&1
+profile() { [ -n "${MSA_AB_PROFILE:-}" ] && python3 "$here/profile_msa.py" $MSA_AB_PROFILE > "$1/profile.txt" 2>&1; }
+profile "$LOG/a"
 echo "A: $(tr '\n' ' ' < "$LOG/a/summary.txt")"
 IFS=, read -r -a patches <<< "$PATCH"
 applied=()
@@ -26,6 +29,7 @@ base=$(cat .msa_commit 2>/dev/null || echo unknown)
 MSA_COMMIT="$base$tag" MSA_PYTEST_ARGS="tests -m gpu" \
   bash "$here/gpu_check.sh" "$LOG/b" "$@" > /dev/null 2>&1
 rc=$?
+profile "$LOG/b"
 echo "B: $(tr '\n' ' ' < "$LOG/b/summary.txt")"
 revert
 for side in a b; do echo "$side:"; grep -E "^\| [0-9]" "$LOG/$side/bench.txt"; done
