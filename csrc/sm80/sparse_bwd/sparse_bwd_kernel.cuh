@@ -13,7 +13,8 @@
 // kWgmma (sm_90a builds): all five GEMMs run on wgmma. The row phase's S and dP read both operands
 // from shared memory (SS, m64n32 per warpgroup and 32-key step); the key phase and dQ take A from
 // registers (the same ldmatrix fragments of P^T, dS^T and dS) and B from shared memory: dO and Q read
-// MN-major for dV and dK, K read MN-major for dQ. K, V, Q and dO then sit in the 128-byte-swizzled
+// MN-major for dV and dK, K read MN-major for dQ. dQ comes before the key phase, whose wgmmas then run
+// while the dQ atomics go out (5% of the backward at 32K). K, V, Q and dO then sit in the 128-byte-swizzled
 // K-major layout wgmma reads (sm90::KMajorSw128), and every tile's gathered rows are fenced to the
 // async proxy before the CTA barrier. The accumulators have the same per-thread layout
 // as the mma.sync ones (warp w: keys / rows [16 (w % 4) + 64 (w / 4), +16)), so the epilogues are shared.
@@ -202,12 +203,14 @@ __global__ void __launch_bounds__(SparseBwdShape::kThreads, 1) sparse_bwd_kernel
 #pragma unroll 1
       for (int kq = 0; kq < 2; ++kq) {
         const int kbase = half * 64 + kq * 32;
-        if (kbase >= p.block_size) {  // block_size 64: zeros, so that dQ runs over a fixed 128 keys
+        if (kbase >= p.block_size) {  // block_size 64: zeros, so that dQ (and the wgmma key phase) runs over a fixed 128 keys
 #pragma unroll
           for (int n = 0; n < 4; ++n) {
             const int c8 = (kbase + n * 8) / 8;
             *reinterpret_cast<uint32_t*>(sdS + KTile::offset(row0, c8) + 2 * tq) = 0u;
             *reinterpret_cast<uint32_t*>(sdS + KTile::offset(row1, c8) + 2 * tq) = 0u;
+            *reinterpret_cast<uint32_t*>(sP + KTile::offset(row0, c8) + 2 * tq) = 0u;
+            *reinterpret_cast<uint32_t*>(sP + KTile::offset(row1, c8) + 2 * tq) = 0u;
           }
           continue;
         }
@@ -277,52 +280,6 @@ __global__ void __launch_bounds__(SparseBwdShape::kThreads, 1) sparse_bwd_kernel
       }
       __syncthreads();
 
-      // Key phase: keys [16 warp, +16): dV += P^T dO, dK += dS^T Q over the tile's rows.
-      if (kWgmma && warp * 16 < p.block_size) {  // warpgroup-uniform: block_size 64 idles warpgroup 1
-        // A = P^T and dS^T (m = keys, k = rows) by transposed ldmatrix, all four row steps, then eight
-        // wgmma m64nDk16 with B = dO and Q (k = rows, n = D: MN-major).
-        uint32_t ap[Sh::kRows / 16][4], as[Sh::kRows / 16][4];
-#pragma unroll
-        for (int kr = 0; kr < Sh::kRows / 16; ++kr) {
-          const int arow = kr * 16 + (lane % 8) + ((lane / 16) * 8);
-          const int acol = warp * 2 + (lane / 8) % 2;
-          ldmatrix_x4_trans(ap[kr], sP + KTile::offset(arow, acol));
-          ldmatrix_x4_trans(as[kr], sdS + KTile::offset(arow, acol));
-        }
-        float(&dv_w)[D / 2] = *reinterpret_cast<float(*)[D / 2]>(&dv[0][0]);
-        float(&dk_w)[D / 2] = *reinterpret_cast<float(*)[D / 2]>(&dk[0][0]);
-        const uint32_t do_addr = smem_addr(sdOb), q_addr = smem_addr(sQb);
-        sm90::wgmma_fence();
-#pragma unroll
-        for (int kr = 0; kr < Sh::kRows / 16; ++kr) {
-          sm90::WgmmaRS<T, D, true>::run(dv_w, ap[kr], QW::desc_mn(do_addr, kr), true);
-          sm90::WgmmaRS<T, D, true>::run(dk_w, as[kr], QW::desc_mn(q_addr, kr), true);
-        }
-        sm90::wgmma_commit();
-        sm90::wgmma_wait<0>();
-      } else if (!kWgmma && warp * 16 < p.block_size) {
-#pragma unroll 1
-        for (int kr = 0; kr < Sh::kRows / 16; ++kr) {  // 16 rows per MMA k-step
-          uint32_t ap[4], as[4];
-          // A = P^T (m = keys, k = rows) from the [row][key] tile: transposed 8x8 loads.
-          const int arow = kr * 16 + (lane % 8) + ((lane / 16) * 8);
-          const int acol = warp * 2 + (lane / 8) % 2;
-          ldmatrix_x4_trans(ap, sP + KTile::offset(arow, acol));
-          ldmatrix_x4_trans(as, sdS + KTile::offset(arow, acol));
-#pragma unroll
-          for (int dpair = 0; dpair < D / 16; ++dpair) {
-            uint32_t b[4];
-            const int brow = kr * 16 + (lane % 8) + ((lane / 8) % 2) * 8;
-            ldmatrix_x4_trans(b, sdOb + Tile::offset(brow, dpair * 2 + lane / 16));
-            MmaOp<T>::run(dv[2 * dpair], ap, b[0], b[1]);
-            MmaOp<T>::run(dv[2 * dpair + 1], ap, b[2], b[3]);
-            ldmatrix_x4_trans(b, sQb + Tile::offset(brow, dpair * 2 + lane / 16));
-            MmaOp<T>::run(dk[2 * dpair], as, b[0], b[1]);
-            MmaOp<T>::run(dk[2 * dpair + 1], as, b[2], b[3]);
-          }
-        }
-      }
-
       // dQ = scale * dS K for rows [16 rw, +16), added to the fp32 accumulator: one 16-byte atomic per
       // lane and n-tile of the warp's columns from c0 on (even tq lanes add row0's 4 columns, odd ones row1's).
       auto add_dq = [&](auto& dq, int c0) {
@@ -339,22 +296,73 @@ __global__ void __launch_bounds__(SparseBwdShape::kThreads, 1) sparse_bwd_kernel
         }
       };
       if constexpr (kWgmma) {
-        // Warpgroup `half` takes D columns [64 half, +64) (D = 64: warpgroup 0 all of them), m64n64
-        // over the 128 keys in one batch of eight k-steps (A = dS by ldmatrix, B = K MN-major).
-        if (D == 128 || half == 0) {
-          float dq[8][4];
+        // dQ first; then the key phase's wgmmas are issued, and this thread's dQ atomics (and their
+        // shuffles) go out while they run. Both run unconditionally (ptxas serialises wgmmas whose wait
+        // sits in a branch): with D = 64 both warpgroups compute the same dQ and warpgroup 0 adds it; with
+        // block_size 64 warpgroup 1's dK and dV (keys past the block) are computed and never stored.
+        // dQ: warpgroup `half` takes D columns [64 half, +64), m64n64 over the 128 keys in one batch of
+        // eight k-steps (A = dS by ldmatrix, B = K MN-major).
+        float dq[8][4];
+        {
           float(&dq_w)[32] = *reinterpret_cast<float(*)[32]>(&dq[0][0]);
-          const uint32_t k_addr = smem_addr(sK) + half * (KW::kPanelElems * int(sizeof(T)));
+          const uint32_t k_addr = smem_addr(sK) + (D == 128 ? half : 0) * (KW::kPanelElems * int(sizeof(T)));
           sm90::wgmma_rs_ksteps<T, 64, Sh::kKeys / 16, true>(
               dq_w,
               [&](uint32_t(&a)[4], int kk) {
                 ldmatrix_x4(a, sdS + KTile::offset(rw * 16 + lane % 16, kk * 2 + lane / 16));
               },
               [&](int kk) { return KW::desc_mn(k_addr, kk); }, false);
-          add_dq(dq, half * 64);
         }
+        // Key phase: keys [16 warp, +16): dV += P^T dO, dK += dS^T Q over the tile's rows. A = P^T and
+        // dS^T (m = keys, k = rows) by transposed ldmatrix, all four row steps, then eight wgmma m64nDk16
+        // with B = dO and Q (k = rows, n = D: MN-major).
+        {
+          uint32_t ap[Sh::kRows / 16][4], as[Sh::kRows / 16][4];
+#pragma unroll
+          for (int kr = 0; kr < Sh::kRows / 16; ++kr) {
+            const int arow = kr * 16 + (lane % 8) + ((lane / 16) * 8);
+            const int acol = warp * 2 + (lane / 8) % 2;
+            ldmatrix_x4_trans(ap[kr], sP + KTile::offset(arow, acol));
+            ldmatrix_x4_trans(as[kr], sdS + KTile::offset(arow, acol));
+          }
+          float(&dv_w)[D / 2] = *reinterpret_cast<float(*)[D / 2]>(&dv[0][0]);
+          float(&dk_w)[D / 2] = *reinterpret_cast<float(*)[D / 2]>(&dk[0][0]);
+          const uint32_t do_addr = smem_addr(sdOb), q_addr = smem_addr(sQb);
+          sm90::wgmma_fence();
+#pragma unroll
+          for (int kr = 0; kr < Sh::kRows / 16; ++kr) {
+            sm90::WgmmaRS<T, D, true>::run(dv_w, ap[kr], QW::desc_mn(do_addr, kr), true);
+            sm90::WgmmaRS<T, D, true>::run(dk_w, as[kr], QW::desc_mn(q_addr, kr), true);
+          }
+          sm90::wgmma_commit();
+        }
+        if (D == 128 || half == 0) add_dq(dq, half * 64);
+        sm90::wgmma_wait<0>();
       } else {
-        // Warp: D columns [D/2 half, +D/2) in steps of D/4 (registers).
+        // Key phase: keys [16 warp, +16): dV += P^T dO, dK += dS^T Q over the tile's rows.
+        if (warp * 16 < p.block_size) {
+#pragma unroll 1
+          for (int kr = 0; kr < Sh::kRows / 16; ++kr) {  // 16 rows per MMA k-step
+            uint32_t ap[4], as[4];
+            // A = P^T (m = keys, k = rows) from the [row][key] tile: transposed 8x8 loads.
+            const int arow = kr * 16 + (lane % 8) + ((lane / 16) * 8);
+            const int acol = warp * 2 + (lane / 8) % 2;
+            ldmatrix_x4_trans(ap, sP + KTile::offset(arow, acol));
+            ldmatrix_x4_trans(as, sdS + KTile::offset(arow, acol));
+#pragma unroll
+            for (int dpair = 0; dpair < D / 16; ++dpair) {
+              uint32_t b[4];
+              const int brow = kr * 16 + (lane % 8) + ((lane / 8) % 2) * 8;
+              ldmatrix_x4_trans(b, sdOb + Tile::offset(brow, dpair * 2 + lane / 16));
+              MmaOp<T>::run(dv[2 * dpair], ap, b[0], b[1]);
+              MmaOp<T>::run(dv[2 * dpair + 1], ap, b[2], b[3]);
+              ldmatrix_x4_trans(b, sQb + Tile::offset(brow, dpair * 2 + lane / 16));
+              MmaOp<T>::run(dk[2 * dpair], as, b[0], b[1]);
+              MmaOp<T>::run(dk[2 * dpair + 1], as, b[2], b[3]);
+            }
+          }
+        }
+        // dQ, warp: D columns [D/2 half, +D/2) in steps of D/4 (registers).
         constexpr int kQuarter = D / 4;
 #pragma unroll 1
         for (int dh = 0; dh < 2; ++dh) {
