@@ -85,6 +85,20 @@ def msa_fwd_bwd(q, k, v, qi, ki):
     torch.autograd.grad((out, kl), (q, k, v, qi, ki), (torch.ones_like(out), torch.ones_like(kl)))
 
 
+def fwd_bwd_memory(x):
+    """GiB of one msa fwd+bwd on CUDA inputs x (make_inputs): the peak above the inputs (workspace plus
+    out, kl and the five gradients), and the workspace (the same minus out and the gradients)."""
+    torch.cuda.synchronize()
+    base = torch.cuda.memory_allocated()
+    torch.cuda.reset_peak_memory_stats()
+    msa_fwd_bwd(*x)
+    torch.cuda.synchronize()
+    peak = (torch.cuda.max_memory_allocated() - base) / 2**30
+    returned = sum(t.numel() * t.element_size() for t in x)
+    returned += x[0].numel() * x[0].element_size()  # out is the size of q
+    return peak, peak - returned / 2**30
+
+
 def sparse_fwd(q, k, v, idx, cu, N):
     """The main branch of the forward given the selection: reverse index, both passes, combines."""
     torch.ops.msa.sparse_fwd(q, k, v, idx, cu, N, CONFIG["block_size"], CONFIG["D"] ** -0.5)
@@ -202,18 +216,7 @@ def run(args):
                         do, q, k, v, o, l, sink, cu, N, c["block_size"], c["D"] ** -0.5), saved)
                     del saved, sink
             if on_gpu and "msa_fwdbwd" in row:
-                # Peak memory of one fwd+bwd above the inputs: workspace plus out, kl and the five gradients.
-                x = sets[0]
-                torch.cuda.synchronize()
-                base = torch.cuda.memory_allocated()
-                torch.cuda.reset_peak_memory_stats()
-                msa_fwd_bwd(*x)
-                torch.cuda.synchronize()
-                row["peak_extra_gib"] = (torch.cuda.max_memory_allocated() - base) / 2**30
-                # Workspace: the same minus what the call returns (out and the five gradients).
-                returned = sum(t.numel() * t.element_size() for t in x)
-                returned += x[0].numel() * x[0].element_size()  # out is the size of q
-                row["workspace_gib"] = row["peak_extra_gib"] - returned / 2**30
+                row["peak_extra_gib"], row["workspace_gib"] = fwd_bwd_memory(sets[0])
         if on_gpu and msa.has_cuda_kernel("select_blocks"):
             progress(f"[{step}/{steps}] N={N}: index top-k")
             row["index_topk"] = timer(select_fn, [(x[3].detach(), x[4].detach()) for x in sets])
