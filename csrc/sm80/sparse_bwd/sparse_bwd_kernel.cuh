@@ -14,8 +14,8 @@
 // from shared memory (SS, m64n32 per warpgroup and 32-key step); the key phase and dQ take A from
 // registers (the same ldmatrix fragments of P^T, dS^T and dS) and B from shared memory: dO and Q read
 // MN-major for dV and dK, K read MN-major for dQ. dQ comes before the key phase, whose wgmmas then run
-// while the dQ atomics go out (5% of the backward at 32K). K, V, Q and dO then sit in the 128-byte-swizzled
-// K-major layout wgmma reads (sm90::KMajorSw128), and every tile's gathered rows are fenced to the
+// while the dQ atomics go out (5% of the backward at 32K). K, V, Q and dO then sit in the
+// 128-byte-swizzled K-major layout wgmma reads (sm90::KMajorSw128), and every tile's gathered rows are fenced to the
 // async proxy before the CTA barrier. The accumulators have the same per-thread layout
 // as the mma.sync ones (warp w: keys / rows [16 (w % 4) + 64 (w / 4), +16)), so the epilogues are shared.
 #pragma once
@@ -203,7 +203,8 @@ __global__ void __launch_bounds__(SparseBwdShape::kThreads, 1) sparse_bwd_kernel
 #pragma unroll 1
       for (int kq = 0; kq < 2; ++kq) {
         const int kbase = half * 64 + kq * 32;
-        if (kbase >= p.block_size) {  // block_size 64: zeros, so that dQ (and the wgmma key phase) runs over a fixed 128 keys
+        // block_size 64: zeros, so that dQ (and the wgmma key phase) runs over a fixed 128 keys.
+        if (kbase >= p.block_size) {
 #pragma unroll
           for (int n = 0; n < 4; ++n) {
             const int c8 = (kbase + n * 8) / 8;

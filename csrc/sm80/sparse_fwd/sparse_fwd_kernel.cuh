@@ -317,7 +317,8 @@ __global__ void __launch_bounds__(SparseFwdShape::threads<kOut, kWgmma, kRows>()
         for (int n = 0; n < NI; ++n) {
           const int col = kc0 + n * 8 + 2 * tq;
           const int row = mt * 16 + g;
-          *reinterpret_cast<float2*>(sSi + row * Sh::kSiStride + col) = make_float2(ci[n][0] * iscale2, ci[n][1] * iscale2);
+          *reinterpret_cast<float2*>(sSi + row * Sh::kSiStride + col) =
+              make_float2(ci[n][0] * iscale2, ci[n][1] * iscale2);
           *reinterpret_cast<float2*>(sSi + (row + 8) * Sh::kSiStride + col) =
               make_float2(ci[n][2] * iscale2, ci[n][3] * iscale2);
         }
@@ -413,7 +414,8 @@ __global__ void __launch_bounds__(SparseFwdShape::threads<kOut, kWgmma, kRows>()
           ldmatrix_x4(a, sQ + Tile::offset(rg * 16 + lane % 16, ks * 2 + lane / 16));
         };
         if constexpr (kGu > 0 && kOut) {  // registers to spare: all of D in one batch of wgmmas
-          sm90::wgmma_rs_ksteps<T, Sh::kKeys, D / 16>(cw, load_q, [&](int ks) { return KTileW::desc(k_addr, ks); }, false);
+          sm90::wgmma_rs_ksteps<T, Sh::kKeys, D / 16>(cw, load_q, [&](int ks) { return KTileW::desc(k_addr, ks); },
+                                                      false);
         } else {
 #pragma unroll
           for (int half = 0; half < D / 64; ++half) {
@@ -530,7 +532,6 @@ __global__ void __launch_bounds__(SparseFwdShape::threads<kOut, kWgmma, kRows>()
         // staged in the warp's own rows of sP (P is not there: in registers, and the slow KL path
         // writes it after this), then leaves in 16-byte chunks, a row per 16 (D = 128) or 8 lanes.
         const uint32_t v_addr = smem_addr(sV);
-#pragma unroll
         auto stage = [&](const float(&ow)[32], int panel) {
           if (live) {
 #pragma unroll
@@ -665,7 +666,8 @@ __global__ void __launch_bounds__(SparseFwdShape::threads<kOut, kWgmma, kRows>()
                     const float term = (pm0 >= kMinNormal ? pm0 * (fast_log2(pm0) - si.x) : 0.f) +
                                        (pm1 >= kMinNormal ? pm1 * (fast_log2(pm1) - si.y) : 0.f);
                     if (h) acc1 += term; else acc0 += term;
-                    if (kMode == 1 || (kMode == 2 && grad)) {  // SPEC 4: Pidx - P (times d_kl / rows later); 0 past the visible keys
+                    // SPEC 4: Pidx - P (times d_kl / rows later); 0 past the visible keys.
+                    if (kMode == 1 || (kMode == 2 && grad)) {
                       const int lim = h ? lim1 : lim0;
                       const float li = h ? li1 : li0;
                       const float d0 = col <= lim ? fast_exp2(si.x - li) - pm0 : 0.f;
