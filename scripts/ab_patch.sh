@@ -4,14 +4,15 @@
 # Several comma-separated patches are applied in order (B = all of them; device time is scarce).
 # A: build + the tests in MSA_AB_A_TESTS (default tests/test_errors.py) + benchmark. B: patch, rebuild
 # (incremental), the GPU tests, benchmark; the patch is reverted at the end. MSA_AB_PROFILE=N adds a
-# per-kernel profile (scripts/profile_msa.py N) of each side, as LOGDIR/{a,b}/profile.txt. Logs of LOGDIR/a and LOGDIR/b (scripts/gpu_check.sh each) come back packed as LOGDIR.tgz.
+# per-kernel profile (scripts/profile_msa.py N) of each side, as LOGDIR/{a,b}/profile.txt. Logs of
+# LOGDIR/a and LOGDIR/b (scripts/gpu_check.sh each) come back packed as LOGDIR.tgz.
 set -uo pipefail
 LOG=${1:?usage: scripts/ab_patch.sh LOGDIR PATCH [bench args...]}
 PATCH=${2:?usage: scripts/ab_patch.sh LOGDIR PATCH [bench args...]}
 shift 2
 here=$(cd "$(dirname "$0")" && pwd)
 MSA_PYTEST_ARGS="${MSA_AB_A_TESTS:-tests/test_errors.py}" bash "$here/gpu_check.sh" "$LOG/a" "$@" > /dev/null 2>&1
-profile() { [ -n "${MSA_AB_PROFILE:-}" ] && python3 "$here/profile_msa.py" $MSA_AB_PROFILE > "$1/profile.txt" 2>&1; }
+profile() { [ -n "${MSA_AB_PROFILE:-}" ] && ${PYTHON:-python3} "$here/profile_msa.py" $MSA_AB_PROFILE > "$1/profile.txt" 2>&1; }
 profile "$LOG/a"
 echo "A: $(tr '\n' ' ' < "$LOG/a/summary.txt")"
 IFS=, read -r -a patches <<< "$PATCH"

@@ -24,12 +24,19 @@ inline void check_cuda_int32(const at::Tensor& t, const char* name, int64_t dim)
 // op of the same call, the backward, the next layer) is checked on the host without another copy.
 std::vector<int32_t> check_cu_seqlens(const at::Tensor& cu, int64_t total_tokens, int64_t max_seqlen);
 
+// The shared memory per block x's device offers (opt-in maximum, bytes).
+inline int64_t smem_per_block(const at::Tensor& x) {
+  const int dev = x.get_device();
+  int optin = 0;
+  const cudaError_t err = cudaDeviceGetAttribute(&optin, cudaDevAttrMaxSharedMemoryPerBlockOptin, dev);
+  TORCH_CHECK(err == cudaSuccess, "msa: cannot query the shared memory of device ", dev);
+  return optin;
+}
+
 // The sparse kernels keep a kv block and their tiles in shared memory; a GPU with less per-block
 // shared memory than they need (sm_86 / sm_89: 99 KB) is refused with a clear error before any launch.
 inline void check_smem(const at::Tensor& x, int64_t needed, const char* what) {
-  int dev = x.get_device(), optin = 0;
-  const cudaError_t err = cudaDeviceGetAttribute(&optin, cudaDevAttrMaxSharedMemoryPerBlockOptin, dev);
-  TORCH_CHECK(err == cudaSuccess, "msa: cannot query the shared memory of device ", dev);
+  const int64_t optin = smem_per_block(x);
   TORCH_CHECK_NOT_IMPLEMENTED(needed <= optin, "msa: ", what, " needs ", needed, " bytes of shared memory per block; ",
                               "this GPU offers ", optin, " (the portable kernels are tuned for Hopper's 227 KB; "
                               "smaller GPUs are not supported yet, see README.md)");

@@ -41,10 +41,7 @@ int fwd_units_per_item() {
 // small tile, so the tests run it on Hopper too.
 int fwd_out_rows(const at::Tensor& q, int64_t D) {
   if (env_positive("MSA_FWD_ROWS", 128) == 64) return 64;
-  int optin = 0;
-  const cudaError_t err = cudaDeviceGetAttribute(&optin, cudaDevAttrMaxSharedMemoryPerBlockOptin, q.get_device());
-  TORCH_CHECK(err == cudaSuccess, "msa: cannot query the shared memory of device ", q.get_device());
-  return optin >= sm80::sparse_smem_bytes(int(D), 1, 128) ? 128 : 64;
+  return smem_per_block(q) >= sm80::sparse_smem_bytes(int(D), 1, 128) ? 128 : 64;
 }
 
 }  // namespace
