@@ -23,13 +23,26 @@ except ImportError as e:  # pragma: no cover - only without a build
 ops = torch.ops.msa
 
 
+# The ops with a compiled CUDA kernel, read once: the kernels register when _C loads, and a lookup in
+# a set is traceable by torch.compile (the dispatcher query itself is not).
+_CUDA_OPS = frozenset(name for name in ("select_blocks", "sparse_fwd", "sparse_bwd", "msa_fwd", "msa_bwd",
+                                        "reverse_index", "validate_cu_seqlens")
+                      if torch._C._dispatch_has_kernel_for_dispatch_key(f"msa::{name}", "CUDA"))
+
+
 def has_cuda_kernel(name: str) -> bool:
     """Whether op `name` has a compiled CUDA kernel in this build."""
-    return torch._C._dispatch_has_kernel_for_dispatch_key(f"msa::{name}", "CUDA")
+    return name in _CUDA_OPS
 
 
-def _check_cu(cu_seqlens: torch.Tensor, total: int, max_seqlen: int) -> None:
-    """The CPU twin of csrc/api/checks.h::check_cu_seqlens (values are checked where they are read)."""
+def _seqs(cu_seqlens, total: int, max_seqlen: int) -> torch.Tensor:
+    """The CPU twin of csrc/api/cu_seqlens.cpp::seq_map: a checked cu_seqlens, or for None (the batched
+    layout) the offsets of T / max_seqlen sequences of max_seqlen tokens."""
+    if cu_seqlens is None:
+        if max_seqlen < 1 or total % max_seqlen:
+            raise ValueError(f"max_seqlen: without cu_seqlens (the batched layout) expected a divisor of T = "
+                             f"{total}, got {max_seqlen}")
+        return torch.arange(0, total + 1, max_seqlen, dtype=torch.int32)
     if cu_seqlens.dtype != torch.int32 or cu_seqlens.dim() != 1 or cu_seqlens.numel() < 2:
         raise ValueError(f"cu_seqlens: expected int32 of shape (S+1,) with S >= 1, got {cu_seqlens.dtype} "
                          f"{tuple(cu_seqlens.shape)}")
@@ -45,6 +58,7 @@ def _check_cu(cu_seqlens: torch.Tensor, total: int, max_seqlen: int) -> None:
     longest = max(b - a for a, b in zip(cu[:-1], cu[1:]))
     if max_seqlen < longest:
         raise ValueError(f"max_seqlen: expected >= the longest sequence ({longest}), got {max_seqlen}")
+    return cu_seqlens
 
 
 # ----------------------------------------------------------------------------------------------
@@ -52,62 +66,68 @@ def _check_cu(cu_seqlens: torch.Tensor, total: int, max_seqlen: int) -> None:
 # ----------------------------------------------------------------------------------------------
 @torch.library.register_kernel("msa::select_blocks", "cpu")
 def _select_blocks_cpu(q_idx, k_idx, cu_seqlens, max_seqlen, topk, block_size, index_scale):
-    _check_cu(cu_seqlens, q_idx.shape[0], max_seqlen)
-    return ref.select_blocks(q_idx, k_idx, cu_seqlens, topk, block_size, index_scale)
+    cu = _seqs(cu_seqlens, q_idx.shape[0], max_seqlen)
+    return ref.select_blocks(q_idx, k_idx, cu, topk, block_size, index_scale)
 
 
 @torch.library.register_kernel("msa::sparse_fwd", "cpu")
-def _sparse_fwd_cpu(q, k, v, indices, cu_seqlens, max_seqlen, block_size, softmax_scale):
-    _check_cu(cu_seqlens, q.shape[0], max_seqlen)
-    return ref.sparse_fwd(q, k, v, indices, cu_seqlens, block_size, softmax_scale)
+def _sparse_fwd_cpu(q, k, v, indices, cu_seqlens, max_seqlen, block_size, softmax_scale, deterministic=False):
+    cu = _seqs(cu_seqlens, q.shape[0], max_seqlen)
+    return ref.sparse_fwd(q, k, v, indices, cu, block_size, softmax_scale)
 
 
 @torch.library.register_kernel("msa::sparse_bwd", "cpu")
-def _sparse_bwd_cpu(dout, q, k, v, out, lse, indices, cu_seqlens, max_seqlen, block_size, softmax_scale):
-    _check_cu(cu_seqlens, q.shape[0], max_seqlen)
-    return ref.sparse_bwd(dout, q, k, v, lse, indices, cu_seqlens, block_size, softmax_scale)
+def _sparse_bwd_cpu(dout, q, k, v, out, lse, indices, cu_seqlens, max_seqlen, block_size, softmax_scale,
+                    deterministic=False):
+    cu = _seqs(cu_seqlens, q.shape[0], max_seqlen)
+    return ref.sparse_bwd(dout, q, k, v, lse, indices, cu, block_size, softmax_scale)
 
 
 @torch.library.register_kernel("msa::msa_fwd", "cpu")
 def _msa_fwd_cpu(q, k, v, q_idx, k_idx, cu_seqlens, max_seqlen, topk, block_size, softmax_scale, index_scale,
-                 warmup, return_indices, index_grad):
-    _check_cu(cu_seqlens, q.shape[0], max_seqlen)
-    out, kl, indices, lse, lse_idx = ref.msa_fwd(q, k, v, q_idx, k_idx, cu_seqlens, topk, block_size, softmax_scale,
-                                                 index_scale, warmup, return_indices)
+                 warmup, return_indices, index_grad, deterministic=False):
+    cu = _seqs(cu_seqlens, q.shape[0], max_seqlen)
+    out, kl, indices, lse, lse_idx, kl_rows = ref.msa_fwd(q, k, v, q_idx, k_idx, cu, topk, block_size, softmax_scale,
+                                                          index_scale, warmup, return_indices)
     acc = ref.acc_dtype(q.dtype)
     if index_grad:  # d kl / d (q_idx, k_idx) for d_kl = 1 (SPEC 4), in the accumulation dtype
         attend = None if warmup else indices
-        g_q, g_k = ref.index_kl_bwd(torch.ones((), dtype=acc), q, k, lse, q_idx, k_idx, lse_idx, attend, cu_seqlens,
+        g_q, g_k = ref.index_kl_bwd(torch.ones((), dtype=acc), q, k, lse, q_idx, k_idx, lse_idx, attend, cu,
                                     block_size, softmax_scale, index_scale, out_dtype=acc)
     else:
         g_q, g_k = torch.empty(0, dtype=acc), torch.empty(0, dtype=acc)
-    return out, kl, indices, lse, lse_idx, g_q, g_k
+    return out, kl, indices, lse, lse_idx, g_q, g_k, kl_rows
 
 
 @torch.library.register_kernel("msa::msa_bwd", "cpu")
 def _msa_bwd_cpu(dout, dkl, q, k, v, out, lse, q_idx, k_idx, lse_idx, indices, kl_dq_idx, kl_dk_idx, cu_seqlens,
-                 max_seqlen, block_size, softmax_scale, index_scale, warmup):
-    _check_cu(cu_seqlens, q.shape[0], max_seqlen)
+                 max_seqlen, block_size, softmax_scale, index_scale, warmup, deterministic=False):
+    cu = _seqs(cu_seqlens, q.shape[0], max_seqlen)
     attend = None if warmup else indices
     if dout is None:
         dq, dk, dv = torch.zeros_like(q), torch.zeros_like(k), torch.zeros_like(v)
     else:
-        dq, dk, dv = ref.sparse_bwd(dout, q, k, v, lse, attend, cu_seqlens, block_size, softmax_scale)
+        dq, dk, dv = ref.sparse_bwd(dout, q, k, v, lse, attend, cu, block_size, softmax_scale)
     if dkl is None:
         dq_idx, dk_idx = torch.zeros_like(q_idx), torch.zeros_like(k_idx)
     elif kl_dq_idx.shape == q_idx.shape and kl_dk_idx.shape == k_idx.shape:
         s = dkl.to(kl_dq_idx.dtype)
         dq_idx, dk_idx = (kl_dq_idx * s).to(q_idx.dtype), (kl_dk_idx * s).to(k_idx.dtype)
     else:
-        dq_idx, dk_idx = ref.index_kl_bwd(dkl, q, k, lse, q_idx, k_idx, lse_idx, attend, cu_seqlens, block_size,
+        dq_idx, dk_idx = ref.index_kl_bwd(dkl, q, k, lse, q_idx, k_idx, lse_idx, attend, cu, block_size,
                                           softmax_scale, index_scale)
     return dq, dk, dv, dq_idx, dk_idx
 
 
 @torch.library.register_kernel("msa::reverse_index", "cpu")
 def _reverse_index_cpu(indices, cu_seqlens, max_seqlen, block_size):
-    _check_cu(cu_seqlens, indices.shape[1], max_seqlen)
-    return ref.reverse_index(indices, cu_seqlens, block_size)
+    cu = _seqs(cu_seqlens, indices.shape[1], max_seqlen)
+    return ref.reverse_index(indices, cu, block_size)
+
+
+@torch.library.register_kernel("msa::validate_cu_seqlens", "cpu")
+def _validate_cu_seqlens_cpu(cu_seqlens, total_tokens, max_seqlen):
+    _seqs(cu_seqlens, total_tokens, max_seqlen)
 
 
 # ----------------------------------------------------------------------------------------------
@@ -123,79 +143,85 @@ def _lse_like(x, heads):
 
 
 @torch.library.register_fake("msa::sparse_fwd")
-def _sparse_fwd_fake(q, k, v, indices, cu_seqlens, max_seqlen, block_size, softmax_scale):
+def _sparse_fwd_fake(q, k, v, indices, cu_seqlens, max_seqlen, block_size, softmax_scale, deterministic=False):
     return torch.empty_like(q), _lse_like(q, q.shape[1])
 
 
 @torch.library.register_fake("msa::sparse_bwd")
-def _sparse_bwd_fake(dout, q, k, v, out, lse, indices, cu_seqlens, max_seqlen, block_size, softmax_scale):
+def _sparse_bwd_fake(dout, q, k, v, out, lse, indices, cu_seqlens, max_seqlen, block_size, softmax_scale,
+                     deterministic=False):
     return torch.empty_like(q), torch.empty_like(k), torch.empty_like(v)
 
 
 @torch.library.register_fake("msa::msa_fwd")
 def _msa_fwd_fake(q, k, v, q_idx, k_idx, cu_seqlens, max_seqlen, topk, block_size, softmax_scale, index_scale,
-                  warmup, return_indices, index_grad):
+                  warmup, return_indices, index_grad, deterministic=False):
     T, Hi = q_idx.shape[0], q_idx.shape[1]
     slots = 0 if (warmup and not return_indices) else topk
     acc = ref.acc_dtype(q.dtype)
     g_q = q_idx.new_empty(q_idx.shape if index_grad else (0,), dtype=acc)
     g_k = k_idx.new_empty(k_idx.shape if index_grad else (0,), dtype=acc)
     return (torch.empty_like(q), q.new_empty((), dtype=acc), q.new_empty(Hi, T, slots, dtype=torch.int32),
-            _lse_like(q, q.shape[1]), _lse_like(q, Hi), g_q, g_k)
+            _lse_like(q, q.shape[1]), _lse_like(q, Hi), g_q, g_k, _lse_like(q, Hi))
 
 
 @torch.library.register_fake("msa::msa_bwd")
 def _msa_bwd_fake(dout, dkl, q, k, v, out, lse, q_idx, k_idx, lse_idx, indices, kl_dq_idx, kl_dk_idx, cu_seqlens,
-                  max_seqlen, block_size, softmax_scale, index_scale, warmup):
+                  max_seqlen, block_size, softmax_scale, index_scale, warmup, deterministic=False):
     return tuple(torch.empty_like(x) for x in (q, k, v, q_idx, k_idx))
 
 
 @torch.library.register_fake("msa::reverse_index")
 def _reverse_index_fake(indices, cu_seqlens, max_seqlen, block_size):
     Hi, T, k = indices.shape
-    S = cu_seqlens.shape[0] - 1
+    S = T // max_seqlen if cu_seqlens is None else cu_seqlens.shape[0] - 1
     return (indices.new_empty(Hi * (T // block_size + S) + 1), indices.new_empty(Hi * T * k),
             indices.new_empty(S + 1))
+
+
+@torch.library.register_fake("msa::validate_cu_seqlens")
+def _validate_cu_seqlens_fake(cu_seqlens, total_tokens, max_seqlen):
+    return None
 
 
 # ----------------------------------------------------------------------------------------------
 # Autograd (SPEC 4): out -> q, k, v only; kl -> q_idx, k_idx only, the teacher P detached
 # ----------------------------------------------------------------------------------------------
 def _msa_setup(ctx, inputs, output):
-    q, k, v, q_idx, k_idx, cu_seqlens, max_seqlen, topk, block_size, scale, iscale, warmup, _, _ = inputs
-    out, kl, indices, lse, lse_idx, kl_dq_idx, kl_dk_idx = output
+    q, k, v, q_idx, k_idx, cu_seqlens, max_seqlen, topk, block_size, scale, iscale, warmup, _, _, det = inputs
+    out, kl, indices, lse, lse_idx, kl_dq_idx, kl_dk_idx, kl_rows = output
     ctx.save_for_backward(q, k, v, out, lse, q_idx, k_idx, lse_idx, indices, kl_dq_idx, kl_dk_idx, cu_seqlens)
-    ctx.args = (max_seqlen, block_size, scale, iscale, warmup)
-    ctx.mark_non_differentiable(indices, lse, lse_idx, kl_dq_idx, kl_dk_idx)
+    ctx.args = (max_seqlen, block_size, scale, iscale, warmup, det)
+    ctx.mark_non_differentiable(indices, lse, lse_idx, kl_dq_idx, kl_dk_idx, kl_rows)
     ctx.set_materialize_grads(False)
 
 
-def _msa_backward(ctx, dout, dkl, _dindices, _dlse, _dlse_idx, _dg_q, _dg_k):
+def _msa_backward(ctx, dout, dkl, _dindices, _dlse, _dlse_idx, _dg_q, _dg_k, _dkl_rows):
     q, k, v, out, lse, q_idx, k_idx, lse_idx, indices, kl_dq_idx, kl_dk_idx, cu_seqlens = ctx.saved_tensors
-    max_seqlen, block_size, scale, iscale, warmup = ctx.args
+    max_seqlen, block_size, scale, iscale, warmup, det = ctx.args
     need = ctx.needs_input_grad
     if not any(need[:3]):
         dout = None
     if not any(need[3:5]):
         dkl = None
     if dout is None and dkl is None:
-        return (None,) * 14
+        return (None,) * 15
     dq, dk, dv, dq_idx, dk_idx = ops.msa_bwd(
         dout, dkl, q, k, v, out, lse, q_idx, k_idx, lse_idx, indices, kl_dq_idx, kl_dk_idx, cu_seqlens, max_seqlen,
-        block_size, scale, iscale, warmup)
+        block_size, scale, iscale, warmup, det)
     main = (dq, dk, dv) if dout is not None else (None, None, None)
     index = (dq_idx, dk_idx) if dkl is not None else (None, None)
-    return (*main, *index) + (None,) * 9
+    return (*main, *index) + (None,) * 10
 
 
 torch.library.register_autograd("msa::msa_fwd", _msa_backward, setup_context=_msa_setup)
 
 
 def _sparse_setup(ctx, inputs, output):
-    q, k, v, indices, cu_seqlens, max_seqlen, block_size, scale = inputs
+    q, k, v, indices, cu_seqlens, max_seqlen, block_size, scale, det = inputs
     out, lse = output
     ctx.save_for_backward(q, k, v, out, lse, indices, cu_seqlens)
-    ctx.args = (max_seqlen, block_size, scale)
+    ctx.args = (max_seqlen, block_size, scale, det)
     ctx.mark_non_differentiable(lse)
     ctx.set_materialize_grads(False)
 
@@ -203,10 +229,37 @@ def _sparse_setup(ctx, inputs, output):
 def _sparse_backward(ctx, dout, _dlse):
     q, k, v, out, lse, indices, cu_seqlens = ctx.saved_tensors
     if dout is None:
-        return (None,) * 8
-    max_seqlen, block_size, scale = ctx.args
-    dq, dk, dv = ops.sparse_bwd(dout, q, k, v, out, lse, indices, cu_seqlens, max_seqlen, block_size, scale)
-    return (dq, dk, dv) + (None,) * 5
+        return (None,) * 9
+    max_seqlen, block_size, scale, det = ctx.args
+    dq, dk, dv = ops.sparse_bwd(dout, q, k, v, out, lse, indices, cu_seqlens, max_seqlen, block_size, scale, det)
+    return (dq, dk, dv) + (None,) * 6
 
 
 torch.library.register_autograd("msa::sparse_fwd", _sparse_backward, setup_context=_sparse_setup)
+
+
+# ----------------------------------------------------------------------------------------------
+# Autocast: under torch.autocast the forward ops take their floating inputs in the autocast dtype, as
+# PyTorch's own attention does (torch.library.register_autocast casts to one fixed dtype; this follows
+# the context's).
+# ----------------------------------------------------------------------------------------------
+def _register_autocast(name: str, device_type: str = "cuda") -> None:
+    op = getattr(ops, name).default
+    key = getattr(torch._C.DispatchKey, "Autocast" + torch._C._dispatch_key_for_device(device_type))
+
+    def cast(x, dtype):
+        return x.to(dtype) if isinstance(x, torch.Tensor) and x.is_floating_point() and x.device.type == device_type \
+            else x
+
+    @op.py_impl(key)
+    def _autocast(*args):
+        dtype = torch.get_autocast_dtype(device_type)
+        with torch._C._ExcludeDispatchKeyGuard(torch._C.DispatchKeySet(key)):
+            return op(*(cast(a, dtype) for a in args))
+
+    _LIB.impl(name, lambda _keyset, *args: _autocast(*args), key.name, with_keyset=True)
+
+
+_LIB = torch.library.Library("msa", "IMPL")
+for _name in ("select_blocks", "sparse_fwd", "msa_fwd"):
+    _register_autocast(_name)

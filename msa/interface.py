@@ -33,13 +33,20 @@ def _check_tensor(name, x, rank, layout):
 
 
 def _check_common(named, rank, layout):
-    """Rank, last-dim contiguity, one device, one dtype out of the supported ones."""
+    """Rank, last-dim contiguity, one device, one dtype out of the supported ones. Under torch.autocast on
+    the tensors' device the ops cast every floating input to the autocast dtype (msa/_ops.py), so there
+    any floating dtype, mixed, is accepted, as torch's attention accepts it."""
     for name, x in named:
         _check_tensor(name, x, rank, layout)
     name0, x0 = named[0]
     for name, x in named[1:]:
         if x.device != x0.device:
             _fail(name, f"device {x0.device} (the device of {name0})", x.device)
+    if x0.device.type == "cuda" and torch.is_autocast_enabled("cuda"):
+        for name, x in named:
+            if not x.is_floating_point():
+                _fail(name, "a floating-point tensor", x.dtype, TypeError)
+        return
     allowed = CPU_DTYPES if x0.device.type == "cpu" else GPU_DTYPES
     if x0.dtype not in allowed:
         _fail(name0, f"dtype in {[str(d) for d in allowed]} on {x0.device.type}", x0.dtype, TypeError)
@@ -90,25 +97,19 @@ def _require_kernel(op, x):
         _fail("q", "a CPU or CUDA tensor", x.device)
 
 
-# cu_seqlens of the batched layout, one tensor per (B, N, device), reused across calls: the CUDA ops
-# check a cu_seqlens on the host once per tensor version (csrc/api/cu_seqlens.cpp), so a reused tensor
-# costs no device-to-host copy, and a training step queues its kernels without draining the stream.
-_BATCH_CU = {}
-_BATCH_CU_MAX = 64
+def _deterministic(value):
+    """deterministic=None follows torch.use_deterministic_algorithms."""
+    if value is None:
+        return torch.are_deterministic_algorithms_enabled()
+    if not isinstance(value, bool):
+        _fail("deterministic", "a bool or None", repr(value), TypeError)
+    return value
 
 
-def _batch_cu(x, B, N):
-    if x.device.type != "cuda" or torch.compiler.is_compiling():
-        return torch.arange(0, (B + 1) * N, N, dtype=torch.int32, device=x.device)
-    key = (B, N, x.device)
-    cu = _BATCH_CU.get(key)
-    if cu is None:
-        if len(_BATCH_CU) >= _BATCH_CU_MAX:
-            _BATCH_CU.clear()
-        with torch.inference_mode(False):  # a normal tensor: it is saved for backward
-            cu = torch.arange(0, (B + 1) * N, N, dtype=torch.int32, device=x.device)
-        _BATCH_CU[key] = cu
-    return cu
+def _flat(x):
+    """(B, N, H, D) -> (B * N, H, D): a view where the strides allow it (slices of a fused QKV projection
+    keep theirs), else one copy (e.g. a transposed (B, H, N, D) tensor seen as (B, N, H, D))."""
+    return x.reshape(x.shape[0] * x.shape[1], *x.shape[2:])
 
 
 def _check_msa_inputs(q, k, v, q_idx, k_idx, rank, topk, block_size):
@@ -150,18 +151,18 @@ def _check_varlen(cu_seqlens, max_seqlen, x):
 
 
 def _msa(q, k, v, q_idx, k_idx, cu_seqlens, max_seqlen, topk, block_size, softmax_scale, index_scale, warmup,
-         return_indices):
+         return_indices, deterministic):
     _require_kernel("msa_fwd", q)
     scale = _scale("softmax_scale", softmax_scale, q.shape[-1])
     iscale = _scale("index_scale", index_scale, q_idx.shape[-1])
     # The KL's index gradient is computed with the KL itself when autograd will ask for it (SPEC 4).
     index_grad = torch.is_grad_enabled() and (q_idx.requires_grad or k_idx.requires_grad)
     return ops.msa_fwd(q, k, v, q_idx, k_idx, cu_seqlens, max_seqlen, topk, block_size, scale, iscale,
-                       bool(warmup), bool(return_indices), index_grad)
+                       bool(warmup), bool(return_indices), index_grad, _deterministic(deterministic))
 
 
 def msa_attention(q, k, v, q_idx, k_idx, *, topk=16, block_size=128, softmax_scale=None, index_scale=None,
-                  warmup=False, return_indices=False):
+                  warmup=False, return_indices=False, deterministic=None):
     """MiniMax Sparse Attention, causal, batched layout.
 
     Args:
@@ -172,6 +173,7 @@ def msa_attention(q, k, v, q_idx, k_idx, *, topk=16, block_size=128, softmax_sca
         softmax_scale, index_scale: default 1/sqrt(D) and 1/sqrt(Di).
         warmup: dense causal main attention, KL over the full causal set (SPEC 5).
         return_indices: also return the selection, int32 (B, Hi, N, topk), ascending, -1 padded.
+        deterministic: bitwise reproducible gradients (None: torch.are_deterministic_algorithms_enabled()).
 
     Returns:
         (out, kl) or (out, kl, indices). out: (B, N, Hq, D) in the input dtype, differentiable in q, k, v.
@@ -180,9 +182,9 @@ def msa_attention(q, k, v, q_idx, k_idx, *, topk=16, block_size=128, softmax_sca
     """
     _check_msa_inputs(q, k, v, q_idx, k_idx, 4, topk, block_size)
     B, N = q.shape[:2]
-    flat = [x.reshape(B * N, *x.shape[2:]) for x in (q, k, v, q_idx, k_idx)]
-    out, kl, indices = _msa(*flat, _batch_cu(q, B, N), N, topk, block_size, softmax_scale, index_scale, warmup,
-                            return_indices)[:3]
+    flat = [_flat(x) for x in (q, k, v, q_idx, k_idx)]
+    out, kl, indices = _msa(*flat, None, N, topk, block_size, softmax_scale, index_scale, warmup, return_indices,
+                            deterministic)[:3]
     out = out.view(B, N, *out.shape[1:])
     if not return_indices:
         return out, kl
@@ -191,7 +193,7 @@ def msa_attention(q, k, v, q_idx, k_idx, *, topk=16, block_size=128, softmax_sca
 
 
 def msa_attention_varlen(q, k, v, q_idx, k_idx, cu_seqlens, max_seqlen, *, topk=16, block_size=128,
-                         softmax_scale=None, index_scale=None, warmup=False, return_indices=False):
+                         softmax_scale=None, index_scale=None, warmup=False, return_indices=False, deterministic=None):
     """MiniMax Sparse Attention on packed sequences (flash-attn's thd layout).
 
     Same as `msa_attention` with tensors (T, H, D) and `cu_seqlens` int32 (S+1,) giving each sequence's
@@ -202,7 +204,7 @@ def msa_attention_varlen(q, k, v, q_idx, k_idx, cu_seqlens, max_seqlen, *, topk=
     _check_msa_inputs(q, k, v, q_idx, k_idx, 3, topk, block_size)
     _check_varlen(cu_seqlens, max_seqlen, q)
     out, kl, indices = _msa(q, k, v, q_idx, k_idx, cu_seqlens, max_seqlen, topk, block_size, softmax_scale,
-                            index_scale, warmup, return_indices)[:3]
+                            index_scale, warmup, return_indices, deterministic)[:3]
     return (out, kl, indices) if return_indices else (out, kl)
 
 
@@ -232,20 +234,20 @@ def select_blocks(q_idx, k_idx, *, topk=16, block_size=128, index_scale=None, cu
         _check_varlen(cu_seqlens, max_seqlen, q_idx)
         return ops.select_blocks(q_idx, k_idx, cu_seqlens, max_seqlen, topk, block_size, iscale)
     B, N, Hi = q_idx.shape[:3]
-    idx = ops.select_blocks(q_idx.reshape(B * N, Hi, Di), k_idx.reshape(B * N, -1, Di), _batch_cu(q_idx, B, N), N,
-                            topk, block_size, iscale)
+    idx = ops.select_blocks(_flat(q_idx), _flat(k_idx), None, N, topk, block_size, iscale)
     return idx.view(Hi, B, N, topk).permute(1, 0, 2, 3).contiguous()
 
 
 def sparse_attention(q, k, v, indices, *, block_size=128, softmax_scale=None, return_lse=False, cu_seqlens=None,
-                     max_seqlen=None):
+                     max_seqlen=None, deterministic=None):
     """The main branch alone (SPEC 3): causal attention over the tokens of the given blocks.
 
     Batched: q (B, N, Hq, D), k/v (B, N, Hkv, D), indices int32 (B, Hi, N, topk) as `select_blocks`
     returns them (query head h uses index group h // (Hq/Hi)); lse is (B, Hq, N). Packed: (T, H, D)
     tensors, indices (Hi, T, topk), `cu_seqlens`/`max_seqlen` as in `msa_attention_varlen`; lse (Hq, T).
     Entries < 0 or beyond the token's own block select nothing; repeats count once. A row that attends
-    to nothing gets out = 0 and lse = -inf. Differentiable in q, k, v.
+    to nothing gets out = 0 and lse = -inf. Differentiable in q, k, v; `deterministic` as in
+    `msa_attention`.
     """
     rank = 3 if cu_seqlens is not None else 4
     layout = "(B, N, H, D)" if rank == 4 else "(T, H, D)"
@@ -276,13 +278,31 @@ def sparse_attention(q, k, v, indices, *, block_size=128, softmax_scale=None, re
     _check_option("block_size", block_size, BLOCK_SIZES)
     _require_kernel("sparse_fwd", q)
     scale = _scale("softmax_scale", softmax_scale, D)
+    det = _deterministic(deterministic)
     if rank == 3:
         _check_varlen(cu_seqlens, max_seqlen, q)
-        out, lse = ops.sparse_fwd(q, k, v, indices.contiguous(), cu_seqlens, max_seqlen, block_size, scale)
+        out, lse = ops.sparse_fwd(q, k, v, indices.contiguous(), cu_seqlens, max_seqlen, block_size, scale, det)
         return (out, lse) if return_lse else out
     B, N = lead
-    flat = [x.reshape(B * N, *x.shape[2:]) for x in (q, k, v)]
+    flat = [_flat(x) for x in (q, k, v)]
     idx = indices.permute(1, 0, 2, 3).reshape(hi, B * N, indices.shape[-1])
-    out, lse = ops.sparse_fwd(*flat, idx, _batch_cu(q, B, N), N, block_size, scale)
+    out, lse = ops.sparse_fwd(*flat, idx, None, N, block_size, scale, det)
     out = out.view(B, N, *out.shape[1:])
     return (out, lse.view(-1, B, N).permute(1, 0, 2)) if return_lse else out
+
+
+def validate_cu_seqlens(cu_seqlens, max_seqlen, total_tokens):
+    """Check `cu_seqlens` as the varlen ops do (SPEC 7) and, on CUDA, remember the values read.
+
+    The CUDA ops read cu_seqlens on the host to check it; the values are remembered per tensor version,
+    so later calls on the same unchanged tensor read nothing back. That read cannot happen while a CUDA
+    graph is being captured: call this on the tensor you will capture with (or run the step once
+    eagerly) before `torch.cuda.graph`. Values written into it afterwards are not checked on replay.
+    """
+    if not isinstance(cu_seqlens, torch.Tensor):
+        _fail("cu_seqlens", "an int32 tensor", type(cu_seqlens).__name__, TypeError)
+    _check_varlen(cu_seqlens, max_seqlen, cu_seqlens)
+    if isinstance(total_tokens, bool) or not isinstance(total_tokens, int) or total_tokens < 0:
+        _fail("total_tokens", "an int >= 0", repr(total_tokens), TypeError)
+    _require_kernel("validate_cu_seqlens", cu_seqlens)
+    ops.validate_cu_seqlens(cu_seqlens, total_tokens, max_seqlen)

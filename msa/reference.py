@@ -195,14 +195,14 @@ def _kl_chunk(q, ks, lse, q_idx, kis, indices, s0, c0, c1, n, block_size, scale,
     return logP, s_idx, mask
 
 
-def index_kl(q, k, lse, q_idx, k_idx, indices, cu_seqlens, block_size: int, softmax_scale: float,
-             index_scale: float):
-    """(kl, lse_idx): the exact KL(P || Pidx) averaged over rows = T * Hi (SPEC 4), and the index
-    log-sum-exp (Hi, T) over the attended set."""
+def index_kl_rows(q, k, lse, q_idx, k_idx, indices, cu_seqlens, block_size: int, softmax_scale: float,
+                  index_scale: float):
+    """(kl_rows, lse_idx), both (Hi, T): each row's KL(P || Pidx) over its attended set (SPEC 4; the kl is
+    their mean) and the index log-sum-exp over the same set."""
     T, Hq, _ = q.shape
     Hi = q_idx.shape[1]
     acc = acc_dtype(q.dtype)
-    total = torch.zeros((), dtype=acc)
+    rows = torch.zeros(Hi, T, dtype=acc)
     lse_idx = torch.empty(Hi, T, dtype=acc)
     for s0, s1 in seq_bounds(cu_seqlens):
         n = s1 - s0
@@ -214,9 +214,18 @@ def index_kl(q, k, lse, q_idx, k_idx, indices, cu_seqlens, block_size: int, soft
             l_idx = torch.logsumexp(s_idx, dim=-1)
             log_pidx = s_idx - _finite(l_idx)[..., None]
             term = torch.exp(logP) * (logP - log_pidx)
-            total += torch.where(mask, term, torch.zeros_like(term)).sum()
+            rows[:, s0 + c0:s0 + c1] = torch.where(mask, term, torch.zeros_like(term)).sum(-1)
             lse_idx[:, s0 + c0:s0 + c1] = l_idx
-    return total / (T * Hi), lse_idx
+    return rows, lse_idx
+
+
+def index_kl(q, k, lse, q_idx, k_idx, indices, cu_seqlens, block_size: int, softmax_scale: float,
+             index_scale: float):
+    """(kl, lse_idx): the exact KL(P || Pidx) averaged over rows = T * Hi (SPEC 4), and the index
+    log-sum-exp (Hi, T) over the attended set."""
+    rows, lse_idx = index_kl_rows(q, k, lse, q_idx, k_idx, indices, cu_seqlens, block_size, softmax_scale,
+                                  index_scale)
+    return rows.sum() / rows.numel(), lse_idx
 
 
 def index_kl_bwd(dkl, q, k, lse, q_idx, k_idx, lse_idx, indices, cu_seqlens, block_size: int,
@@ -252,8 +261,8 @@ def index_kl_bwd(dkl, q, k, lse, q_idx, k_idx, lse_idx, indices, cu_seqlens, blo
 # ----------------------------------------------------------------------------------------------
 def msa_fwd(q, k, v, q_idx, k_idx, cu_seqlens, topk, block_size, softmax_scale, index_scale, warmup,
             return_indices):
-    """(out, kl, indices, lse, lse_idx). Warmup: dense causal main branch and KL over the full causal
-    set; the selection is skipped (indices (Hi, T, 0)) unless return_indices."""
+    """(out, kl, indices, lse, lse_idx, kl_rows). Warmup: dense causal main branch and KL over the full
+    causal set; the selection is skipped (indices (Hi, T, 0)) unless return_indices."""
     T, Hi = q_idx.shape[0], q_idx.shape[1]
     if warmup and not return_indices:
         indices = torch.empty(Hi, T, 0, dtype=torch.int32)
@@ -261,9 +270,9 @@ def msa_fwd(q, k, v, q_idx, k_idx, cu_seqlens, topk, block_size, softmax_scale, 
         indices = select_blocks(q_idx, k_idx, cu_seqlens, topk, block_size, index_scale)
     attend = None if warmup else indices
     out, lse = sparse_fwd(q, k, v, attend, cu_seqlens, block_size, softmax_scale)
-    kl, lse_idx = index_kl(q, k, lse, q_idx, k_idx, attend, cu_seqlens, block_size, softmax_scale,
-                           index_scale)
-    return out, kl, indices, lse, lse_idx
+    kl_rows, lse_idx = index_kl_rows(q, k, lse, q_idx, k_idx, attend, cu_seqlens, block_size, softmax_scale,
+                                     index_scale)
+    return out, kl_rows.sum() / kl_rows.numel(), indices, lse, lse_idx, kl_rows
 
 
 def reverse_index(indices, cu_seqlens, block_size: int):

@@ -29,12 +29,12 @@ for dtype, di, bs, topk, lengths in [(torch.bfloat16, 128, 128, 16, [700, 129, 1
         q = torch.randn(T, heads[0], 128, dtype=dtype, device="cuda")
         k, v = (torch.randn(T, heads[1], 128, dtype=dtype, device="cuda") for _ in range(2))
         qi2, ki2 = qi[:, :heads[2]].contiguous(), ki
-        out, kl, idx2, lse, lse_idx, g_q, g_k = torch.ops.msa.msa_fwd(q, k, v, qi2, ki2, cu, max(lengths), topk, bs,
+        out, kl, idx2, lse, lse_idx, g_q, g_k, _ = torch.ops.msa.msa_fwd(q, k, v, qi2, ki2, cu, max(lengths), topk, bs,
                                                                        0.088, 0.088, False, False, True)
         torch.ops.msa.msa_bwd(torch.randn_like(out), torch.tensor(1.0, device="cuda"), q, k, v, out, lse, qi2, ki2,
                               lse_idx, idx2, g_q, g_k, cu, max(lengths), bs, 0.088, 0.088, False)
         # Warmup: the dense-mode KL pass and its index gradient (the main branch is torch's flash kernel).
-        out, kl, idx3, lse, lse_idx, g_q, g_k = torch.ops.msa.msa_fwd(q, k, v, qi2, ki2, cu, max(lengths), topk, bs,
+        out, kl, idx3, lse, lse_idx, g_q, g_k, _ = torch.ops.msa.msa_fwd(q, k, v, qi2, ki2, cu, max(lengths), topk, bs,
                                                                        0.088, 0.088, True, False, True)
         # The main branch alone (no index branch in the kernels).
         out, lse = torch.ops.msa.sparse_fwd(q, k, v, idx2, cu, max(lengths), bs, 0.088)

@@ -24,7 +24,7 @@ def test_opcheck_msa_fwd(warmup, ret, grad):
 @pytest.mark.parametrize("grad", [False, True])
 def test_opcheck_msa_bwd(grad):
     q, k, v, qi, ki, cu, mx = _packed(requires_grad=False)
-    out, kl, idx, lse, lse_idx, g_q, g_k = ops.msa_fwd(q, k, v, qi, ki, cu, mx, 2, 64, 0.125, 0.125, False, False,
+    out, kl, idx, lse, lse_idx, g_q, g_k, _ = ops.msa_fwd(q, k, v, qi, ki, cu, mx, 2, 64, 0.125, 0.125, False, False,
                                                         grad)
     dout = torch.randn_like(out)
     dkl = torch.tensor(1.5)
@@ -36,7 +36,7 @@ def test_opcheck_msa_bwd(grad):
 def test_forward_index_grad_matches_backward():
     """kl_dq_idx / kl_dk_idx of the forward equal the backward's recomputation for d_kl = 1."""
     q, k, v, qi, ki, cu, mx = _packed(dtype=torch.float64, requires_grad=False)
-    out, kl, idx, lse, lse_idx, g_q, g_k = ops.msa_fwd(q, k, v, qi, ki, cu, mx, 2, 64, 0.125, 0.125, False, False,
+    out, kl, idx, lse, lse_idx, g_q, g_k, _ = ops.msa_fwd(q, k, v, qi, ki, cu, mx, 2, 64, 0.125, 0.125, False, False,
                                                         True)
     none = torch.empty(0, dtype=torch.float64)
     *_, dq_idx, dk_idx = ops.msa_bwd(None, torch.tensor(1.0, dtype=torch.float64), q, k, v, out, lse, qi, ki,

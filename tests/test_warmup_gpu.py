@@ -16,8 +16,8 @@ ops = torch.ops.msa
 def _check(q, k, v, qi, ki, cu, mx, topk, bs, seed):
     scale, iscale = 1 / math.sqrt(q.shape[-1]), 1 / math.sqrt(qi.shape[-1])
     poison_allocator()
-    out, kl, idx, lse, lse_idx, g_q, g_k = ops.msa_fwd(q, k, v, qi, ki, cu, mx, topk, bs, scale, iscale, True, False,
-                                                        True)
+    out, kl, idx, lse, lse_idx, g_q, g_k, _ = ops.msa_fwd(q, k, v, qi, ki, cu, mx, topk, bs, scale, iscale, True,
+                                                           False, True)
     assert idx.shape == (qi.shape[1], q.shape[0], 0)
     exact, (lowp_out, _) = reference_forward(q, k, v, qi, ki, None, cu, bs, scale, iscale)
     assert_forward_close(out, kl, lse, lse_idx, exact, lowp_out)

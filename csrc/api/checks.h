@@ -5,6 +5,7 @@
 #include <cuda_runtime_api.h>
 #include <torch/library.h>
 
+#include <optional>
 #include <string>
 #include <vector>
 
@@ -22,7 +23,20 @@ inline void check_cuda_int32(const at::Tensor& t, const char* name, int64_t dim)
 // from becoming an out-of-bounds access inside a kernel. The values read are remembered per tensor
 // version (csrc/api/cu_seqlens.cpp), so a cu_seqlens tensor that is passed again unchanged (the next
 // op of the same call, the backward, the next layer) is checked on the host without another copy.
+// During CUDA graph capture the copy cannot run: a cu_seqlens that was not read before the capture
+// (an earlier call, or msa.validate_cu_seqlens) raises instead, and says so.
 std::vector<int32_t> check_cu_seqlens(const at::Tensor& cu, int64_t total_tokens, int64_t max_seqlen);
+
+// The sequences of one op call. With a cu_seqlens: checked as above. Without (None, the batched
+// layout): T / max_seqlen sequences of max_seqlen tokens, the offsets built on the device and nothing
+// read back, so a batched call never waits for the GPU and can be captured in a CUDA graph. The ops'
+// internal helpers take a SeqMap, so one call checks its cu_seqlens once.
+struct SeqMap {
+  at::Tensor cu;         // int32 (S + 1,) on the device of the inputs
+  int64_t num_seqs = 0;  // S
+};
+SeqMap seq_map(const std::optional<at::Tensor>& cu_seqlens, int64_t total_tokens, int64_t max_seqlen,
+               const at::Tensor& like);
 
 // The shared memory per block x's device offers (opt-in maximum, bytes).
 inline int64_t smem_per_block(const at::Tensor& x) {

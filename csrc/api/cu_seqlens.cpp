@@ -12,6 +12,8 @@
 // version counter (`.data`, external kernels writing the memory) are not seen; this is PyTorch's own
 // rule for tensors saved for backward. Inference tensors have no version counter and are always copied.
 #include <ATen/ATen.h>
+#include <c10/cuda/CUDAGraphsC10Utils.h>
+#include <torch/library.h>
 
 #include <algorithm>
 #include <deque>
@@ -65,6 +67,14 @@ std::vector<int32_t> read_values(const at::Tensor& cu) {
       }
     }
   }
+  // A copy to the host inside a CUDA graph capture would be an error (or, captured, would never run
+  // again on replay): the values must have been read before the capture.
+  TORCH_CHECK(c10::cuda::currentStreamCaptureStatusMayInitCtx() == c10::cuda::CaptureStatus::None,
+              "cu_seqlens: msa checks cu_seqlens on the host, which cannot happen while a CUDA graph is being "
+              "captured, and this tensor (or this version of it) has not been checked yet. Check it before the "
+              "capture, on the same tensor: msa.validate_cu_seqlens(cu_seqlens, max_seqlen), or run the step "
+              "once eagerly (under torch.compile(mode='reduce-overhead'), also mark it static with "
+              "torch._dynamo.mark_static_address). Values written into it later are not re-checked on replay.");
   auto host = cu.to(at::kCPU).contiguous();
   std::vector<int32_t> v(host.data_ptr<int32_t>(), host.data_ptr<int32_t>() + host.numel());
   if (cacheable) {
@@ -98,5 +108,31 @@ std::vector<int32_t> check_cu_seqlens(const at::Tensor& cu, int64_t total_tokens
                     "), got ", max_seqlen);
   return v;
 }
+
+SeqMap seq_map(const std::optional<at::Tensor>& cu_seqlens, int64_t total_tokens, int64_t max_seqlen,
+               const at::Tensor& like) {
+  if (cu_seqlens.has_value()) {
+    check_cuda_int32(*cu_seqlens, "cu_seqlens", 1);
+    TORCH_CHECK_VALUE(cu_seqlens->device() == like.device(), "cu_seqlens: expected device ", like.device(), ", got ",
+                      cu_seqlens->device());
+    check_cu_seqlens(*cu_seqlens, total_tokens, max_seqlen);
+    return {*cu_seqlens, cu_seqlens->size(0) - 1};
+  }
+  TORCH_CHECK_VALUE(max_seqlen >= 1 && total_tokens % max_seqlen == 0,
+                    "max_seqlen: without cu_seqlens (the batched layout) expected a divisor of T = ", total_tokens,
+                    ", got ", max_seqlen);
+  return {at::arange(0, total_tokens + 1, max_seqlen, like.options().dtype(at::kInt)), total_tokens / max_seqlen};
+}
+
+namespace {
+
+void validate_cu_seqlens_cuda(const at::Tensor& cu_seqlens, int64_t total_tokens, int64_t max_seqlen) {
+  check_cuda_int32(cu_seqlens, "cu_seqlens", 1);
+  check_cu_seqlens(cu_seqlens, total_tokens, max_seqlen);
+}
+
+}  // namespace
+
+TORCH_LIBRARY_IMPL(msa, CUDA, m) { m.impl("validate_cu_seqlens", &validate_cu_seqlens_cuda); }
 
 }  // namespace msa::api

@@ -13,11 +13,10 @@
 
 namespace msa::api {
 
-at::Tensor select_blocks_cuda(const at::Tensor& q_idx, const at::Tensor& k_idx, const at::Tensor& cu_seqlens,
+at::Tensor select_blocks_cuda(const at::Tensor& q_idx, const at::Tensor& k_idx, const SeqMap& seqs,
                               int64_t max_seqlen, int64_t topk, int64_t block_size, double index_scale) {
-  TORCH_CHECK_VALUE(q_idx.is_cuda() && k_idx.device() == q_idx.device() && cu_seqlens.device() == q_idx.device(),
-                    "q_idx, k_idx, cu_seqlens: expected one CUDA device, got ", q_idx.device(), ", ", k_idx.device(),
-                    ", ", cu_seqlens.device());
+  TORCH_CHECK_VALUE(q_idx.is_cuda() && k_idx.device() == q_idx.device(), "q_idx, k_idx: expected one CUDA device, got ",
+                    q_idx.device(), ", ", k_idx.device());
   TORCH_CHECK_TYPE(q_idx.scalar_type() == at::kBFloat16 || q_idx.scalar_type() == at::kHalf,
                    "q_idx: expected bfloat16 or float16, got ", q_idx.scalar_type());
   TORCH_CHECK_TYPE(k_idx.scalar_type() == q_idx.scalar_type(), "k_idx: expected dtype ", q_idx.scalar_type(),
@@ -33,8 +32,6 @@ at::Tensor select_blocks_cuda(const at::Tensor& q_idx, const at::Tensor& k_idx, 
   TORCH_CHECK_VALUE(topk >= 1 && topk <= 32, "topk: expected 1..32, got ", topk);
   TORCH_CHECK_VALUE(block_size == 64 || block_size == 128, "block_size: expected 64 or 128, got ", block_size);
   TORCH_CHECK_VALUE(q_idx.stride(-1) == 1 && k_idx.stride(-1) == 1, "q_idx, k_idx: expected a contiguous last dim");
-  check_cuda_int32(cu_seqlens, "cu_seqlens", 1);
-  check_cu_seqlens(cu_seqlens, T, max_seqlen);
 
   c10::cuda::CUDAGuard guard(q_idx.device());
   auto indices = at::empty({Hi, T, topk}, q_idx.options().dtype(at::kInt));
@@ -43,7 +40,7 @@ at::Tensor select_blocks_cuda(const at::Tensor& q_idx, const at::Tensor& k_idx, 
   IndexTopkParams p{};
   p.q_idx = q.data_ptr();
   p.k_idx = k.data_ptr();
-  p.cu_seqlens = cu_seqlens.data_ptr<int32_t>();
+  p.cu_seqlens = seqs.cu.data_ptr<int32_t>();
   p.indices = indices.data_ptr<int32_t>();
   p.q_stride_t = q.stride(0);
   p.q_stride_h = q.stride(1);
@@ -52,7 +49,7 @@ at::Tensor select_blocks_cuda(const at::Tensor& q_idx, const at::Tensor& k_idx, 
   p.total_tokens = int(T);
   p.num_heads = int(Hi);
   p.num_key_heads = int(Hki);
-  p.num_seqs = int(cu_seqlens.size(0) - 1);
+  p.num_seqs = int(seqs.num_seqs);
   p.max_seqlen = int(std::max<int64_t>(max_seqlen, 1));
   p.topk = int(topk);
   p.block_size = int(block_size);
@@ -74,6 +71,19 @@ at::Tensor select_blocks_cuda(const at::Tensor& q_idx, const at::Tensor& k_idx, 
   return indices;
 }
 
-TORCH_LIBRARY_IMPL(msa, CUDA, m) { m.impl("select_blocks", &select_blocks_cuda); }
+namespace {
+
+at::Tensor select_blocks_op(const at::Tensor& q_idx, const at::Tensor& k_idx,
+                            const std::optional<at::Tensor>& cu_seqlens, int64_t max_seqlen, int64_t topk,
+                            int64_t block_size, double index_scale) {
+  TORCH_CHECK_VALUE(q_idx.is_cuda() && q_idx.dim() == 3, "q_idx: expected a (T, Hi, Di) CUDA tensor, got ",
+                    q_idx.sizes(), " on ", q_idx.device());
+  const SeqMap seqs = seq_map(cu_seqlens, q_idx.size(0), max_seqlen, q_idx);
+  return select_blocks_cuda(q_idx, k_idx, seqs, max_seqlen, topk, block_size, index_scale);
+}
+
+}  // namespace
+
+TORCH_LIBRARY_IMPL(msa, CUDA, m) { m.impl("select_blocks", &select_blocks_op); }
 
 }  // namespace msa::api

@@ -5,11 +5,12 @@
 #include <optional>
 #include <tuple>
 
+#include "api/checks.h"
 #include "params.h"
 
 namespace msa::api {
 
-at::Tensor select_blocks_cuda(const at::Tensor& q_idx, const at::Tensor& k_idx, const at::Tensor& cu_seqlens,
+at::Tensor select_blocks_cuda(const at::Tensor& q_idx, const at::Tensor& k_idx, const SeqMap& seqs,
                               int64_t max_seqlen, int64_t topk, int64_t block_size, double index_scale);
 
 // The sparse forward of SPEC 3 (and, with q_idx/k_idx, the KL terms of SPEC 4) over `indices`.
@@ -23,17 +24,17 @@ struct SparseForward {
 };
 SparseForward sparse_forward_cuda(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
                                   const std::optional<at::Tensor>& q_idx, const std::optional<at::Tensor>& k_idx,
-                                  const at::Tensor& indices, const at::Tensor& cu_seqlens, int64_t max_seqlen,
+                                  const at::Tensor& indices, const SeqMap& seqs, int64_t max_seqlen,
                                   int64_t block_size, double softmax_scale, double index_scale, bool index_grad,
-                                  bool dense = false, const at::Tensor& lse_given = {});
+                                  bool deterministic, bool dense = false, const at::Tensor& lse_given = {});
 // dense: warmup (SPEC 5), every block up to the token's own (indices is then only read for Hi); with
 // lse_given (Hq, T) the main branch's lse comes from elsewhere and only the KL part runs.
 
 // The main branch's gradients (SPEC 3) from the forward's lse.
 std::tuple<at::Tensor, at::Tensor, at::Tensor> sparse_backward_cuda(
     const at::Tensor& dout, const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, const at::Tensor& out,
-    const at::Tensor& lse, const at::Tensor& indices, const at::Tensor& cu_seqlens, int64_t max_seqlen,
-    int64_t block_size, double softmax_scale);
+    const at::Tensor& lse, const at::Tensor& indices, const SeqMap& seqs, int64_t block_size, double softmax_scale,
+    bool deterministic);
 
 // The reverse index of a whole selection: per key (index group r, global block) the tokens that selected
 // it, ascending; with units_per_item > 0 also the work list that splits hot keys into items of at most
@@ -53,11 +54,11 @@ ReverseIndex alloc_reverse_index(const at::Tensor& indices, const at::Tensor& cu
                                  int64_t block_size, int64_t capacity, int64_t units_per_item);
 // Whether the work list gets a launch order, largest items first (default; MSA_ITEM_ORDER=0: key order).
 bool item_order_enabled();
-ReverseIndex build_reverse_index(const at::Tensor& indices, const at::Tensor& cu_seqlens, int64_t max_seqlen,
-                                 int64_t block_size, int64_t units_per_item);
+ReverseIndex build_reverse_index(const at::Tensor& indices, const SeqMap& seqs, int64_t block_size,
+                                 int64_t units_per_item);
 
 std::tuple<at::Tensor, at::Tensor, at::Tensor> reverse_index_cuda(const at::Tensor& indices,
-                                                                  const at::Tensor& cu_seqlens,
+                                                                  const std::optional<at::Tensor>& cu_seqlens,
                                                                   int64_t max_seqlen, int64_t block_size);
 
 // Rows must be 16-byte aligned for cp.async; otherwise work on a contiguous copy.

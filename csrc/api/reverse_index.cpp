@@ -79,16 +79,12 @@ ReverseIndex alloc_reverse_index(const at::Tensor& indices, const at::Tensor& cu
   return ri;
 }
 
-ReverseIndex build_reverse_index(const at::Tensor& indices, const at::Tensor& cu_seqlens, int64_t max_seqlen,
-                                 int64_t block_size, int64_t units_per_item) {
+ReverseIndex build_reverse_index(const at::Tensor& indices, const SeqMap& seqs, int64_t block_size,
+                                 int64_t units_per_item) {
   check_cuda_int32(indices, "indices", 3);
-  check_cuda_int32(cu_seqlens, "cu_seqlens", 1);
-  TORCH_CHECK_VALUE(indices.device() == cu_seqlens.device(), "cu_seqlens: expected device ", indices.device(),
-                    ", got ", cu_seqlens.device());
   TORCH_CHECK_VALUE(block_size == 64 || block_size == 128, "block_size: expected 64 or 128, got ", block_size);
   const int64_t heads = indices.size(0), tokens = indices.size(1), topk = indices.size(2);
-  check_cu_seqlens(cu_seqlens, tokens, max_seqlen);
-  const int64_t num_seqs = cu_seqlens.size(0) - 1;
+  const int64_t num_seqs = seqs.num_seqs;
   const int64_t max_blocks = tokens / block_size + num_seqs;
   const int64_t entries = heads * tokens * topk;
   const int64_t num_keys = heads * max_blocks;
@@ -96,7 +92,7 @@ ReverseIndex build_reverse_index(const at::Tensor& indices, const at::Tensor& cu
                     "indices: too many entries for the int32 reverse index, shape ", indices.sizes());
 
   c10::cuda::CUDAGuard guard(indices.device());
-  ReverseIndex ri = alloc_reverse_index(indices, cu_seqlens, topk, block_size, entries, units_per_item);
+  ReverseIndex ri = alloc_reverse_index(indices, seqs.cu, topk, block_size, entries, units_per_item);
   MSA_LAUNCH_CHECK(run_reverse_index(ri.params, c10::cuda::getCurrentCUDAStream()), "reverse_index");
   // Only the outputs outlive the build: the workspace goes back to the caching allocator now (stream
   // ordered), not when the caller (the backward) drops the result.
@@ -108,9 +104,11 @@ ReverseIndex build_reverse_index(const at::Tensor& indices, const at::Tensor& cu
 }
 
 std::tuple<at::Tensor, at::Tensor, at::Tensor> reverse_index_cuda(const at::Tensor& indices,
-                                                                  const at::Tensor& cu_seqlens,
+                                                                  const std::optional<at::Tensor>& cu_seqlens,
                                                                   int64_t max_seqlen, int64_t block_size) {
-  ReverseIndex ri = build_reverse_index(indices, cu_seqlens, max_seqlen, block_size, 0);
+  check_cuda_int32(indices, "indices", 3);
+  ReverseIndex ri = build_reverse_index(indices, seq_map(cu_seqlens, indices.size(1), max_seqlen, indices),
+                                        block_size, 0);
   return {ri.offsets, ri.rows, ri.block_offsets};
 }
 

@@ -26,8 +26,8 @@ int64_t bwd_units_per_item() { return env_positive("MSA_BWD_UNITS_PER_ITEM", kBw
 
 std::tuple<at::Tensor, at::Tensor, at::Tensor> sparse_backward_cuda(
     const at::Tensor& dout_in, const at::Tensor& q_in, const at::Tensor& k_in, const at::Tensor& v_in,
-    const at::Tensor& out_in, const at::Tensor& lse, const at::Tensor& indices, const at::Tensor& cu_seqlens,
-    int64_t max_seqlen, int64_t block_size, double softmax_scale) {
+    const at::Tensor& out_in, const at::Tensor& lse, const at::Tensor& indices, const SeqMap& seqs, int64_t block_size,
+    double softmax_scale, bool deterministic) {
   check_qkv_cuda(q_in, k_in, v_in);
   TORCH_CHECK_VALUE(dout_in.device() == q_in.device() && out_in.device() == q_in.device() &&
                         lse.device() == q_in.device(),
@@ -41,8 +41,7 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> sparse_backward_cuda(
   TORCH_CHECK_VALUE(lse.scalar_type() == at::kFloat && lse.dim() == 2 && lse.size(0) == Hq && lse.size(1) == T,
                     "lse: expected float32 (", Hq, ", ", T, "), got ", lse.scalar_type(), " ", lse.sizes());
   check_cuda_int32(indices, "indices", 3);
-  TORCH_CHECK_VALUE(indices.device() == q_in.device() && cu_seqlens.device() == q_in.device(),
-                    "indices, cu_seqlens: expected device ", q_in.device());
+  TORCH_CHECK_VALUE(indices.device() == q_in.device(), "indices: expected device ", q_in.device());
   const int64_t Hi = indices.size(0);
   TORCH_CHECK_VALUE(indices.size(1) == T && Hq % Hi == 0 && (Hi % Hkv == 0 || Hkv % Hi == 0),
                     "indices: expected (Hi, ", T, ", topk) with Hi dividing Hq = ", Hq, ", got ", indices.sizes());
@@ -52,8 +51,8 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> sparse_backward_cuda(
   c10::cuda::CUDAGuard guard(q_in.device());
   check_smem(q_in, sm80::sparse_smem_bytes(int(D), 2), "the sparse backward");
   const cudaStream_t stream = c10::cuda::getCurrentCUDAStream();
-  const ReverseIndex ri = build_reverse_index(indices, cu_seqlens, max_seqlen, block_size, bwd_units_per_item());
-  const int64_t S = cu_seqlens.size(0) - 1;
+  const ReverseIndex ri = build_reverse_index(indices, seqs, block_size, bwd_units_per_item());
+  const int64_t S = seqs.num_seqs;
   const at::Tensor q = aligned_rows(q_in), k = aligned_rows(k_in), v = aligned_rows(v_in);
   const at::Tensor dout = aligned_rows(dout_in), out = aligned_rows(out_in);
   const at::Tensor lse_c = lse.contiguous();
@@ -91,7 +90,7 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> sparse_backward_cuda(
     p.do_stride_h = dout.stride(1);
     p.lse = lse_c.data_ptr<float>();
     p.delta = delta.data_ptr<float>();
-    p.cu_seqlens = cu_seqlens.data_ptr<int32_t>();
+    p.cu_seqlens = seqs.cu.data_ptr<int32_t>();
     p.offsets = ri.offsets.data_ptr<int32_t>();
     p.tokens = ri.rows.data_ptr<int32_t>();
     p.block_offsets = ri.block_offsets.data_ptr<int32_t>();
@@ -132,33 +131,58 @@ namespace {
 std::tuple<at::Tensor, at::Tensor, at::Tensor> sparse_bwd_cuda(const at::Tensor& dout, const at::Tensor& q,
                                                                const at::Tensor& k, const at::Tensor& v,
                                                                const at::Tensor& out, const at::Tensor& lse,
-                                                               const at::Tensor& indices, const at::Tensor& cu_seqlens,
+                                                               const at::Tensor& indices,
+                                                               const std::optional<at::Tensor>& cu_seqlens,
                                                                int64_t max_seqlen, int64_t block_size,
-                                                               double softmax_scale) {
-  return sparse_backward_cuda(dout, q, k, v, out, lse, indices, cu_seqlens, max_seqlen, block_size, softmax_scale);
+                                                               double softmax_scale, bool deterministic) {
+  check_qkv_cuda(q, k, v);
+  const SeqMap seqs = seq_map(cu_seqlens, q.size(0), max_seqlen, q);
+  return sparse_backward_cuda(dout, q, k, v, out, lse, indices, seqs, block_size, softmax_scale, deterministic);
+}
+
+// Sets PyTorch's global deterministic flag for one scope and restores it after.
+struct DeterministicScope {
+  at::Context& ctx = at::globalContext();
+  const bool was = ctx.deterministicAlgorithms(), warn_only = ctx.deterministicAlgorithmsWarnOnly();
+  explicit DeterministicScope(bool on) {
+    if (on) ctx.setDeterministicAlgorithms(true, false);
+  }
+  ~DeterministicScope() { ctx.setDeterministicAlgorithms(was, warn_only); }
+};
+
+// PyTorch's flash backward (the dense main branch of warmup, SPEC 5). It is deterministic when the
+// global flag says so, so deterministic=True sets the flag for this call.
+std::tuple<at::Tensor, at::Tensor, at::Tensor> dense_attention_backward(
+    const at::Tensor& dout, const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, const at::Tensor& out,
+    const at::Tensor& lse, const at::Tensor& cu, int64_t max_seqlen, double softmax_scale, bool deterministic) {
+  const DeterministicScope scope(deterministic);
+  auto rng = at::zeros({2}, q.options().dtype(at::kLong));  // no dropout: its rng state is not read
+  auto unused = at::empty({0}, q.options().dtype(at::kLong));
+  return at::_flash_attention_backward(dout.contiguous(), q, k, v, out, lse, cu, cu, max_seqlen, max_seqlen, 0.0,
+                                       /*is_causal=*/true, rng, unused, softmax_scale);
 }
 
 std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tensor> msa_bwd_cuda(
     const std::optional<at::Tensor>& dout, const std::optional<at::Tensor>& dkl, const at::Tensor& q,
     const at::Tensor& k, const at::Tensor& v, const at::Tensor& out, const at::Tensor& lse, const at::Tensor& q_idx,
     const at::Tensor& k_idx, const at::Tensor& lse_idx, const at::Tensor& indices, const at::Tensor& kl_dq_idx,
-    const at::Tensor& kl_dk_idx, const at::Tensor& cu_seqlens, int64_t max_seqlen, int64_t block_size,
-    double softmax_scale, double index_scale, bool warmup) {
+    const at::Tensor& kl_dk_idx, const std::optional<at::Tensor>& cu_seqlens, int64_t max_seqlen, int64_t block_size,
+    double softmax_scale, double index_scale, bool warmup, bool deterministic) {
   (void)lse_idx;
   (void)index_scale;
+  check_qkv_cuda(q, k, v);
   at::Tensor dq, dk, dv, dq_idx, dk_idx;
-  if (dout.has_value() && warmup) {
-    // SPEC 5: the dense main branch's gradients from PyTorch's flash backward (no dropout: its rng
-    // state is not read).
+  if (dout.has_value()) {
+    const SeqMap seqs = seq_map(cu_seqlens, q.size(0), max_seqlen, q);
     c10::cuda::CUDAGuard guard(q.device());
-    auto rng = at::zeros({2}, q.options().dtype(at::kLong));
-    auto unused = at::empty({0}, q.options().dtype(at::kLong));
-    std::tie(dq, dk, dv) = at::_flash_attention_backward(dout->contiguous(), q, k, v, out, lse, cu_seqlens, cu_seqlens,
-                                                         max_seqlen, max_seqlen, 0.0, /*is_causal=*/true, rng, unused,
-                                                         softmax_scale);
-  } else if (dout.has_value()) {
-    std::tie(dq, dk, dv) = sparse_backward_cuda(*dout, q, k, v, out, lse, indices, cu_seqlens, max_seqlen,
-                                                block_size, softmax_scale);
+    if (warmup) {
+      // SPEC 5: the dense main branch's gradients from PyTorch's flash backward.
+      std::tie(dq, dk, dv) =
+          dense_attention_backward(*dout, q, k, v, out, lse, seqs.cu, max_seqlen, softmax_scale, deterministic);
+    } else {
+      std::tie(dq, dk, dv) =
+          sparse_backward_cuda(*dout, q, k, v, out, lse, indices, seqs, block_size, softmax_scale, deterministic);
+    }
   } else {
     dq = at::zeros_like(q);
     dk = at::zeros_like(k);

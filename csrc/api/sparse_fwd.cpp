@@ -48,15 +48,13 @@ int fwd_out_rows(const at::Tensor& q, int64_t D) {
 
 SparseForward sparse_forward_cuda(const at::Tensor& q_in, const at::Tensor& k_in, const at::Tensor& v_in,
                                   const std::optional<at::Tensor>& q_idx_in, const std::optional<at::Tensor>& k_idx_in,
-                                  const at::Tensor& indices, const at::Tensor& cu_seqlens, int64_t max_seqlen,
+                                  const at::Tensor& indices, const SeqMap& seqs, int64_t max_seqlen,
                                   int64_t block_size, double softmax_scale, double index_scale, bool index_grad,
-                                  bool dense, const at::Tensor& lse_given) {
+                                  bool deterministic, bool dense, const at::Tensor& lse_given) {
   check_qkv_cuda(q_in, k_in, v_in);
   check_cuda_int32(indices, "indices", 3);
   const bool kl_only = lse_given.defined();
-  check_cuda_int32(cu_seqlens, "cu_seqlens", 1);
-  TORCH_CHECK_VALUE(indices.device() == q_in.device() && cu_seqlens.device() == q_in.device(),
-                    "indices, cu_seqlens: expected device ", q_in.device());
+  TORCH_CHECK_VALUE(indices.device() == q_in.device(), "indices: expected device ", q_in.device());
   TORCH_CHECK_VALUE(block_size == 64 || block_size == 128, "block_size: expected 64 or 128, got ", block_size);
   const int64_t T = q_in.size(0), Hq = q_in.size(1), D = q_in.size(2), Hkv = k_in.size(1);
   const int64_t Hi = indices.size(0);
@@ -85,8 +83,8 @@ SparseForward sparse_forward_cuda(const at::Tensor& q_in, const at::Tensor& k_in
     TORCH_CHECK_VALUE(Di == 64 || Di == 128, "q_idx: expected head dim 64 or 128, got ", Di);
     TORCH_CHECK_VALUE(Hi % Hki == 0, "k_idx: expected Hki dividing Hi = ", Hi, ", got ", Hki);
   }
-  const std::vector<int32_t> cu = check_cu_seqlens(cu_seqlens, T, max_seqlen);
-  const int64_t S = int64_t(cu.size()) - 1;
+  const int64_t S = seqs.num_seqs;
+  const at::Tensor& cu_seqlens = seqs.cu;
 
   c10::cuda::CUDAGuard guard(q_in.device());
   const int out_rows = fwd_out_rows(q_in, D);
@@ -285,42 +283,47 @@ std::tuple<at::Tensor, at::Tensor> dense_attention_forward(const at::Tensor& q, 
 }
 
 std::tuple<at::Tensor, at::Tensor> sparse_fwd_cuda(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
-                                                   const at::Tensor& indices, const at::Tensor& cu_seqlens,
-                                                   int64_t max_seqlen, int64_t block_size, double softmax_scale) {
-  SparseForward r = sparse_forward_cuda(q, k, v, std::nullopt, std::nullopt, indices, cu_seqlens, max_seqlen,
-                                        block_size, softmax_scale, 0.0, false);
+                                                   const at::Tensor& indices,
+                                                   const std::optional<at::Tensor>& cu_seqlens, int64_t max_seqlen,
+                                                   int64_t block_size, double softmax_scale, bool deterministic) {
+  (void)deterministic;  // the forward is deterministic; the flag is for its backward (msa/_ops.py)
+  check_qkv_cuda(q, k, v);
+  const SeqMap seqs = seq_map(cu_seqlens, q.size(0), max_seqlen, q);
+  SparseForward r = sparse_forward_cuda(q, k, v, std::nullopt, std::nullopt, indices, seqs, max_seqlen, block_size,
+                                        softmax_scale, 0.0, false, false);
   return {r.out, r.lse};
 }
 
-std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tensor> msa_fwd_cuda(
-    const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, const at::Tensor& q_idx, const at::Tensor& k_idx,
-    const at::Tensor& cu_seqlens, int64_t max_seqlen, int64_t topk, int64_t block_size, double softmax_scale,
-    double index_scale, bool warmup, bool return_indices, bool index_grad) {
+std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tensor>
+msa_fwd_cuda(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, const at::Tensor& q_idx,
+             const at::Tensor& k_idx, const std::optional<at::Tensor>& cu_seqlens, int64_t max_seqlen, int64_t topk,
+             int64_t block_size, double softmax_scale, double index_scale, bool warmup, bool return_indices,
+             bool index_grad, bool deterministic) {
+  check_qkv_cuda(q, k, v);
+  const SeqMap seqs = seq_map(cu_seqlens, q.size(0), max_seqlen, q);
   at::Tensor indices;
   SparseForward r;
   if (warmup) {
     // SPEC 5: dense causal main attention through PyTorch's flash kernel (it keeps the lse), then the
     // KL over the full causal set and its index gradient with our kernels in dense mode.
-    check_qkv_cuda(q, k, v);
-    check_cu_seqlens(cu_seqlens, q.size(0), max_seqlen);  // before flash reads it
     c10::cuda::CUDAGuard guard(q.device());
-    indices = return_indices
-                  ? select_blocks_cuda(q_idx, k_idx, cu_seqlens, max_seqlen, topk, block_size, index_scale)
-                  : at::empty({q_idx.size(1), q.size(0), 0}, q.options().dtype(at::kInt));
-    auto [out, lse] = dense_attention_forward(q, k, v, cu_seqlens, max_seqlen, softmax_scale);
+    indices = return_indices ? select_blocks_cuda(q_idx, k_idx, seqs, max_seqlen, topk, block_size, index_scale)
+                             : at::empty({q_idx.size(1), q.size(0), 0}, q.options().dtype(at::kInt));
+    auto [out, lse] = dense_attention_forward(q, k, v, seqs.cu, max_seqlen, softmax_scale);
     auto shape_only = at::empty({q_idx.size(1), q.size(0), 1}, q.options().dtype(at::kInt));
-    r = sparse_forward_cuda(q, k, v, q_idx, k_idx, shape_only, cu_seqlens, max_seqlen, block_size, softmax_scale,
-                            index_scale, index_grad, /*dense=*/true, lse);
+    r = sparse_forward_cuda(q, k, v, q_idx, k_idx, shape_only, seqs, max_seqlen, block_size, softmax_scale,
+                            index_scale, index_grad, deterministic, /*dense=*/true, lse);
     r.out = out;  // the KL-only pass returns the given lse and no output
   } else {
-    indices = select_blocks_cuda(q_idx, k_idx, cu_seqlens, max_seqlen, topk, block_size, index_scale);
-    r = sparse_forward_cuda(q, k, v, q_idx, k_idx, indices, cu_seqlens, max_seqlen, block_size, softmax_scale,
-                            index_scale, index_grad);
+    indices = select_blocks_cuda(q_idx, k_idx, seqs, max_seqlen, topk, block_size, index_scale);
+    r = sparse_forward_cuda(q, k, v, q_idx, k_idx, indices, seqs, max_seqlen, block_size, softmax_scale, index_scale,
+                            index_grad, deterministic);
   }
   // SPEC 4: kl = sum over rows / rows, rows = T * Hi (a fixed-order reduction: deterministic).
   at::Tensor kl = r.kl_rows.sum() / double(r.kl_rows.numel());
   auto none = [&] { return at::empty({0}, q.options().dtype(at::kFloat)); };  // distinct: outputs must not alias
-  return {r.out, kl, indices, r.lse, r.lse_idx, index_grad ? r.kl_dq_idx : none(), index_grad ? r.kl_dk_idx : none()};
+  return {r.out, kl, indices, r.lse, r.lse_idx, index_grad ? r.kl_dq_idx : none(), index_grad ? r.kl_dk_idx : none(),
+          r.kl_rows};
 }
 
 }  // namespace

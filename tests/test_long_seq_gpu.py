@@ -1,0 +1,133 @@
+"""Exactness at the sequence lengths users train at: N = 131072 (B = 1 and 2, bf16 and fp16) and
+N = 1,048,576 (B = 1, bf16), bench heads. A few hundred rows, sampled near the end of the last sequence
+and at random, are checked against an exact per-row computation (tests/row_oracle.py) of out, lse, dq,
+dq_idx, the KL row terms and lse_idx, and their selection against fp32 block scores; a few kv blocks
+likewise for dk, dv and dk_idx (every row that selected the block). Tolerances as in the short tests:
+err <= 2 * err(same-precision torch) + atol (tests/attention_check.py)."""
+import math
+
+import pytest
+import torch
+
+from attention_check import ATOL, assert_lse_close, max_err
+from row_oracle import block_grads, check_selection, in_chunks, row_terms, selectors
+
+pytestmark = [pytest.mark.gpu, pytest.mark.usefixtures("kernel_choice")]
+
+HEADS = (16, 2, 4, 1)
+D = Di = 128
+BS, TOPK = 128, 16
+
+
+def _assert_style(name, got, exact, lowp, dtype, unit):
+    """The STYLE rule on sampled values (both errors against the exact float64 result)."""
+    assert torch.isfinite(got).all(), f"{name}: non-finite values"
+    err, base = max_err(got, exact), max_err(lowp, exact)
+    scale = max(exact.abs().max().item(), unit)
+    bound = 2 * base + ATOL[dtype] * scale
+    assert err <= bound, f"{name}: max error {err:.3g} > 2 * {base:.3g} + {ATOL[dtype]:g} * {scale:.3g}"
+
+
+def _sample_tokens(cu, T, n_end=128, n_rand=128, seed=0):
+    g = torch.Generator(device="cpu").manual_seed(seed)
+    end = torch.arange(T - n_end, T)  # near the end of the last sequence
+    rand = torch.randint(0, T, (n_rand,), generator=g)
+    return torch.unique(torch.cat([end, rand])).to(cu.device)
+
+
+@pytest.mark.parametrize("B,N,dtype", [(1, 131072, torch.bfloat16), (2, 131072, torch.bfloat16),
+                                       (1, 131072, torch.float16), (2, 131072, torch.float16),
+                                       (1, 1048576, torch.bfloat16)])
+def test_long_sequence_sampled_rows(B, N, dtype):
+    T = B * N
+    Hq, Hkv, Hi, Hki = HEADS
+    dev = "cuda"
+    g = torch.Generator(device=dev).manual_seed(N + B)
+    x = {name: torch.randn(T, h, d, generator=g, device=dev, dtype=dtype)
+         for name, h, d in (("q", Hq, D), ("k", Hkv, D), ("v", Hkv, D), ("q_idx", Hi, Di), ("k_idx", Hki, Di))}
+    x["dout"] = torch.randn(T, Hq, D, generator=g, device=dev, dtype=dtype)
+    cu = torch.arange(0, T + 1, N, dtype=torch.int32, device=dev)
+    scale, iscale = 1 / math.sqrt(D), 1 / math.sqrt(Di)
+    # fp16: the KL's gradients are ~index_scale / rows (1e-8 at 128K), below fp16's range; fp16 training
+    # scales the loss (GradScaler starts at 2^16), so that is the d_kl the fp16 cases check with.
+    dkl = torch.tensor(2.0 ** 16 if dtype == torch.float16 else 1.0, device=dev)
+    ops = torch.ops.msa
+    out, kl, idx, lse, lse_idx, g_q, g_k, kl_rows = ops.msa_fwd(
+        x["q"], x["k"], x["v"], x["q_idx"], x["k_idx"], None, N, TOPK, BS, scale, iscale, False, True, True)
+    dq, dk, dv, dq_idx, dk_idx = ops.msa_bwd(
+        x["dout"], dkl, x["q"], x["k"], x["v"], out, lse, x["q_idx"], x["k_idx"], lse_idx, idx, g_q, g_k, None, N,
+        BS, scale, iscale, False)
+    del g_q, g_k
+    kl_coef = dkl.item() / (T * Hi)  # SPEC 4: dS_idx = d_kl / rows * (Pidx - P)
+    tokens = _sample_tokens(cu, T, seed=N + B)
+    check_selection(idx, tokens, x["q_idx"], x["k_idx"], cu, TOPK, BS, iscale)
+
+    rows_t = tokens.repeat_interleave(Hi)
+    rows_r = torch.arange(Hi, device=dev).repeat(len(tokens))
+    args = (idx, cu, BS, scale, iscale, kl_coef)
+    exact = in_chunks(lambda t, r: row_terms(x, t, r, *args, torch.float64), rows_t, rows_r)
+    lowp = in_chunks(lambda t, r: row_terms(x, t, r, *args, dtype), rows_t, rows_r)
+    G = Hq // Hi
+    heads = rows_r[:, None] * G + torch.arange(G, device=dev)
+    _assert_style("out", out[rows_t[:, None], heads], exact["out"], lowp["out"], dtype, 1.0)
+    _assert_style("dq", dq[rows_t[:, None], heads], exact["dq"], lowp["dq"], dtype, 1.0)
+    _assert_style("dq_idx", dq_idx[rows_t, rows_r], exact["dq_idx"], lowp["dq_idx"], dtype, abs(kl_coef))
+    assert_lse_close("lse", lse[heads, rows_t[:, None]], exact["lse"])
+    assert_lse_close("lse_idx", lse_idx[rows_r, rows_t], exact["lse_idx"])
+    got_kl = kl_rows[rows_r, rows_t].double()
+    kl_err = (got_kl - exact["kl_row"]).abs()
+    assert (kl_err <= 1e-3 * exact["kl_row"].abs() + 1e-5).all(), f"KL row terms: max error {kl_err.max():.3g}"
+
+    # kv blocks of the last sequence: early, middle, near the end, the last.
+    s0 = T - N
+    nb = -(-N // BS)
+    for block in sorted({nb // 8, nb // 2, nb - 3, nb - 1}):
+        blk0 = s0 + block * BS
+        sel_t, sel_r = selectors(idx, cu, blk0, block, BS)
+        assert len(sel_t) >= BS, f"block {block}: too few selecting rows ({len(sel_t)})"
+        e_dk, e_dv, e_dki = block_grads(x, blk0, sel_t, sel_r, *args, torch.float64)
+        l_dk, l_dv, l_dki = block_grads(x, blk0, sel_t, sel_r, *args, dtype)
+        n = min(BS, T - blk0)
+        sl = slice(blk0, blk0 + n)
+        _assert_style(f"dk (block {block})", dk[sl], e_dk[:n], l_dk[:n], dtype, 1.0)
+        _assert_style(f"dv (block {block})", dv[sl], e_dv[:n], l_dv[:n], dtype, 1.0)
+        _assert_style(f"dk_idx (block {block})", dk_idx[sl], e_dki[:n], l_dki[:n], dtype, abs(kl_coef))
+
+
+def test_fp16_index_grads_at_the_fp16_floor():
+    """fp16 without loss scaling (d_kl = 1): the KL's gradients (~index_scale / rows) are fp16 subnormals
+    at long N, so even the exact gradient rounded to fp16 is far from exact (6e-3 relative at 4096 rows,
+    ~1 at 128K). The kernels hold them in fp32 until the final cast: their error is that rounding's,
+    within one fp16 subnormal step."""
+    B, N, dtype = 1, 32768, torch.float16
+    T = B * N
+    Hq, Hkv, Hi, Hki = HEADS
+    dev = "cuda"
+    g = torch.Generator(device=dev).manual_seed(5)
+    x = {name: torch.randn(T, h, d, generator=g, device=dev, dtype=dtype)
+         for name, h, d in (("q", Hq, D), ("k", Hkv, D), ("v", Hkv, D), ("q_idx", Hi, Di), ("k_idx", Hki, Di))}
+    x["dout"] = torch.randn(T, Hq, D, generator=g, device=dev, dtype=dtype)
+    cu = torch.tensor([0, T], dtype=torch.int32, device=dev)
+    scale, iscale = 1 / math.sqrt(D), 1 / math.sqrt(Di)
+    ops = torch.ops.msa
+    out, kl, idx, lse, lse_idx, g_q, g_k, _ = ops.msa_fwd(
+        x["q"], x["k"], x["v"], x["q_idx"], x["k_idx"], None, N, TOPK, BS, scale, iscale, False, True, True)
+    *_, dq_idx, dk_idx = ops.msa_bwd(None, torch.tensor(1.0, device=dev), x["q"], x["k"], x["v"], out, lse,
+                                     x["q_idx"], x["k_idx"], lse_idx, idx, g_q, g_k, None, N, BS, scale, iscale,
+                                     False)
+    kl_coef = 1.0 / (T * Hi)
+    tokens = _sample_tokens(cu, T, seed=5)
+    rows_t, rows_r = tokens.repeat_interleave(Hi), torch.arange(Hi, device=dev).repeat(len(tokens))
+    args = (idx, cu, BS, scale, iscale, kl_coef)
+    exact = in_chunks(lambda t, r: row_terms(x, t, r, *args, torch.float64), rows_t, rows_r)["dq_idx"]
+    step = 2.0 ** -24  # fp16's subnormal spacing
+    floor = max_err(exact.half(), exact)
+    assert floor > 0.1 * step, "the case must reach fp16's subnormal range"
+    err = max_err(dq_idx[rows_t, rows_r], exact)
+    assert err <= floor + step, f"dq_idx: error {err:.3g} beyond fp16 rounding ({floor:.3g}) + one step"
+    block = N // BS // 2
+    sel_t, sel_r = selectors(idx, cu, block * BS, block, BS)
+    e_dki = block_grads(x, block * BS, sel_t, sel_r, *args, torch.float64)[2]
+    floor = max_err(e_dki.half(), e_dki)
+    err = max_err(dk_idx[block * BS:(block + 1) * BS], e_dki)
+    assert err <= floor + step, f"dk_idx: error {err:.3g} beyond fp16 rounding ({floor:.3g}) + one step"
