@@ -130,6 +130,10 @@ struct SparseFwdParams {
   void* dsi_part;          // (entries, 128) input dtype, row i = entry work.entries[i]; nullptr: none
   float* dqi_accum;        // (T, Hi, Di) fp32
   float dqi_scale;         // index_scale / rows
+  // Deterministic mode (nullptr: off): dq_idx goes to dqi_accum (hi) and dqi_lo on the grid dqi_grid
+  // (DetGrid below), exact sums in any order.
+  float* dqi_lo;           // (T, Hi, Di) fp32
+  const float4* dqi_grid;
   int out_rows;            // rows per tile of the portable output pass: 128, or 64 (less shared memory)
   int fixed_gu;            // sm_90a output pass: 4 = the kernel compiled for Gu = 4 (J = 1), 0 = any
 };
@@ -143,6 +147,9 @@ struct IndexDkParams {
   const int32_t* cu_seqlens;
   SparseWork work;          // whole keys: offsets / entries / block_offsets
   float* dki_accum;         // (T, Hki, Di) fp32
+  // Deterministic mode (nullptr: off): CTA i takes work item i of the chunk and stores its scaled sum
+  // in dki_part[i] (128 x Di fp32) instead of adding it; item_reduce then adds the items in order.
+  float* dki_part;
   float scale;              // index_scale / rows
   int total_tokens;
   int num_seqs;
@@ -200,6 +207,12 @@ struct SparseBwdParams {
   float* dq_accum;
   float* dk_accum;
   float* dv_accum;
+  // Deterministic mode (nullptr: off): dQ goes to dq_accum (hi) and dq_lo on the grid dq_grid (exact
+  // sums in any order, DetGrid below); each item's dK (scaled) and dV go to dkv_part[item * J + j]
+  // ((2, 128, D) fp32) instead of the accumulators, and item_reduce adds them in item order.
+  float* dq_lo;
+  const float4* dq_grid;
+  float* dkv_part;
   int total_tokens;
   int num_seqs;
   int block_size;
@@ -218,6 +231,51 @@ struct BwdDeltaParams {
   int total_tokens;
   int hq;
   int d;
+};
+
+}  // namespace msa
+
+namespace msa {
+
+// Deterministic mode (bitwise reproducible gradients). A sum that many CTAs add to in an arbitrary order
+// is made exact: each fp32 contribution x is split on a fixed grid into hi = rint(x / u) u and
+// lo = rint((x - hi) / w) w, added to two fp32 accumulators. u and w are powers of two chosen from a
+// bound B on the sum of |x| over an element's contributions and their count n: every partial sum of the
+// hi parts is a multiple of u below 2^24 u, and of the lo parts a multiple of w below 2^24 w, so both
+// are exact and independent of the order. x is kept to w / 2 (about 2^-45 B for n <= 32).
+// grid = (1 / u, u, 1 / w, w); u = 0: no grid (B could not be bounded: plain, order-dependent sums).
+struct DetGridParams {
+  const unsigned* amax;  // finite max |x| of the inputs, as fp32 bits (absmax_kernel)
+  float4* grid;          // out
+  int mode;              // 0: B = factor a0 (a1 + a2) a3 (dQ);  1: B = factor a0 (dq_idx)
+  double factor;
+  int n_max;             // contributions per element
+};
+
+// Finite max |x| of a (rows, heads, dim) bf16/fp16 tensor with strides (stride_t, stride_h, 1), as the
+// fp32 bit pattern (non-negative floats order as unsigned ints), atomically max-ed into *out.
+struct AbsMaxParams {
+  const void* x;
+  int64_t rows, stride_t, stride_h;
+  int heads, dim;
+  unsigned* out;
+};
+
+// Adds per-item partial sums into an accumulator in a fixed order (deterministic mode): for output head
+// o and global block gb, over the keys (index group r, gb) whose heads map to o, over each key's items
+// in order, sum part[(item * J + j) * ntensors + n] (128 x width fp32, the block's rows) and add it to
+// out[n] (T, hout, width) fp32 at the block's tokens. Hi >= hout: keys r in [o Hi / hout, +Hi / hout),
+// j = 0 (J = 1); Hi < hout: r = o / J, j = o % J with J = hout / Hi.
+struct ItemReduceParams {
+  const float* part;
+  const int32_t* item_offsets;   // (num_keys + 1)
+  const int32_t* block_offsets;  // (num_seqs + 1)
+  const int32_t* cu_seqlens;
+  float* out[2];
+  int ntensors;
+  int width;
+  int hi, hout;
+  int num_seqs, max_blocks, block_size;
 };
 
 }  // namespace msa

@@ -80,18 +80,29 @@ def msa_fwd(q, k, v, qi, ki):
         msa.msa_attention(q, k, v, qi, ki, topk=CONFIG["topk"], block_size=CONFIG["block_size"])
 
 
-def msa_fwd_bwd(q, k, v, qi, ki):
-    out, kl = msa.msa_attention(q, k, v, qi, ki, topk=CONFIG["topk"], block_size=CONFIG["block_size"])
+def msa_fwd_bwd(q, k, v, qi, ki, deterministic=False):
+    out, kl = msa.msa_attention(q, k, v, qi, ki, topk=CONFIG["topk"], block_size=CONFIG["block_size"],
+                                deterministic=deterministic)
     torch.autograd.grad((out, kl), (q, k, v, qi, ki), (torch.ones_like(out), torch.ones_like(kl)))
 
 
-def fwd_bwd_memory(x):
+def msa_fwd_bwd_det(q, k, v, qi, ki):
+    msa_fwd_bwd(q, k, v, qi, ki, deterministic=True)
+
+
+def msa_fwd_bwd_bhnd(q, k, v, qi, ki):
+    """fwd+bwd from (B, H, N, D) tensors seen as (B, N, H, D), as Hugging Face models hand them over:
+    the cost of the one internal copy of each input (and of the gradients' layout)."""
+    msa_fwd_bwd(*(x.transpose(1, 2) for x in (q, k, v, qi, ki)))
+
+
+def fwd_bwd_memory(x, deterministic=False):
     """GiB of one msa fwd+bwd on CUDA inputs x (make_inputs): the peak above the inputs (workspace plus
     out, kl and the five gradients), and the workspace (the same minus out and the gradients)."""
     torch.cuda.synchronize()
     base = torch.cuda.memory_allocated()
     torch.cuda.reset_peak_memory_stats()
-    msa_fwd_bwd(*x)
+    msa_fwd_bwd(*x, deterministic=deterministic)
     torch.cuda.synchronize()
     peak = (torch.cuda.max_memory_allocated() - base) / 2**30
     returned = sum(t.numel() * t.element_size() for t in x)
@@ -187,6 +198,14 @@ def run(args):
                 row["msa_fwdbwd"] = timer(msa_fwd_bwd, sets)
                 row["attended_tflops"] = 3.5 * 4 * c["D"] * att / row["msa_fwdbwd"] / 1e9
                 row["ratio"] = row["dense_fwdbwd"] / row["msa_fwdbwd"]
+                progress(f"[{step}/{steps}] N={N}: msa fwd+bwd, deterministic=True")
+                row["msa_fwdbwd_det"] = timer(msa_fwd_bwd_det, sets)
+                row["det_cost"] = row["msa_fwdbwd_det"] / row["msa_fwdbwd"] - 1
+                if on_gpu:
+                    progress(f"[{step}/{steps}] N={N}: msa fwd+bwd from (B, H, N, D) views")
+                    bhnd = [[x.detach().transpose(1, 2).contiguous().requires_grad_(True) for x in st] for st in sets]
+                    row["msa_fwdbwd_bhnd"] = timer(msa_fwd_bwd_bhnd, bhnd)
+                    del bhnd
             if on_gpu:
                 progress(f"[{step}/{steps}] N={N}: sparse fwd (given the selection)")
                 cu = torch.tensor([0, N], dtype=torch.int32, device=device)
@@ -217,6 +236,7 @@ def run(args):
                     del saved, sink
             if on_gpu and "msa_fwdbwd" in row:
                 row["peak_extra_gib"], row["workspace_gib"] = fwd_bwd_memory(sets[0])
+                row["workspace_det_gib"] = fwd_bwd_memory(sets[0], deterministic=True)[1]
         if on_gpu and msa.has_cuda_kernel("select_blocks"):
             progress(f"[{step}/{steps}] N={N}: index top-k")
             row["index_topk"] = timer(select_fn, [(x[3].detach(), x[4].detach()) for x in sets])
@@ -241,13 +261,15 @@ def table(rows, device):
     cols = [("N", "N", "d"), ("dense fwd ms", "dense_fwd", ".3f"), ("dense fwd+bwd ms", "dense_fwdbwd", ".3f"),
             ("dense TFLOP/s", "dense_tflops", ".3g"), ("msa fwd ms", "msa_fwd", ".3f"),
             ("dense/msa fwd", "fwd_ratio", ".2f"), ("msa fwd+bwd ms", "msa_fwdbwd", ".3f"), ("msa attended TFLOP/s", "attended_tflops", ".3g"),
-            ("dense/msa fwd+bwd", "ratio", ".2f")]
+            ("dense/msa fwd+bwd", "ratio", ".2f"), ("msa fwd+bwd deterministic ms", "msa_fwdbwd_det", ".3f"),
+            ("deterministic cost", "det_cost", ".1%")]
     if device.type == "cuda":
-        cols += [("index top-k ms", "index_topk", ".3f"), ("index TFLOP/s", "index_tflops", ".3g"),
+        cols += [("msa fwd+bwd from (B,H,N,D) views ms", "msa_fwdbwd_bhnd", ".3f"), ("index top-k ms", "index_topk", ".3f"), ("index TFLOP/s", "index_tflops", ".3g"),
                  ("reverse index ms", "reverse_index", ".3f"), ("sparse fwd ms", "sparse_fwd", ".3f"),
                  ("sparse fwd TFLOP/s", "sparse_fwd_tflops", ".3g"), ("sparse bwd ms", "sparse_bwd", ".3f"),
                  ("sparse bwd TFLOP/s", "sparse_bwd_tflops", ".3g"), ("sparse bwd, sink ms", "sparse_bwd_sink", ".3f"), ("msa fwd+bwd peak above inputs GiB", "peak_extra_gib", ".2f"),
-                 ("workspace GiB (peak - out - grads)", "workspace_gib", ".2f")]
+                 ("workspace GiB (peak - out - grads)", "workspace_gib", ".2f"),
+                 ("deterministic workspace GiB", "workspace_det_gib", ".2f")]
     lines = ["| " + " | ".join(c[0] for c in cols) + " |", "|" + "---|" * len(cols)]
     for r in rows:
         lines.append("| " + " | ".join(fmt(r.get(key), spec) for _, key, spec in cols) + " |")
@@ -272,7 +294,9 @@ def header(device, argv):
         f"index = 2*Di*Hi*N(N+1)/2 / time (SPEC 8); sparse fwd = 1.5 * 4*D*sum|T| / time (QK^T twice, PV once: "
         f"stats pass + output pass; msa fwd adds the selection and the index/KL terms); sparse bwd = 2.5 * 4*D*sum|T| "
         f"/ time (main dq, dk, dv; the KL's index gradient is computed in the forward); sparse bwd, sink = the same "
-        f"selection with block 0 in every row (one key per index group selected by every token)",
+        f"selection with block 0 in every row (one key per index group selected by every token); deterministic = "
+        f"msa fwd+bwd with deterministic=True (bitwise reproducible gradients), cost = its extra time; (B,H,N,D) "
+        f"views = the inputs as transposes of (B, H, N, D) tensors (one internal copy each)",
         *[f"- note: {n}" for n in notes]])
 
 

@@ -42,5 +42,19 @@ for dtype, di, bs, topk, lengths in [(torch.bfloat16, 128, 128, 16, [700, 129, 1
         os.environ["MSA_BWD_UNITS_PER_ITEM"] = "5"  # every key split over several backward CTAs
         torch.ops.msa.sparse_bwd(torch.randn_like(out), q, k, v, out, lse, idx2, cu, max(lengths), bs, 0.088)
         del os.environ["MSA_BWD_UNITS_PER_ITEM"]
+        # Deterministic mode: exact hi / lo sums, per-item partials and their in-order reductions.
+        out, kl, idx2, lse, lse_idx, g_q, g_k, _ = torch.ops.msa.msa_fwd(q, k, v, qi2, ki2, cu, max(lengths), topk,
+                                                                          bs, 0.088, 0.088, False, False, True, True)
+        torch.ops.msa.msa_bwd(torch.randn_like(out), torch.tensor(1.0, device="cuda"), q, k, v, out, lse, qi2, ki2,
+                              lse_idx, idx2, g_q, g_k, cu, max(lengths), bs, 0.088, 0.088, False, True)
+        torch.ops.msa.msa_fwd(q, k, v, qi2, ki2, cu, max(lengths), topk, bs, 0.088, 0.088, True, False, True, True)
+        # Non-finite inputs: NaN / Inf in one token of every input.
+        bad = [x.clone() for x in (q, k, v, qi2, ki2)]
+        for x, val in zip(bad, (float("nan"), float("inf"), float("nan"), float("-inf"), float("nan"))):
+            x[min(5, T - 1)] = val
+        out, kl, idx4, lse, lse_idx, g_q, g_k, _ = torch.ops.msa.msa_fwd(*bad, cu, max(lengths), topk, bs, 0.088,
+                                                                          0.088, False, False, True)
+        torch.ops.msa.msa_bwd(torch.randn_like(out), torch.tensor(1.0, device="cuda"), *bad[:3], out, lse, *bad[3:],
+                              lse_idx, idx4, g_q, g_k, cu, max(lengths), bs, 0.088, 0.088, False)
     torch.cuda.synchronize()
 print("sanitize case done")

@@ -28,7 +28,7 @@ def _assert_style(name, got, exact, lowp, dtype, unit):
     assert err <= bound, f"{name}: max error {err:.3g} > 2 * {base:.3g} + {ATOL[dtype]:g} * {scale:.3g}"
 
 
-def _sample_tokens(cu, T, n_end=128, n_rand=128, seed=0):
+def _sample_tokens(cu, T, n_end=64, n_rand=96, seed=0):
     g = torch.Generator(device="cpu").manual_seed(seed)
     end = torch.arange(T - n_end, T)  # near the end of the last sequence
     rand = torch.randint(0, T, (n_rand,), generator=g)
@@ -78,10 +78,10 @@ def test_long_sequence_sampled_rows(B, N, dtype):
     kl_err = (got_kl - exact["kl_row"]).abs()
     assert (kl_err <= 1e-3 * exact["kl_row"].abs() + 1e-5).all(), f"KL row terms: max error {kl_err.max():.3g}"
 
-    # kv blocks of the last sequence: early, middle, near the end, the last.
+    # kv blocks of the last sequence: one in the middle (selected by ~5K rows at 1M) and the last.
     s0 = T - N
     nb = -(-N // BS)
-    for block in sorted({nb // 8, nb // 2, nb - 3, nb - 1}):
+    for block in (nb // 2, nb - 1):
         blk0 = s0 + block * BS
         sel_t, sel_r = selectors(idx, cu, blk0, block, BS)
         assert len(sel_t) >= BS, f"block {block}: too few selecting rows ({len(sel_t)})"

@@ -4,6 +4,7 @@
 
 #include <optional>
 #include <tuple>
+#include <vector>
 
 #include "api/checks.h"
 #include "params.h"
@@ -60,6 +61,16 @@ ReverseIndex build_reverse_index(const at::Tensor& indices, const SeqMap& seqs, 
 std::tuple<at::Tensor, at::Tensor, at::Tensor> reverse_index_cuda(const at::Tensor& indices,
                                                                   const std::optional<at::Tensor>& cu_seqlens,
                                                                   int64_t max_seqlen, int64_t block_size);
+
+// Deterministic mode (params.h, DetGridParams). det_grid: the summation grid, a (4,) fp32 device tensor,
+// for the bound of `mode` (0: factor a0 (a1 + a2) a3, 1: factor a0) over the finite max |x| of each of
+// `tensors` (3-dim bf16/fp16 CUDA tensors with 16-byte rows), and n_max contributions per element.
+at::Tensor det_grid(const std::vector<at::Tensor>& tensors, int mode, double factor, int64_t n_max);
+// Adds per-item partials into the fp32 accumulators `out` ((T, hout, width) each) in item order
+// (ItemReduceParams): the backward's dK and dV, the forward's dk_idx per query chunk.
+void item_reduce(const at::Tensor& part, const int32_t* item_offsets, const int32_t* block_offsets,
+                 const SeqMap& seqs, int64_t block_size, int64_t max_blocks, int64_t hi,
+                 const std::vector<at::Tensor>& out);
 
 // Rows must be 16-byte aligned for cp.async; otherwise work on a contiguous copy.
 inline at::Tensor aligned_rows(const at::Tensor& x) {

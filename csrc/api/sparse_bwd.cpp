@@ -61,6 +61,7 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> sparse_backward_cuda(
   auto dq = at::zeros({T, Hq, D}, f32);
   auto dk = at::zeros({T, Hkv, D}, f32);
   auto dv = at::zeros({T, Hkv, D}, f32);
+  at::Tensor dq_lo, dq_grid, dkv_part;  // deterministic mode
   if (T > 0) {
     BwdDeltaParams dp{};
     dp.out = out.data_ptr();
@@ -103,6 +104,18 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> sparse_backward_cuda(
     p.dq_accum = dq.data_ptr<float>();
     p.dk_accum = dk.data_ptr<float>();
     p.dv_accum = dv.data_ptr<float>();
+    if (deterministic) {
+      // dQ: exact hi / lo sums. Per element at most topk contributions (one per slot) whose |x| sum to at
+      // most scale * D * max|dO| * (max|V| + max|O|) * max|K| (|dP|, |delta| <= D max|dO| max|V or O|,
+      // sum of P <= 1), doubled for the rounding of P and dS to the input dtype. dK, dV: per-item partials.
+      dq_grid = det_grid({dout, v, out, k}, 0, 2.0 * softmax_scale * double(D), indices.size(2));
+      dq_lo = at::zeros_like(dq);
+      const int64_t J = Hkv > Hi ? Hkv / Hi : 1;
+      dkv_part = at::empty({ri.max_items * J * 2 * sm80::kBwdKeys * D}, f32);
+      p.dq_lo = dq_lo.data_ptr<float>();
+      p.dq_grid = reinterpret_cast<const float4*>(dq_grid.data_ptr<float>());
+      p.dkv_part = dkv_part.data_ptr<float>();
+    }
     p.total_tokens = int(T);
     p.num_seqs = int(S);
     p.block_size = int(block_size);
@@ -122,6 +135,10 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> sparse_backward_cuda(
 #endif
       MSA_LAUNCH_CHECK((sm80::launch_sparse_bwd<T_, D_>(p, stream)), "sparse_bwd");
     });
+    if (deterministic) {
+      item_reduce(dkv_part, p.item_offsets, p.block_offsets, seqs, block_size, ri.max_blocks, Hi, {dk, dv});
+      dq.add_(dq_lo);
+    }
   }
   return {dq.to(q.scalar_type()), dk.to(q.scalar_type()), dv.to(q.scalar_type())};
 }

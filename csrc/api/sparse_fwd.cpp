@@ -110,9 +110,14 @@ SparseForward sparse_forward_cuda(const at::Tensor& q_in, const at::Tensor& k_in
   }
   if (T == 0) return res;
 
-  // Chunk of query tokens: its per-entry partials (output rows + stats) fit the budget.
+  // Chunk of query tokens: its per-entry partials (output rows + stats) fit the budget. Deterministic
+  // mode adds index_dk's per-item dk_idx partials: 128 x Di fp32 per item of <= units_per_item entries
+  // (and one more item per key: the +num_keys below).
+  const bool det = grad && deterministic;
+  const int units_per_item = fwd_units_per_item();
   const int64_t per_token =
-      Hi * topk * ((kl_only ? 0 : G * (D * q.element_size() + 8)) + 32 + (index && index_grad ? 256 : 0));
+      Hi * topk * ((kl_only ? 0 : G * (D * q.element_size() + 8)) + 32 + (grad ? 256 : 0) +
+                   (det ? (128 * Di * 4 + units_per_item - 1) / units_per_item : 0));
   const int64_t chunk = std::max<int64_t>(1, std::min<int64_t>(T, partial_budget() / per_token));
   const int64_t entries = Hi * chunk * topk;
   const int64_t max_blocks = T / block_size + S;
@@ -125,8 +130,16 @@ SparseForward sparse_forward_cuda(const at::Tensor& q_in, const at::Tensor& k_in
   auto kl_part = at::empty({index ? entries : 0}, f32);
   auto out_part = at::empty({kl_only ? 0 : entries * G * D}, q.options());
   auto dsi_part = at::empty({grad ? entries * 128 : 0}, q.options());
+  at::Tensor dqi_lo, dqi_grid, dki_part;  // deterministic mode (params.h)
+  if (det) {
+    // dq_idx: exact hi / lo sums; per element topk * J contributions (one per slot and kv head) whose |x|
+    // sum to at most 2 * dqi_scale * max|k_idx| (the |Pidx - P| of a row sum to <= 2), doubled for the
+    // rounding of dsi to the input dtype. dk_idx: per-item partials, reduced per chunk.
+    dqi_grid = det_grid({ki}, 1, 4.0 * index_scale / double(T * Hi), topk * J);
+    dqi_lo = at::zeros_like(res.kl_dq_idx);
+    dki_part = at::empty({(entries / units_per_item + num_keys) * 128 * Di}, f32);
+  }
 
-  const int units_per_item = fwd_units_per_item();
   ReverseIndex ri = alloc_reverse_index(indices, cu_seqlens, topk, block_size, entries, units_per_item);
   ReverseIndexParams& rp = ri.params;
   rp.emit_entries = true;
@@ -185,6 +198,8 @@ SparseForward sparse_forward_cuda(const at::Tensor& q_in, const at::Tensor& k_in
   fp.lse_idx = index ? res.lse_idx.data_ptr<float>() : nullptr;
   fp.dsi_part = grad ? dsi_part.data_ptr() : nullptr;
   fp.dqi_accum = grad ? res.kl_dq_idx.data_ptr<float>() : nullptr;
+  fp.dqi_lo = det ? dqi_lo.data_ptr<float>() : nullptr;
+  fp.dqi_grid = det ? reinterpret_cast<const float4*>(dqi_grid.data_ptr<float>()) : nullptr;
   // SPEC 4: d kl / d S_idx = (Pidx - P) / rows with S_idx = index_scale * q_idx . k_idx: the constant
   // factor is applied where the gradients accumulate.
   const float index_grad_scale = float(index_scale / double(T * Hi));
@@ -199,6 +214,7 @@ SparseForward sparse_forward_cuda(const at::Tensor& q_in, const at::Tensor& k_in
     dp.cu_seqlens = fp.cu_seqlens;
     dp.work = fp.work;
     dp.dki_accum = res.kl_dk_idx.data_ptr<float>();
+    dp.dki_part = det ? dki_part.data_ptr<float>() : nullptr;
     dp.scale = index_grad_scale;
     dp.total_tokens = int(T);
     dp.num_seqs = int(S);
@@ -265,8 +281,12 @@ SparseForward sparse_forward_cuda(const at::Tensor& q_in, const at::Tensor& k_in
       dp.chunk_tokens = int(tc);
       dp.work.max_items = fp.work.max_items;
       MSA_LAUNCH_CHECK(sm80::launch_index_dk(dp, q.scalar_type() == at::kBFloat16, stream), "msa_fwd (index dk)");
+      if (det) {
+        item_reduce(dki_part, rp.item_offsets, rp.block_offsets, seqs, block_size, max_blocks, Hi, {res.kl_dk_idx});
+      }
     }
   }
+  if (det) res.kl_dq_idx.add_(dqi_lo);
   return res;
 }
 

@@ -24,9 +24,11 @@
 #include <type_traits>
 
 #include "common/block_span.h"
+#include "common/det_sum.h"
 #include "common/mma_sm80.h"
 #include "common/wgmma_sm90.h"
 #include "params.h"
+#include "sm80/sparse_bwd/sparse_bwd.h"
 
 namespace msa::sm80 {
 
@@ -51,8 +53,11 @@ struct SparseBwdShape {
 };
 
 constexpr float kLog2eB = 1.4426950408889634f;
+static_assert(SparseBwdShape::kKeys == kBwdKeys, "sparse_bwd.h sizes the deterministic partials");
 
-template <typename T, int D, bool kWgmma>
+// kDet: the deterministic mode (params.h): dQ by exact hi / lo sums, dK / dV stored as item partials. A
+// template parameter: the branch would cost the default kernel registers (252 -> 255 and a spill).
+template <typename T, int D, bool kWgmma, bool kDet>
 __global__ void __launch_bounds__(SparseBwdShape::kThreads, 1) sparse_bwd_kernel(SparseBwdParams p) {
   using Sh = SparseBwdShape;
   using L = typename Sh::template Smem<T, D>;
@@ -283,17 +288,20 @@ __global__ void __launch_bounds__(SparseBwdShape::kThreads, 1) sparse_bwd_kernel
 
       // dQ = scale * dS K for rows [16 rw, +16), added to the fp32 accumulator: one 16-byte atomic per
       // lane and n-tile of the warp's columns from c0 on (even tq lanes add row0's 4 columns, odd ones row1's).
+      // Deterministic mode: the exact hi / lo split of common/det_sum.h instead.
       auto add_dq = [&](auto& dq, int c0) {
         const bool odd = (tq & 1) != 0;
         const int tr = odd ? tr1 : tr0;
-        float* dst = p.dq_accum + (int64_t(tr >= 0 ? tr : 0) * p.hq + h0 + sRowH[odd ? row1 : row0]) * D + c0 +
-                     2 * (tq & ~1);
+        const int64_t o = (int64_t(tr >= 0 ? tr : 0) * p.hq + h0 + sRowH[odd ? row1 : row0]) * D + c0 + 2 * (tq & ~1);
         constexpr int kN8 = sizeof(dq) / sizeof(dq[0]);
 #pragma unroll
         for (int n = 0; n < kN8; ++n) {
           const float4 v = quad_rows4(dq[n], tq);
-          if (tr >= 0)
-            atomic_add4(dst + n * 8, make_float4(v.x * p.scale, v.y * p.scale, v.z * p.scale, v.w * p.scale));
+          const float4 x = make_float4(v.x * p.scale, v.y * p.scale, v.z * p.scale, v.w * p.scale);
+          if (tr >= 0) {
+            if constexpr (kDet) det_add4(p.dq_accum + o + n * 8, p.dq_lo + o + n * 8, x, __ldg(p.dq_grid));
+            else atomic_add4(p.dq_accum + o + n * 8, x);
+          }
         }
       };
       if constexpr (kWgmma) {
@@ -380,7 +388,19 @@ __global__ void __launch_bounds__(SparseBwdShape::kThreads, 1) sparse_bwd_kernel
     }
 
     // The block's dK (scaled) and dV for this kv head; other groups on the same kv head add theirs.
-    if (warp * 16 < p.block_size) {
+    // Deterministic mode: stored as this item's partial, summed in item order by item_reduce.
+    if (kDet && warp * 16 < p.block_size) {
+      float* part = p.dkv_part + int64_t(item * J + j) * 2 * Sh::kKeys * D;
+      const int k0 = warp * 16 + g, k1 = k0 + 8;
+#pragma unroll
+      for (int n = 0; n < D / 8; ++n) {
+        const int col = n * 8 + 2 * tq;
+        *reinterpret_cast<float2*>(part + k0 * D + col) = make_float2(dk[n][0] * p.scale, dk[n][1] * p.scale);
+        *reinterpret_cast<float2*>(part + k1 * D + col) = make_float2(dk[n][2] * p.scale, dk[n][3] * p.scale);
+        *reinterpret_cast<float2*>(part + (Sh::kKeys + k0) * D + col) = make_float2(dv[n][0], dv[n][1]);
+        *reinterpret_cast<float2*>(part + (Sh::kKeys + k1) * D + col) = make_float2(dv[n][2], dv[n][3]);
+      }
+    } else if (warp * 16 < p.block_size) {
       const int k0 = warp * 16 + g, k1 = k0 + 8;
 #pragma unroll
       for (int n = 0; n < D / 8; ++n) {
@@ -405,7 +425,7 @@ cudaError_t launch_sparse_bwd_kernel(const SparseBwdParams& p, cudaStream_t stre
   const int64_t grid = p.max_items;  // an upper bound on item_offsets[num_keys]
   if (grid == 0) return cudaSuccess;
   constexpr int smem = SparseBwdShape::Smem<T, D>::bytes + (kWgmma ? 1024 : 0);
-  auto kernel = sparse_bwd_kernel<T, D, kWgmma>;
+  auto kernel = p.dq_lo != nullptr ? sparse_bwd_kernel<T, D, kWgmma, true> : sparse_bwd_kernel<T, D, kWgmma, false>;
   cudaError_t err = cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, smem);
   if (err != cudaSuccess) return err;
   kernel<<<unsigned(grid), SparseBwdShape::kThreads, smem, stream>>>(p);

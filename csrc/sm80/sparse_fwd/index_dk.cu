@@ -26,19 +26,31 @@ constexpr int kDkUnits = 32;  // per tile: two MMA k-steps
 constexpr int kDkDi = 128;  // shared-memory width of the q_idx tile (Di = 64: zeros)
 constexpr int kDkStages = 3;  // 3 x 16 KB of static shared memory
 
-template <typename T>
-__global__ void __launch_bounds__(kDkThreads, 2) index_dk_kernel(IndexDkParams p) {
+// kDet (deterministic mode): CTA i takes the chunk's work item i (one key, at most units_per_item of its
+// units) and stores its sum in dki_part[i]; item_reduce adds the items in order. At two CTAs per SM
+// (128 registers) that variant spills: it runs at one.
+template <typename T, bool kDet>
+__global__ void __launch_bounds__(kDkThreads, kDet ? 1 : 2) index_dk_kernel(IndexDkParams p) {
   using KTile = SwizzledTile<kDkKeys>;
   using QTile = SwizzledTile<kDkDi>;
   __shared__ __align__(128) T sDs[kDkStages][kDkUnits * kDkKeys];
   __shared__ __align__(128) T sQi[kDkStages][kDkUnits * kDkDi];
   const SparseWork& w = p.work;
-  const int total = w.offsets[w.num_keys];  // valid entries of the chunk
-  const int share = int((int64_t(total) + gridDim.x - 1) / gridDim.x);
-  const int e_begin = int(min(int64_t(total), int64_t(blockIdx.x) * share));
-  const int e_end = min(total, e_begin + share);
-  if (e_begin >= e_end) return;
-  int key = last_leq(w.offsets, w.num_keys, e_begin);  // the key holding entry e_begin
+  int e_begin, e_end, key;
+  if constexpr (kDet) {
+    if (int(blockIdx.x) >= w.item_offsets[w.num_keys]) return;
+    const int2 it = w.items[blockIdx.x];
+    key = it.x;
+    e_begin = it.y;
+    e_end = min(e_begin + w.units_per_item, w.offsets[key + 1]);
+  } else {
+    const int total = w.offsets[w.num_keys];  // valid entries of the chunk
+    const int share = int((int64_t(total) + gridDim.x - 1) / gridDim.x);
+    e_begin = int(min(int64_t(total), int64_t(blockIdx.x) * share));
+    e_end = min(total, e_begin + share);
+    if (e_begin >= e_end) return;
+    key = last_leq(w.offsets, w.num_keys, e_begin);  // the key holding entry e_begin
+  }
   const int di = p.di, di_chunks = di / 8;
   const int tid = threadIdx.x, warp = tid / 32, lane = tid % 32;
   const int g = lane / 4, tq = lane % 4;
@@ -112,7 +124,10 @@ __global__ void __launch_bounds__(kDkThreads, 2) index_dk_kernel(IndexDkParams p
 #pragma unroll
           for (int half = 0; half < 2; ++half) {
             const int kr = warp * 16 + g + 8 * half;
-            if (kr < span.blen) {
+            if constexpr (kDet) {
+              *reinterpret_cast<float2*>(p.dki_part + (int64_t(blockIdx.x) * kDkKeys + kr) * di + col) =
+                  make_float2(acc[n][2 * half] * p.scale, acc[n][2 * half + 1] * p.scale);
+            } else if (kr < span.blen) {
               float* d = p.dki_accum + (int64_t(span.seq_start + span.key0 + kr) * p.hki + kih) * di + col;
               atomic_add2(d, acc[n][2 * half] * p.scale, acc[n][2 * half + 1] * p.scale);
             }
@@ -130,13 +145,19 @@ cudaError_t launch_index_dk(const IndexDkParams& p, bool bf16, cudaStream_t stre
   cudaError_t err = cudaGetDevice(&device);
   if (err == cudaSuccess) err = cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, device);
   if (err != cudaSuccess) return err;
+  if (p.dki_part != nullptr) {  // deterministic: one CTA per work item
+    if (p.work.max_items == 0) return cudaSuccess;
+    if (bf16) index_dk_kernel<__nv_bfloat16, true><<<unsigned(p.work.max_items), kDkThreads, 0, stream>>>(p);
+    else index_dk_kernel<__half, true><<<unsigned(p.work.max_items), kDkThreads, 0, stream>>>(p);
+    return cudaGetLastError();
+  }
   // Two CTAs per SM, fewer when the chunk has fewer than 256 entries per CTA (an upper bound: the
   // kernel shares out the valid entries it finds).
   const int64_t entries = int64_t(p.hi) * p.chunk_tokens * p.topk;
   const int64_t grid = std::min<int64_t>(2 * sms, (entries + 255) / 256);
   if (grid == 0) return cudaSuccess;
-  if (bf16) index_dk_kernel<__nv_bfloat16><<<unsigned(grid), kDkThreads, 0, stream>>>(p);
-  else index_dk_kernel<__half><<<unsigned(grid), kDkThreads, 0, stream>>>(p);
+  if (bf16) index_dk_kernel<__nv_bfloat16, false><<<unsigned(grid), kDkThreads, 0, stream>>>(p);
+  else index_dk_kernel<__half, false><<<unsigned(grid), kDkThreads, 0, stream>>>(p);
   return cudaGetLastError();
 }
 

@@ -32,6 +32,7 @@
 #include <type_traits>
 
 #include "common/block_span.h"
+#include "common/det_sum.h"
 #include "common/mma_sm80.h"
 #include "common/wgmma_sm90.h"
 #include "params.h"
@@ -804,14 +805,19 @@ __global__ void __launch_bounds__(SparseFwdShape::threads<kOut, kWgmma, kRows>()
           float dq[2][4];
           zero_acc(dq);
           mma_rows_keys<T, KiTile>(dq, sDsi, mt * 16, sKi, kw * 2, lane);
-          // One 16-byte atomic per lane and n-tile: even tq lanes add unit mt * 16 + g, odd ones + 8.
+          // One 16-byte atomic per lane and n-tile: even tq lanes add unit mt * 16 + g, odd ones + 8
+          // (deterministic mode: the exact hi / lo split of common/det_sum.h).
           const int uq = mt * 16 + g + ((tq & 1) ? 8 : 0);
-          float* dst = p.dqi_accum + (int64_t(sTok[uq < nu ? uq : 0]) * p.hi + r) * di + kw * 16 + 2 * (tq & ~1);
+          const int64_t o = (int64_t(sTok[uq < nu ? uq : 0]) * p.hi + r) * di + kw * 16 + 2 * (tq & ~1);
 #pragma unroll
           for (int n = 0; n < 2; ++n) {
             const float4 v = quad_rows4(dq[n], tq);
             const float s = p.dqi_scale;
-            if (uq < nu) atomic_add4(dst + n * 8, make_float4(v.x * s, v.y * s, v.z * s, v.w * s));
+            const float4 x = make_float4(v.x * s, v.y * s, v.z * s, v.w * s);
+            if (uq < nu) {
+              if (p.dqi_lo != nullptr) det_add4(p.dqi_accum + o + n * 8, p.dqi_lo + o + n * 8, x, __ldg(p.dqi_grid));
+              else atomic_add4(p.dqi_accum + o + n * 8, x);
+            }
           }
         }
       }
