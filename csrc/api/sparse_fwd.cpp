@@ -23,7 +23,7 @@ namespace {
 // five launches, and a partly filled item for every kv block its tokens select, which loads that
 // block again), so fewer chunks are faster: at N = 32K (bench configuration, fwd+bwd) 6 chunks of
 // 512 MiB took 18.8 ms, 3 of 1 GiB 18.0 ms, 2 of 2 GiB 17.9 ms; at 128K 84.3 / 80.5 / 78.8 ms, where
-// the backward sets the peak (benchmarks/NOTES.md s25).
+// the backward sets the peak (benchmarks/NOTES_history.md s25).
 constexpr int64_t kPartialBudget = int64_t(1) << 30;
 
 // MSA_PARTIAL_BUDGET (bytes) overrides the budget: tests use a small one to exercise many chunks.
