@@ -242,7 +242,7 @@ namespace msa {
 // lo = rint((x - hi) / w) w, added to two fp32 accumulators. u and w are powers of two chosen from a
 // bound B on the sum of |x| over an element's contributions and their count n: every partial sum of the
 // hi parts is a multiple of u below 2^24 u, and of the lo parts a multiple of w below 2^24 w, so both
-// are exact and independent of the order. x is kept to w / 2 (about 2^-45 B for n <= 32).
+// are exact and independent of the order. x is kept to w / 2 (about 2^-40 B for n = 32).
 // grid = (1 / u, u, 1 / w, w); u = 0: no grid (B could not be bounded: plain, order-dependent sums).
 struct DetGridParams {
   const unsigned* amax;  // finite max |x| of the inputs, as fp32 bits (absmax_kernel)
