@@ -10,6 +10,8 @@ import math
 
 import torch
 
+from topk_check import assert_top_scores
+
 CHUNK = 128  # rows per gathered chunk: (CHUNK, topk * block_size, D) float64 per tensor
 
 
@@ -138,8 +140,4 @@ def check_selection(indices, t, q_idx, k_idx, cu, topk, block_size, scale, rel_t
         assert (sel_b == local).any(-1).all(), f"token {tt}: local block missing"
         sel = torch.zeros(Hi, nb, dtype=torch.bool, device=idx.device)
         sel.scatter_(1, sel_b, True)
-        worst = torch.where(sel, m, math.inf).amin(-1)
-        best_rest = torch.where(~sel, m, -math.inf).amax(-1)
-        mag = torch.maximum(torch.where(torch.isfinite(worst), worst.abs(), 0),
-                            best_rest.abs().nan_to_num(0, 0, 0)).clamp(min=1.0)
-        assert not (best_rest > worst + rel_tol * mag).any(), f"token {tt}: an unselected block scores higher"
+        assert_top_scores(m, sel, torch.ones_like(sel), rel_tol, f"groups of token {tt}")

@@ -28,6 +28,14 @@ def _assert_style(name, got, exact, lowp, dtype, unit):
     assert err <= bound, f"{name}: max error {err:.3g} > 2 * {base:.3g} + {ATOL[dtype]:g} * {scale:.3g}"
 
 
+def _inputs(T, dtype, seed):
+    """Packed q, k, v, q_idx, k_idx and an upstream dout, random normal on the GPU."""
+    Hq, Hkv, Hi, Hki = HEADS
+    g = torch.Generator(device="cuda").manual_seed(seed)
+    shapes = (("q", Hq, D), ("k", Hkv, D), ("v", Hkv, D), ("q_idx", Hi, Di), ("k_idx", Hki, Di), ("dout", Hq, D))
+    return {name: torch.randn(T, h, d, generator=g, device="cuda", dtype=dtype) for name, h, d in shapes}
+
+
 def _sample_tokens(cu, T, n_end=64, n_rand=96, seed=0):
     g = torch.Generator(device="cpu").manual_seed(seed)
     end = torch.arange(T - n_end, T)  # near the end of the last sequence
@@ -42,10 +50,7 @@ def test_long_sequence_sampled_rows(B, N, dtype):
     T = B * N
     Hq, Hkv, Hi, Hki = HEADS
     dev = "cuda"
-    g = torch.Generator(device=dev).manual_seed(N + B)
-    x = {name: torch.randn(T, h, d, generator=g, device=dev, dtype=dtype)
-         for name, h, d in (("q", Hq, D), ("k", Hkv, D), ("v", Hkv, D), ("q_idx", Hi, Di), ("k_idx", Hki, Di))}
-    x["dout"] = torch.randn(T, Hq, D, generator=g, device=dev, dtype=dtype)
+    x = _inputs(T, dtype, seed=N + B)
     cu = torch.arange(0, T + 1, N, dtype=torch.int32, device=dev)
     scale, iscale = 1 / math.sqrt(D), 1 / math.sqrt(Di)
     # fp16: the KL's gradients are ~index_scale / rows (1e-8 at 128K), below fp16's range; fp16 training
@@ -101,12 +106,9 @@ def test_fp16_index_grads_at_the_fp16_floor():
     within one fp16 subnormal step."""
     B, N, dtype = 1, 32768, torch.float16
     T = B * N
-    Hq, Hkv, Hi, Hki = HEADS
+    Hi = HEADS[2]
     dev = "cuda"
-    g = torch.Generator(device=dev).manual_seed(5)
-    x = {name: torch.randn(T, h, d, generator=g, device=dev, dtype=dtype)
-         for name, h, d in (("q", Hq, D), ("k", Hkv, D), ("v", Hkv, D), ("q_idx", Hi, Di), ("k_idx", Hki, Di))}
-    x["dout"] = torch.randn(T, Hq, D, generator=g, device=dev, dtype=dtype)
+    x = _inputs(T, dtype, seed=5)
     cu = torch.tensor([0, T], dtype=torch.int32, device=dev)
     scale, iscale = 1 / math.sqrt(D), 1 / math.sqrt(Di)
     ops = torch.ops.msa

@@ -51,10 +51,16 @@ def assert_valid_topk(indices, q_idx, k_idx, cu_seqlens, topk, block_size, scale
         sel.scatter_(2, torch.where(used[None], v, nb), True)  # unused slots land in the extra column
         sel = sel[..., :nb]
         assert (sel.sum(-1) == count[None]).all(), "wrong count"
-        worst_sel = torch.where(sel, m, math.inf).amin(-1)
         visible = torch.arange(nb, device=dev)[None, None, :] <= local[None, :, None]
-        best_rest = torch.where(~sel & visible, m, -math.inf).amax(-1)
-        mag = torch.maximum(torch.where(torch.isfinite(worst_sel), worst_sel.abs(), 0), best_rest.abs()
-                            .nan_to_num(0, 0, 0)).clamp(min=1.0)
-        bad = best_rest > worst_sel + rel_tol * mag
-        assert not bad.any(), f"{int(bad.sum())} rows select a block scoring below an unselected one"
+        assert_top_scores(m, sel, visible, rel_tol, "rows")
+
+
+def assert_top_scores(m, sel, visible, rel_tol, what):
+    """No visible unselected block scores above a selected one beyond rel_tol of the score magnitude
+    (SPEC 2: fp32 accumulation order may swap near-ties). m, sel, visible: (..., nb)."""
+    worst_sel = torch.where(sel, m, math.inf).amin(-1)
+    best_rest = torch.where(~sel & visible, m, -math.inf).amax(-1)
+    mag = torch.maximum(torch.where(torch.isfinite(worst_sel), worst_sel.abs(), 0), best_rest.abs()
+                        .nan_to_num(0, 0, 0)).clamp(min=1.0)
+    bad = best_rest > worst_sel + rel_tol * mag
+    assert not bad.any(), f"{int(bad.sum())} {what} select a block scoring below an unselected one"
