@@ -127,8 +127,7 @@ SeqMap seq_map(const std::optional<at::Tensor>& cu_seqlens, int64_t total_tokens
 namespace {
 
 void validate_cu_seqlens_cuda(const at::Tensor& cu_seqlens, int64_t total_tokens, int64_t max_seqlen) {
-  check_cuda_int32(cu_seqlens, "cu_seqlens", 1);
-  check_cu_seqlens(cu_seqlens, total_tokens, max_seqlen);
+  seq_map(cu_seqlens, total_tokens, max_seqlen, cu_seqlens);  // the ops' own check (and its cache)
 }
 
 }  // namespace
