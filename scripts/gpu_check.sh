@@ -4,7 +4,8 @@
 # Installs carried wheels (.whl/, e.g. nvidia-cutlass), builds the extension with all cores, runs the
 # whole test suite (GPU tests included; MSA_PYTEST_ARGS narrows it) and the benchmark (MSA_SKIP_BENCH=1
 # skips it); logs and the result table land in LOGDIR. MSA_SANITIZE=1 adds compute-sanitizer memcheck and racecheck runs of
-# scripts/sanitize_case.py. On a tree copied without .git, run scripts/stamp_commit.sh first (here)
+# scripts/sanitize_case.py. MSA_DEMO="ARGS" also runs `python -m msa.demo ARGS --out LOGDIR/demo` (the
+# training demo; its JSON and plots land there). On a tree copied without .git, run scripts/stamp_commit.sh first (here)
 # and carry .msa_commit with the tree so the stored results name the commit.
 set -uo pipefail
 LOG=${1:?usage: scripts/gpu_check.sh LOGDIR [bench args...]}
@@ -43,6 +44,14 @@ if [ "${MSA_SKIP_BENCH:-0}" != 1 ]; then  # MSA_SKIP_BENCH=1: tests only (iterat
   rc_bench=${PIPESTATUS[0]}
   echo "bench: rc=$rc_bench" | tee -a "$LOG/summary.txt"
 fi
+rc_demo=0
+if [ -n "${MSA_DEMO:-}" ]; then
+  t0=$(date +%s)
+  $PY -m msa.demo ${MSA_DEMO} --out "$LOG/demo" > "$LOG/demo.log" 2> "$LOG/demo_progress.log"
+  rc_demo=$?
+  echo "demo: rc=$rc_demo, $(( $(date +%s) - t0 )) s" | tee -a "$LOG/summary.txt"
+  tail -n 25 "$LOG/demo.log"
+fi
 if [ "${MSA_SANITIZE:-0}" = 1 ]; then
   for tool in memcheck racecheck; do
     compute-sanitizer --tool $tool --error-exitcode 3 $PY scripts/sanitize_case.py > "$LOG/sanitize_$tool.log" 2>&1
@@ -50,4 +59,4 @@ if [ "${MSA_SANITIZE:-0}" = 1 ]; then
   done
 fi
 cat "$LOG/summary.txt"
-[ $rc_tests -eq 0 ] && [ $rc_bench -eq 0 ]
+[ $rc_tests -eq 0 ] && [ $rc_bench -eq 0 ] && [ $rc_demo -eq 0 ]

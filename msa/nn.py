@@ -1,0 +1,244 @@
+"""msa.nn: an attention layer that trains with MiniMax Sparse Attention, and the helpers around it.
+
+    attn = msa.nn.MSAAttention(hidden=1024, num_heads=16, num_kv_heads=2, head_dim=64,
+                               index_heads=4, index_head_dim=64)
+    y, kl = attn(x)                                   # x: (B, N, hidden), or (T, hidden) with cu_seqlens
+    loss = lm_loss + lam * msa.nn.kl_loss(model)      # the KL of every msa layer of the last forward
+    with msa.nn.warmup(model):                        # dense main branch while the indexer learns
+        ...
+
+The index branch reads `x.detach()` (SPEC 4): the KL trains the index projections only, the language
+loss trains everything else. On CUDA the kernels run in bf16/fp16; a float32 layer outside autocast runs
+them in `compute_dtype` (bf16 by default) and returns float32.
+"""
+from __future__ import annotations
+
+import contextlib
+
+import torch
+from torch import nn
+
+from .interface import msa_attention, msa_attention_varlen
+
+__all__ = ["MSAAttention", "RotaryEmbedding", "apply_rotary", "kl_loss", "warmup", "set_warmup", "register_msa_module",
+           "positions_from_cu_seqlens"]
+
+
+def positions_from_cu_seqlens(cu_seqlens: torch.Tensor, total: int) -> torch.Tensor:
+    """Position of every packed token inside its own sequence, computed on the device (no host read)."""
+    t = torch.arange(total, device=cu_seqlens.device, dtype=torch.int64)
+    seq = torch.searchsorted(cu_seqlens[1:].to(torch.int64), t, right=True)
+    return t - cu_seqlens.to(torch.int64)[seq]
+
+
+class RotaryEmbedding(nn.Module):
+    """Rotary position embedding (the rotate-half convention of Llama), over the first `dim` channels.
+
+    `forward(positions)` gives (cos, sin) of shape positions.shape + (dim,) in float32.
+    """
+
+    def __init__(self, dim: int, theta: float = 10000.0, device=None):
+        super().__init__()
+        if dim % 2:
+            raise ValueError(f"RotaryEmbedding: expected an even dim, got {dim}")
+        self.dim = dim
+        self.theta = float(theta)
+        inv = 1.0 / (self.theta ** (torch.arange(0, dim, 2, dtype=torch.float32, device=device) / dim))
+        self.register_buffer("inv_freq", inv, persistent=False)
+
+    def forward(self, positions: torch.Tensor):
+        freqs = positions.to(torch.float32)[..., None] * self.inv_freq.to(positions.device)
+        emb = torch.cat((freqs, freqs), dim=-1)
+        return emb.cos(), emb.sin()
+
+
+def apply_rotary(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    """x (..., N, H, D) with cos/sin (..., N, R), R <= D: rotates the first R channels, in fp32."""
+    r = cos.shape[-1]
+    cos, sin = cos.unsqueeze(-2), sin.unsqueeze(-2)
+    xr, xp = x[..., :r].float(), x[..., r:]
+    x1, x2 = xr[..., : r // 2], xr[..., r // 2:]
+    rot = xr * cos + torch.cat((-x2, x1), dim=-1) * sin
+    return torch.cat((rot.to(x.dtype), xp), dim=-1) if xp.shape[-1] else rot.to(x.dtype)
+
+
+def _check_layer_args(hidden, num_heads, num_kv_heads, head_dim, index_heads, index_head_dim, index_key_heads,
+                      rope_dim, index_rope_dim):
+    for name, v in (("hidden", hidden), ("num_heads", num_heads), ("num_kv_heads", num_kv_heads),
+                    ("head_dim", head_dim), ("index_heads", index_heads), ("index_head_dim", index_head_dim),
+                    ("index_key_heads", index_key_heads)):
+        if isinstance(v, bool) or not isinstance(v, int) or v < 1:
+            raise ValueError(f"MSAAttention: {name}: expected a positive int, got {v!r}")
+    if num_heads % num_kv_heads:
+        raise ValueError(f"MSAAttention: num_kv_heads: expected a divisor of num_heads={num_heads}, got {num_kv_heads}")
+    if num_heads % index_heads:
+        raise ValueError(f"MSAAttention: index_heads: expected a divisor of num_heads={num_heads}, got {index_heads}")
+    if index_heads % index_key_heads:
+        raise ValueError(f"MSAAttention: index_key_heads: expected a divisor of index_heads={index_heads}, "
+                         f"got {index_key_heads}")
+    if index_heads % num_kv_heads and num_kv_heads % index_heads:
+        raise ValueError(f"MSAAttention: index_heads: expected one of index_heads, num_kv_heads={num_kv_heads} "
+                         f"to divide the other, got {index_heads}")
+    for name, d in (("head_dim", head_dim), ("index_head_dim", index_head_dim)):
+        if d not in (64, 128):
+            raise ValueError(f"MSAAttention: {name}: expected 64 or 128 (the kernels' head dims), got {d}")
+    for name, r, d in (("rope_dim", rope_dim, head_dim), ("index_rope_dim", index_rope_dim, index_head_dim)):
+        if r is not None and (r % 2 or not 0 < r <= d):
+            raise ValueError(f"MSAAttention: {name}: expected an even int in 2..{d}, got {r}")
+
+
+class MSAAttention(nn.Module):
+    """Causal GQA self-attention with MiniMax Sparse Attention and its index branch (SPEC 1-5).
+
+    Args:
+        hidden: model width; num_heads (Hq), num_kv_heads (Hkv), head_dim (D in {64, 128}).
+        index_heads (Hi): index query heads, one per index group; index_head_dim (Di in {64, 128});
+        index_key_heads (Hki, default 1): shared index key heads.
+        topk, block_size: blocks selected per (token, index group), own block included; tokens per block.
+        qk_norm / index_qk_norm: RMSNorm over each head of q and k / of q_idx and k_idx (default off / on).
+        rope / index_rope: rotary embedding of the main / index branch (default both on), over the first
+        rope_dim / index_rope_dim channels (default all), base rope_theta.
+        softmax_scale, index_scale: default 1/sqrt(D), 1/sqrt(Di).
+        bias: bias in the q/k/v/o projections (the index projections have none).
+        compute_dtype: the kernels' dtype for float32 activations on CUDA outside autocast (bf16).
+        deterministic: passed to msa_attention (None follows torch.use_deterministic_algorithms).
+
+    forward(x, cu_seqlens=None, max_seqlen=None, positions=None) -> (y, kl)
+        x (B, N, hidden), or packed (T, hidden) with cu_seqlens int32 (S+1,) and max_seqlen;
+        positions (rotary positions) default to each token's place in its sequence.
+        kl is the layer's fp32 KL term (0-dim); it is also kept in `self.msa_kl` for `kl_loss(model)`.
+    Set `layer.warmup = True` (or use `msa.nn.warmup(model)`) for the dense warmup mode (SPEC 5).
+    """
+
+    def __init__(self, hidden: int, num_heads: int, num_kv_heads: int, head_dim: int, index_heads: int,
+                 index_head_dim: int, index_key_heads: int = 1, *, topk: int = 16, block_size: int = 128,
+                 qk_norm: bool = False, index_qk_norm: bool = True, rope: bool = True, index_rope: bool = True,
+                 rope_theta: float = 10000.0, rope_dim: int | None = None, index_rope_dim: int | None = None,
+                 softmax_scale: float | None = None, index_scale: float | None = None, bias: bool = False,
+                 norm_eps: float = 1e-6, compute_dtype: torch.dtype = torch.bfloat16, deterministic=None,
+                 device=None, dtype=None):
+        super().__init__()
+        _check_layer_args(hidden, num_heads, num_kv_heads, head_dim, index_heads, index_head_dim, index_key_heads,
+                          rope_dim, index_rope_dim)
+        f = {"device": device, "dtype": dtype}
+        self.hidden, self.num_heads, self.num_kv_heads, self.head_dim = hidden, num_heads, num_kv_heads, head_dim
+        self.index_heads, self.index_head_dim, self.index_key_heads = index_heads, index_head_dim, index_key_heads
+        self.topk, self.block_size = topk, block_size
+        self.softmax_scale, self.index_scale = softmax_scale, index_scale
+        self.compute_dtype, self.deterministic = compute_dtype, deterministic
+        self.warmup = False
+        self.msa_kl = None
+        self.q_proj = nn.Linear(hidden, num_heads * head_dim, bias=bias, **f)
+        self.k_proj = nn.Linear(hidden, num_kv_heads * head_dim, bias=bias, **f)
+        self.v_proj = nn.Linear(hidden, num_kv_heads * head_dim, bias=bias, **f)
+        self.o_proj = nn.Linear(num_heads * head_dim, hidden, bias=bias, **f)
+        self.q_idx_proj = nn.Linear(hidden, index_heads * index_head_dim, bias=False, **f)
+        self.k_idx_proj = nn.Linear(hidden, index_key_heads * index_head_dim, bias=False, **f)
+        norm = (lambda d, on: nn.RMSNorm(d, eps=norm_eps, **f) if on else None)
+        self.q_norm, self.k_norm = norm(head_dim, qk_norm), norm(head_dim, qk_norm)
+        self.q_idx_norm, self.k_idx_norm = norm(index_head_dim, index_qk_norm), norm(index_head_dim, index_qk_norm)
+        self.rotary = RotaryEmbedding(rope_dim or head_dim, rope_theta, device) if rope else None
+        self.index_rotary = RotaryEmbedding(index_rope_dim or index_head_dim, rope_theta, device) if index_rope else None
+
+    def extra_repr(self):
+        return (f"heads={self.num_heads}/{self.num_kv_heads}x{self.head_dim}, index={self.index_heads}/"
+                f"{self.index_key_heads}x{self.index_head_dim}, topk={self.topk}, block_size={self.block_size}")
+
+    def _heads(self, proj, x, n, norm, rotary, cos_sin):
+        y = proj(x).unflatten(-1, (n, -1))
+        if norm is not None:
+            y = norm(y)
+        if rotary is not None:
+            y = apply_rotary(y, *cos_sin)
+        return y
+
+    def forward(self, x: torch.Tensor, cu_seqlens: torch.Tensor | None = None, max_seqlen: int | None = None,
+                positions: torch.Tensor | None = None):
+        packed = cu_seqlens is not None
+        if x.dim() != (2 if packed else 3) or x.shape[-1] != self.hidden:
+            raise ValueError(f"MSAAttention: x: expected {'(T, hidden)' if packed else '(B, N, hidden)'} with "
+                             f"hidden={self.hidden}, got shape {tuple(x.shape)}")
+        if packed and max_seqlen is None:
+            raise ValueError("MSAAttention: max_seqlen: expected an int with cu_seqlens, got None")
+        if positions is None:
+            positions = (positions_from_cu_seqlens(cu_seqlens, x.shape[0]) if packed
+                         else torch.arange(x.shape[1], device=x.device))
+        rope = self.rotary(positions) if self.rotary is not None else None
+        irope = self.index_rotary(positions) if self.index_rotary is not None else None
+        xd = x.detach()  # SPEC 4: the KL trains the index projections, not the trunk
+        q = self._heads(self.q_proj, x, self.num_heads, self.q_norm, self.rotary, rope)
+        k = self._heads(self.k_proj, x, self.num_kv_heads, self.k_norm, self.rotary, rope)
+        v = self.v_proj(x).unflatten(-1, (self.num_kv_heads, -1))
+        qi = self._heads(self.q_idx_proj, xd, self.index_heads, self.q_idx_norm, self.index_rotary, irope)
+        ki = self._heads(self.k_idx_proj, xd, self.index_key_heads, self.k_idx_norm, self.index_rotary, irope)
+        dtype = q.dtype
+        if q.is_cuda and not torch.is_autocast_enabled("cuda") and dtype not in (torch.bfloat16, torch.float16):
+            q, k, v, qi, ki = (t.to(self.compute_dtype) for t in (q, k, v, qi, ki))
+        kw = dict(topk=self.topk, block_size=self.block_size, softmax_scale=self.softmax_scale,
+                  index_scale=self.index_scale, warmup=bool(self.warmup), deterministic=self.deterministic)
+        if packed:
+            out, kl = msa_attention_varlen(q, k, v, qi, ki, cu_seqlens, max_seqlen, **kw)
+        else:
+            out, kl = msa_attention(q, k, v, qi, ki, **kw)
+        self.msa_kl = kl
+        return self.o_proj(out.flatten(-2).to(dtype)), kl
+
+
+# Predicates of other modules that run msa (registered by msa.integrations: a MiniMax-M3 sparse
+# attention, a converted Hugging Face attention). Such a module keeps its KL in `msa_kl` and reads `warmup`.
+_MSA_MODULE_TESTS = []
+
+
+def register_msa_module(test) -> None:
+    """Make `kl_loss` and `warmup` see the modules for which `test(module)` is true."""
+    if test not in _MSA_MODULE_TESTS:
+        _MSA_MODULE_TESTS.append(test)
+
+
+def _is_msa(m) -> bool:
+    return isinstance(m, MSAAttention) or any(t(m) for t in _MSA_MODULE_TESTS)
+
+
+def _msa_modules(model: nn.Module):
+    """Every module of `model` that runs msa: MSAAttention and the layers msa.integrations route."""
+    return [m for m in model.modules() if _is_msa(m)]
+
+
+def kl_loss(model: nn.Module, reduction: str = "sum") -> torch.Tensor:
+    """The KL terms of the msa layers of `model` from its last forward, summed (or `reduction="mean"`).
+
+    Use as `loss = lm_loss + lam * msa.nn.kl_loss(model)`; the KL's gradient reaches the index
+    projections only. Raises if no msa layer ran a forward since the model was built.
+    """
+    if reduction not in ("sum", "mean"):
+        raise ValueError(f"kl_loss: reduction: expected 'sum' or 'mean', got {reduction!r}")
+    terms = [m.msa_kl for m in _msa_modules(model) if getattr(m, "msa_kl", None) is not None]
+    if not terms:
+        raise RuntimeError("kl_loss: no msa layer of this model has run a forward (no KL to collect)")
+    total = torch.stack([t.float() for t in terms]).sum()
+    return total / len(terms) if reduction == "mean" else total
+
+
+@contextlib.contextmanager
+def warmup(model: nn.Module, enabled: bool = True):
+    """Run every msa layer of `model` in warmup mode (dense main branch, SPEC 5) inside the block."""
+    mods = _msa_modules(model)
+    if not mods:
+        raise ValueError("warmup: this model has no msa layer")
+    saved = [getattr(m, "warmup", False) for m in mods]
+    for m in mods:
+        m.warmup = enabled
+    try:
+        yield model
+    finally:
+        for m, s in zip(mods, saved):
+            m.warmup = s
+
+
+def set_warmup(model: nn.Module, enabled: bool) -> int:
+    """Set the warmup mode of every msa layer of `model`; returns how many layers were set."""
+    mods = _msa_modules(model)
+    for m in mods:
+        m.warmup = bool(enabled)
+    return len(mods)
+
