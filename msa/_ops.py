@@ -64,19 +64,34 @@ def _seqs(cu_seqlens, total: int, max_seqlen: int) -> torch.Tensor:
 # ----------------------------------------------------------------------------------------------
 # CPU kernels
 # ----------------------------------------------------------------------------------------------
+def _no_autocast(fn):
+    """The CPU kernels are PyTorch code: its fp32/fp64 accumulation must not be autocast itself (a
+    backward called inside an autocast region runs them there)."""
+    import functools
+
+    @functools.wraps(fn)
+    def run(*args, **kwargs):
+        with torch.autocast("cpu", enabled=False):
+            return fn(*args, **kwargs)
+    return run
+
+
 @torch.library.register_kernel("msa::select_blocks", "cpu")
+@_no_autocast
 def _select_blocks_cpu(q_idx, k_idx, cu_seqlens, max_seqlen, topk, block_size, index_scale):
     cu = _seqs(cu_seqlens, q_idx.shape[0], max_seqlen)
     return ref.select_blocks(q_idx, k_idx, cu, topk, block_size, index_scale)
 
 
 @torch.library.register_kernel("msa::sparse_fwd", "cpu")
+@_no_autocast
 def _sparse_fwd_cpu(q, k, v, indices, cu_seqlens, max_seqlen, block_size, softmax_scale, deterministic=False):
     cu = _seqs(cu_seqlens, q.shape[0], max_seqlen)
     return ref.sparse_fwd(q, k, v, indices, cu, block_size, softmax_scale)
 
 
 @torch.library.register_kernel("msa::sparse_bwd", "cpu")
+@_no_autocast
 def _sparse_bwd_cpu(dout, q, k, v, out, lse, indices, cu_seqlens, max_seqlen, block_size, softmax_scale,
                     deterministic=False):
     cu = _seqs(cu_seqlens, q.shape[0], max_seqlen)
@@ -84,6 +99,7 @@ def _sparse_bwd_cpu(dout, q, k, v, out, lse, indices, cu_seqlens, max_seqlen, bl
 
 
 @torch.library.register_kernel("msa::msa_fwd", "cpu")
+@_no_autocast
 def _msa_fwd_cpu(q, k, v, q_idx, k_idx, cu_seqlens, max_seqlen, topk, block_size, softmax_scale, index_scale,
                  warmup, return_indices, index_grad, deterministic=False):
     cu = _seqs(cu_seqlens, q.shape[0], max_seqlen)
@@ -100,6 +116,7 @@ def _msa_fwd_cpu(q, k, v, q_idx, k_idx, cu_seqlens, max_seqlen, topk, block_size
 
 
 @torch.library.register_kernel("msa::msa_bwd", "cpu")
+@_no_autocast
 def _msa_bwd_cpu(dout, dkl, q, k, v, out, lse, q_idx, k_idx, lse_idx, indices, kl_dq_idx, kl_dk_idx, cu_seqlens,
                  max_seqlen, block_size, softmax_scale, index_scale, warmup, deterministic=False):
     cu = _seqs(cu_seqlens, q.shape[0], max_seqlen)
@@ -120,12 +137,14 @@ def _msa_bwd_cpu(dout, dkl, q, k, v, out, lse, q_idx, k_idx, lse_idx, indices, k
 
 
 @torch.library.register_kernel("msa::reverse_index", "cpu")
+@_no_autocast
 def _reverse_index_cpu(indices, cu_seqlens, max_seqlen, block_size):
     cu = _seqs(cu_seqlens, indices.shape[1], max_seqlen)
     return ref.reverse_index(indices, cu, block_size)
 
 
 @torch.library.register_kernel("msa::validate_cu_seqlens", "cpu")
+@_no_autocast
 def _validate_cu_seqlens_cpu(cu_seqlens, total_tokens, max_seqlen):
     _seqs(cu_seqlens, total_tokens, max_seqlen)
 
@@ -262,4 +281,5 @@ def _register_autocast(name: str, device_type: str = "cuda") -> None:
 
 _LIB = torch.library.Library("msa", "IMPL")
 for _name in ("select_blocks", "sparse_fwd", "msa_fwd"):
-    _register_autocast(_name)
+    _register_autocast(_name, "cuda")
+    _register_autocast(_name, "cpu")

@@ -34,7 +34,7 @@ def _check_tensor(name, x, rank, layout):
 
 def _check_common(named, rank, layout):
     """Rank, last-dim contiguity, one device, one dtype out of the supported ones. Under torch.autocast on
-    the tensors' device the ops cast every floating input to the autocast dtype (msa/_ops.py), so there
+    the tensors' device (CUDA or CPU) the ops cast every floating input to the autocast dtype (msa/_ops.py), so there
     any floating dtype, mixed, is accepted, as torch's attention accepts it."""
     for name, x in named:
         _check_tensor(name, x, rank, layout)
@@ -42,7 +42,7 @@ def _check_common(named, rank, layout):
     for name, x in named[1:]:
         if x.device != x0.device:
             _fail(name, f"device {x0.device} (the device of {name0})", x.device)
-    if x0.device.type == "cuda" and torch.is_autocast_enabled("cuda"):
+    if x0.device.type in ("cuda", "cpu") and torch.is_autocast_enabled(x0.device.type):
         for name, x in named:
             if not x.is_floating_point():
                 _fail(name, "a floating-point tensor", x.dtype, TypeError)

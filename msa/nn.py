@@ -35,6 +35,9 @@ class RotaryEmbedding(nn.Module):
     """Rotary position embedding (the rotate-half convention of Llama), over the first `dim` channels.
 
     `forward(positions)` gives (cos, sin) of shape positions.shape + (dim,) in float32.
+    The frequencies are computed in float32 at every call, not kept in a buffer: a buffer would follow
+    `model.to(torch.bfloat16)` (angles off by up to ~position/256 rad, cos wrong by > 1 before position
+    4096) and would hold garbage after a meta-device init + `to_empty`.
     """
 
     def __init__(self, dim: int, theta: float = 10000.0, device=None):
@@ -43,11 +46,17 @@ class RotaryEmbedding(nn.Module):
             raise ValueError(f"RotaryEmbedding: expected an even dim, got {dim}")
         self.dim = dim
         self.theta = float(theta)
-        inv = 1.0 / (self.theta ** (torch.arange(0, dim, 2, dtype=torch.float32, device=device) / dim))
-        self.register_buffer("inv_freq", inv, persistent=False)
+
+    def inv_freq_on(self, device=None) -> torch.Tensor:
+        """The float32 inverse frequencies theta^(-2i/dim), i < dim/2."""
+        return 1.0 / (self.theta ** (torch.arange(0, self.dim, 2, dtype=torch.float32, device=device) / self.dim))
+
+    @property
+    def inv_freq(self) -> torch.Tensor:
+        return self.inv_freq_on()
 
     def forward(self, positions: torch.Tensor):
-        freqs = positions.to(torch.float32)[..., None] * self.inv_freq.to(positions.device)
+        freqs = positions.to(torch.float32)[..., None] * self.inv_freq_on(positions.device)
         emb = torch.cat((freqs, freqs), dim=-1)
         return emb.cos(), emb.sin()
 
@@ -63,7 +72,7 @@ def apply_rotary(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch
 
 
 def _check_layer_args(hidden, num_heads, num_kv_heads, head_dim, index_heads, index_head_dim, index_key_heads,
-                      rope_dim, index_rope_dim):
+                      rope_dim, index_rope_dim, topk, block_size):
     for name, v in (("hidden", hidden), ("num_heads", num_heads), ("num_kv_heads", num_kv_heads),
                     ("head_dim", head_dim), ("index_heads", index_heads), ("index_head_dim", index_head_dim),
                     ("index_key_heads", index_key_heads)):
@@ -85,6 +94,10 @@ def _check_layer_args(hidden, num_heads, num_kv_heads, head_dim, index_heads, in
     for name, r, d in (("rope_dim", rope_dim, head_dim), ("index_rope_dim", index_rope_dim, index_head_dim)):
         if r is not None and (r % 2 or not 0 < r <= d):
             raise ValueError(f"MSAAttention: {name}: expected an even int in 2..{d}, got {r}")
+    if isinstance(topk, bool) or not isinstance(topk, int) or not 1 <= topk <= 32:
+        raise ValueError(f"MSAAttention: topk: expected an int in 1..32, got {topk!r}")
+    if isinstance(block_size, bool) or not isinstance(block_size, int) or block_size not in (64, 128):
+        raise ValueError(f"MSAAttention: block_size: expected 64 or 128, got {block_size!r}")
 
 
 class MSAAttention(nn.Module):
@@ -119,7 +132,7 @@ class MSAAttention(nn.Module):
                  device=None, dtype=None):
         super().__init__()
         _check_layer_args(hidden, num_heads, num_kv_heads, head_dim, index_heads, index_head_dim, index_key_heads,
-                          rope_dim, index_rope_dim)
+                          rope_dim, index_rope_dim, topk, block_size)
         f = {"device": device, "dtype": dtype}
         self.hidden, self.num_heads, self.num_kv_heads, self.head_dim = hidden, num_heads, num_kv_heads, head_dim
         self.index_heads, self.index_head_dim, self.index_key_heads = index_heads, index_head_dim, index_key_heads
@@ -139,6 +152,13 @@ class MSAAttention(nn.Module):
         self.q_idx_norm, self.k_idx_norm = norm(index_head_dim, index_qk_norm), norm(index_head_dim, index_qk_norm)
         self.rotary = RotaryEmbedding(rope_dim or head_dim, rope_theta, device) if rope else None
         self.index_rotary = RotaryEmbedding(index_rope_dim or index_head_dim, rope_theta, device) if index_rope else None
+
+    def __getstate__(self):
+        # The last forward's KL is a tensor of that forward's graph: not part of a copy.deepcopy (EMA
+        # copies, which would raise on it) or a pickle.
+        state = super().__getstate__()
+        state["msa_kl"] = None
+        return state
 
     def extra_repr(self):
         return (f"heads={self.num_heads}/{self.num_kv_heads}x{self.head_dim}, index={self.index_heads}/"
@@ -215,7 +235,10 @@ def kl_loss(model: nn.Module, reduction: str = "sum") -> torch.Tensor:
     terms = [m.msa_kl for m in _msa_modules(model) if getattr(m, "msa_kl", None) is not None]
     if not terms:
         raise RuntimeError("kl_loss: no msa layer of this model has run a forward (no KL to collect)")
-    total = torch.stack([t.float() for t in terms]).sum()
+    dtype = torch.float32  # at least fp32; a float64 model (the CPU path) keeps float64
+    for t in terms:
+        dtype = torch.promote_types(dtype, t.dtype)
+    total = torch.stack([t.to(dtype) for t in terms]).sum()
     return total / len(terms) if reduction == "mean" else total
 
 
