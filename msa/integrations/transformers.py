@@ -22,7 +22,7 @@ Not supported, each with a clear error: padded batches (an attention mask with z
 through `position_ids`, image/video tokens of the VL model (their bidirectional overlay), attention
 dropout in training, M3's `index_local_blocks != 1` (msa always forces exactly the token's own block),
 index/main head dims other than 64 or 128, blocks other than 64 or 128, top-k above 32, sliding-window
-layers in `convert`, and beam search / cache cropping on converted models.
+layers in `convert`, and caches other than a DynamicCache of full-attention layers on converted models.
 """
 from __future__ import annotations
 
@@ -31,6 +31,7 @@ import math
 import torch
 from torch import nn
 from transformers import AttentionInterface
+from transformers.cache_utils import DynamicLayer
 from transformers.integrations.sdpa_attention import sdpa_attention_forward
 from transformers.masking_utils import AttentionMaskInterface, causal_mask_function, sdpa_mask
 from transformers.utils.import_utils import is_torchdynamo_compiling
@@ -70,19 +71,22 @@ def _prefill(module, query, key, value, q_idx, k_idx, topk, block_size, scaling,
     return out.to(dtype), kl
 
 
-def _decode(query, key, value, q_idx, k_idx, positions, topk, block_size, scaling, index_scale):
-    """Exact attention of Sq new tokens over the blocks the index branch selects for them (SPEC 2-3).
+def _decode(query, key, value, q_idx, k_idx, positions, topk, block_size, scaling, index_scale, warmup=False):
+    """Exact attention of Sq new tokens over the blocks the index branch selects for them (SPEC 2-3), or over
+    every earlier token in warmup mode (SPEC 5: dense, as the warmup prefill).
 
     query (B, H, Sq, D), key/value (B, Hkv, Sk, D), q_idx (B, Sq, Hi, Di), k_idx (B, Sk, Hki, Di), positions
     (B, Sq): the new tokens' positions among the Sk keys. Memory O(Sq * Sk): meant for decode steps.
     """
     B, H, Sq, _ = query.shape
-    Hkv, Sk = key.shape[1], key.shape[2]
+    Sk = key.shape[2]
     Hi, Hki = q_idx.shape[2], k_idx.shape[2]
+    visible = torch.arange(Sk, device=query.device)[None, None, :] <= positions[:, :, None]   # B, Sq, Sk
+    if warmup:
+        return _attend(query, key, value, visible[:, None].expand(B, H, Sq, Sk), scaling)
     qi = q_idx.float().transpose(1, 2)
     ki = k_idx.float().transpose(1, 2).repeat_interleave(Hi // Hki, dim=1)
     scores = index_scale * (qi @ ki.transpose(-1, -2))                                  # B, Hi, Sq, Sk
-    visible = torch.arange(Sk, device=query.device)[None, None, :] <= positions[:, :, None]   # B, Sq, Sk
     scores = scores.masked_fill(~visible[:, None], float("-inf"))
     nb = -(-Sk // block_size)
     scores = nn.functional.pad(scores, (0, nb * block_size - Sk), value=float("-inf"))
@@ -94,6 +98,12 @@ def _decode(query, key, value, q_idx, k_idx, positions, topk, block_size, scalin
     sel = torch.zeros(B, Hi, Sq, nb + 1, dtype=torch.bool, device=query.device).scatter(-1, idx, True)
     keep = sel[..., :nb].repeat_interleave(block_size, dim=-1)[..., :Sk] & visible[:, None]
     keep = keep.repeat_interleave(H // Hi, dim=1)                                       # B, H, Sq, Sk
+    return _attend(query, key, value, keep, scaling)
+
+
+def _attend(query, key, value, keep, scaling):
+    """Softmax attention in fp32 over the keys where keep (B, H, Sq, Sk) is true -> (B, Sq, H, D)."""
+    H, Hkv = query.shape[1], key.shape[1]
     k = key.float().repeat_interleave(H // Hkv, dim=1)
     v = value.float().repeat_interleave(H // Hkv, dim=1)
     logits = (scaling * (query.float() @ k.transpose(-1, -2))).masked_fill(~keep, float("-inf"))
@@ -139,7 +149,8 @@ def _sparse_layer(module, query, key, value, attention_mask, scaling, dropout, q
         module.msa_kl = kl
         return out, None
     module.msa_kl = None
-    return _decode(query, key, value, q_idx, k_idx, pos, topk, block_size, scaling, index_scale), None
+    return _decode(query, key, value, q_idx, k_idx, pos, topk, block_size, scaling, index_scale,
+                   bool(getattr(module, "warmup", False))), None
 
 
 def msa_attention_forward(module, query, key, value, attention_mask, scaling=None, dropout=0.0, **kwargs):
@@ -156,6 +167,9 @@ def msa_attention_forward(module, query, key, value, attention_mask, scaling=Non
             raise RuntimeError("msa: a MiniMax-M3 sparse layer reached the msa attention without its index "
                                "projections (was the model's attn_implementation switched mid-forward?)")
         ix = module.indexer
+        if not getattr(module, "_msa_checked", False):  # the main heads too (the indexer checked its own)
+            _check_m3(ix, module)
+            module._msa_checked = True
         q_idx, k_idx = (t.transpose(1, 2) for t in block_indices)
         return _sparse_layer(module, query, key, value, attention_mask, scaling, dropout, q_idx, k_idx,
                              (ix.topk_blocks, ix.block_size, 1.0), kwargs)
@@ -175,10 +189,20 @@ def _msa_mask(*args, mask_function=causal_mask_function, attention_mask=None, **
         raise NotImplementedError(
             "msa: only plain causal attention is supported (no packed-sequence, sliding-window or image/video "
             "overlay masks)")
-    if attention_mask is not None and not is_torchdynamo_compiling() and not bool(attention_mask.all()):
-        raise NotImplementedError(
-            "msa: padded batches are not supported (the attention mask has zeros); batch sequences of one "
-            "length, or use msa.nn.MSAAttention with cu_seqlens for packed training")
+    compiling = is_torchdynamo_compiling()
+    if attention_mask is not None:
+        if compiling:  # no host read while tracing: a runtime assertion inside the graph
+            torch._check_tensor_all(attention_mask.bool())
+        elif not bool(attention_mask.all()):
+            raise NotImplementedError(
+                "msa: padded batches are not supported (the attention mask has zeros); batch sequences of one "
+                "length, or use msa.nn.MSAAttention with cu_seqlens for packed training")
+    if compiling and kwargs.get("q_offset", 0) == 0 and kwargs.get("kv_offset", 0) == 0 \
+            and kwargs.get("q_length") == kwargs.get("kv_length") \
+            and (attention_mask is None or attention_mask.shape[-1] == kwargs.get("kv_length")):
+        # Plain causal prefill: sdpa_mask skips the mask (is_causal) only outside tracing; under torch.compile
+        # it would build the O(N^2) mask, which the sparse layers refuse.
+        return None
     return sdpa_mask(*args, mask_function=mask_function, attention_mask=attention_mask, **kwargs)
 
 
@@ -207,6 +231,9 @@ def _check_m3(ix, attn):
         problems.append(f"head_dim={attn.head_dim} (supported: {HEAD_DIMS})")
     if c.num_attention_heads % ix.num_heads:
         problems.append(f"index_n_heads={ix.num_heads} must divide num_attention_heads={c.num_attention_heads}")
+    elif ix.num_heads % c.num_key_value_heads and c.num_key_value_heads % ix.num_heads:
+        problems.append(f"index_n_heads={ix.num_heads} and num_key_value_heads={c.num_key_value_heads}: one must "
+                        f"divide the other")
     if problems:
         raise NotImplementedError("msa: this MiniMax-M3 configuration is not supported by the msa attention "
                                   "implementation: " + "; ".join(problems))
@@ -299,16 +326,56 @@ class IndexBranch(nn.Module):
         qi = self._heads(self.q_proj, self.q_norm, x, self.index_heads, cs)
         ki = self._heads(self.k_proj, self.k_norm, x, self.index_key_heads, cs)
         if cache is not None:
-            store = cache.__dict__.setdefault("_msa_index_keys", {})
-            past = store.get(attn.layer_idx)
+            layer = _index_cache_layer(cache, attn.layer_idx)
+            past = layer.__dict__.get(_INDEX_KEYS)
             seen = 0 if past is None else past.shape[1]
             if seen != Sk - Sq:
                 raise NotImplementedError(
                     f"msa: the converted layer's index-key cache holds {seen} tokens where the KV cache holds "
-                    f"{Sk - Sq} (cache cropping, reordering and beam search are not supported)")
+                    f"{Sk - Sq} (was the cache edited outside its own methods?)")
             ki = ki if past is None else torch.cat([past, ki], dim=1)
-            store[attn.layer_idx] = ki
+            setattr(layer, _INDEX_KEYS, ki)
         return qi, ki
+
+
+# The index keys of a converted attention live on its DynamicLayer (`msa_index_keys`, (B, S, Hki, Di)) and follow
+# the cache edits of generation: beam search reordering, batch expansion/selection, cropping. DynamicLayer's own
+# methods are wrapped (not the layer's class swapped: torch.compile cannot trace a __class__ assignment).
+_INDEX_KEYS = "msa_index_keys"
+
+
+def _index_keys_follow(name, edit):
+    orig = getattr(DynamicLayer, name)
+    orig = getattr(orig, "__wrapped__", orig) if getattr(orig, "__msa__", False) else orig
+
+    def method(self, *args, **kwargs):
+        out = orig(self, *args, **kwargs)
+        keys = self.__dict__.get(_INDEX_KEYS)
+        if keys is not None:
+            self.__dict__[_INDEX_KEYS] = edit(self, keys, *args, **kwargs)
+        return out
+
+    method.__name__, method.__doc__, method.__msa__, method.__wrapped__ = name, orig.__doc__, True, orig
+    setattr(DynamicLayer, name, method)
+
+
+_index_keys_follow("reorder_cache", lambda layer, k, beam_idx: k.index_select(0, beam_idx.to(k.device)))
+_index_keys_follow("batch_repeat_interleave", lambda layer, k, repeats: k.repeat_interleave(repeats, dim=0))
+_index_keys_follow("batch_select_indices", lambda layer, k, indices: k[indices, ...])
+_index_keys_follow("crop", lambda layer, k, *a, **kw: k[:, : layer.get_seq_length()])
+_index_keys_follow("reset", lambda layer, k: k.zero_())
+
+
+def _index_cache_layer(cache, layer_idx):
+    """The DynamicLayer that keeps a converted attention's index keys."""
+    layers = getattr(cache, "layers", None)
+    layer = layers[layer_idx] if layers is not None and layer_idx < len(layers) else None
+    if not isinstance(layer, DynamicLayer) or getattr(layer, "is_sliding", False):
+        raise NotImplementedError(
+            f"msa: a converted model caches with a DynamicCache of full-attention layers only; got "
+            f"{type(cache).__name__} with a {type(layer).__name__} at layer {layer_idx} (static and sliding-window "
+            f"caches are not supported)")
+    return layer
 
 
 def _keep_hidden(module, args, kwargs):
