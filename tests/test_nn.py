@@ -847,7 +847,7 @@ def test_gpu_compile_dynamic_no_recompile(dtype):
             w = randn((2, N, HID), 90 + i, torch.float32, "cuda")
             got, want = _train_step(compiled, x, w), _train_step(eager, x, w)
             _check_stored(got)
-            _compare_steps(got, want, 1e-2 if dtype == torch.float32 else 3e-2, f"compiled N={N}")
+            _compare_steps(got, want, 2e-2 if dtype == torch.float32 else 8e-2, f"compiled N={N}")
     finally:
         torch.compiler.set_stance("default")
         torch._dynamo.reset()
@@ -896,7 +896,7 @@ def test_gpu_autocast_fp32_params():
         assert_rel(p.grad, W[n].grad, GPU_TOL["grad"], n + ".grad")
     bf = copy.deepcopy(layer).to(torch.bfloat16)
     y_bf, kl_bf = bf(x.detach().to(torch.bfloat16))
-    assert_rel(y, y_bf, 5e-2, "y autocast vs bf16 parameters")
+    assert_rel(y, y_bf, 8e-2, "y autocast vs bf16 parameters")  # two bf16 roundings of the weights; near-tie flips
     assert abs(float(kl) - float(kl_bf)) <= 2e-2 * float(kl_bf)
 
 
