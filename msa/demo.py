@@ -361,11 +361,29 @@ def train_run(run, cfg, device, seed, held, bar=None):
     # The same held-out batch with the sparse main branch forced on: what the trained indexer gives.
     mnn.set_warmup(model, False)
     final["eval_acc_sparse"] = evaluate(model, held, cfg, amp, recall=False)["eval_acc"]
+    # Control: the same trained model with an untrained indexer (fresh random index projections): how much
+    # of the sparse accuracy the learned selection gives, against the blocks a random selection hits.
+    final["eval_acc_random_index"] = _random_index_acc(model, held, cfg, amp, seed)
     n = max(1, min(len(curves["acc"]), cfg.eval_every))
     final["train_acc_last"] = sum(curves["acc"][-n:]) / n
     final["train_loss_last"] = sum(curves["loss"][-n:]) / n
     return dict(curves=curves, evals=evals, final=final, train_s=train_s, eval_s=eval_s,
                 steps_per_s=cfg.steps / max(train_s, 1e-9))
+
+
+@torch.no_grad()
+def _random_index_acc(model, held, cfg, amp, seed):
+    saved = {n: p.detach().clone() for n, p in model.named_parameters() if "_idx_" in n}
+    g = torch.Generator(device="cpu").manual_seed(seed + 104729)
+    for n, p in model.named_parameters():
+        if "_idx_proj" in n:
+            p.copy_(torch.randn(p.shape, generator=g) * p.shape[-1] ** -0.5)
+    try:
+        return evaluate(model, held, cfg, amp, recall=False)["eval_acc"]
+    finally:
+        for n, p in model.named_parameters():
+            if n in saved:
+                p.copy_(saved[n])
 
 
 def _is_dense(run, step, cfg):
@@ -437,6 +455,16 @@ def plot(summary, path):
     plt.close(fig)
 
 
+def _stamp():
+    """The commit written by scripts/stamp_commit.sh into a tree copied without (or with a stale) .git."""
+    path = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), ".msa_commit")
+    try:
+        with open(path) as f:
+            return f.read().strip() or None
+    except OSError:
+        return None
+
+
 def _git(*args):
     root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
     try:
@@ -460,12 +488,14 @@ def _device_slug(device):
 
 
 def table(summary):
-    rows = [("run", "final acc", "vs dense", "sparse acc", "KL", "block rec q/all", "score rec q/all", "steps/s")]
+    rows = [("run", "final acc", "vs dense", "sparse acc", "random-index acc", "KL", "block rec q/all",
+             "score rec q/all", "steps/s")]
     dense = summary["runs"].get("dense", {}).get("final", {}).get("eval_acc")
     for name, r in summary["runs"].items():
         f = r["final"]
         rel = f"{f['eval_acc'] / dense:.3f}" if dense else "-"
-        rows.append((name, f"{f['eval_acc']:.3f}", rel, f"{f['eval_acc_sparse']:.3f}", f"{r['curves']['kl'][-1]:.4f}",
+        rows.append((name, f"{f['eval_acc']:.3f}", rel, f"{f['eval_acc_sparse']:.3f}",
+                     f"{f['eval_acc_random_index']:.3f}", f"{r['curves']['kl'][-1]:.4f}",
                      f"{f['block_recall_query']:.3f}/{f['block_recall_all']:.3f}",
                      f"{f['score_recall_query']:.3f}/{f['score_recall_all']:.3f}", f"{r['steps_per_s']:.2f}"))
     w = [max(len(r[j]) for r in rows) for j in range(len(rows[0]))]
@@ -491,6 +521,7 @@ def checks(summary):
         out["warmup_block_recall_query_end"] = f["block_recall_query"]
         out["warmup_block_recall_all_end"] = f["block_recall_all"]
         out["block_recall_query_at_least_0.8"] = f["block_recall_query"] >= 0.8
+        out["warmup_random_index_acc"] = f["eval_acc_random_index"]
     if "nowarmup" in runs:
         out["nowarmup_acc"] = runs["nowarmup"]["final"]["eval_acc"]
     return out
@@ -507,6 +538,8 @@ def parse_args(argv=None):
     p.add_argument("--seq-len", type=int, help="sequence length N")
     p.add_argument("--batch", type=int, help="sequences per step")
     p.add_argument("--warmup-steps", type=int, help="dense warmup steps of the 'warmup' run")
+    p.add_argument("--topk", type=int, help="blocks per (token, index group), own block included")
+    p.add_argument("--copies", type=int, help="copies of each key-value pair (in distinct blocks)")
     p.add_argument("--layers", type=int, help="msa blocks of the model (default 1: the task is one hop)")
     p.add_argument("--eval-every", type=int, help="held-out evaluation (accuracy, recall) every this many steps")
     p.add_argument("--device", default=None, help="cuda or cpu (default: cuda when available)")
@@ -521,7 +554,8 @@ def make_config(args):
     cfg = QUICK if args.quick else FULL
     over = {k: v for k, v in (("steps", args.steps), ("seq_len", args.seq_len), ("batch", args.batch),
                               ("warmup_steps", args.warmup_steps), ("eval_every", args.eval_every),
-                              ("layers", args.layers)) if v is not None}
+                              ("layers", args.layers), ("topk", args.topk), ("copies", args.copies))
+            if v is not None}
     cfg = dataclasses.replace(cfg, **over)
     if cfg.warmup_steps > cfg.steps:
         cfg = dataclasses.replace(cfg, warmup_steps=cfg.steps)
@@ -572,7 +606,7 @@ def main(argv=None):
                   context_blocks=task.ctx_blocks, query_start=task.q_start),
         config=dataclasses.asdict(cfg), seed=args.seed, runs=results, command=cmd, date=date.isoformat(timespec="seconds"),
         device=_device_name(device), torch=torch.__version__, msa=getattr(msa, "__version__", None),
-        git_commit=_git("rev-parse", "HEAD"), git_dirty=bool(_git("status", "--porcelain", "--untracked-files=no")),
+        git_commit=os.environ.get("MSA_COMMIT") or _stamp() or _git("rev-parse", "HEAD"), git_dirty=bool(_git("status", "--porcelain", "--untracked-files=no")),
         dense_attention="msa warmup path (msa.nn.set_warmup(model, True) for all steps: dense causal)",
         autocast="bfloat16" if device.type == "cuda" else None, wall_s=wall)
     summary["checks"] = checks(summary)
