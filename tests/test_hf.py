@@ -961,8 +961,20 @@ def test_gpu_m3_compile_fullgraph(mlp):
     model = _cuda_model(m3_model(mlp_layer_types=types)).train()
     try:
         ids = _ids(2, 2048, seed=15, device=CUDA)
+        # The yardstick: in bf16, eager rounds every op's output while inductor keeps fused intermediates in
+        # fp32 (3.6% logits difference measured on the H200 in warmup mode, where no selection can flip).
+        # Against the same weights in fp32 (msa's kernels still bf16), the compiled model must be about as
+        # close as the eager one; a broken compiled graph would be far off.
+        ref32 = copy.deepcopy(model).float()
+        torch._dynamo.reset()
+        with torch.no_grad(), msa.nn.warmup(model), msa.nn.warmup(ref32):
+            want = ref32(ids).logits
+            err_eager = _rel_err(model(ids).logits, want)
+            err_comp = _rel_err(torch.compile(model, fullgraph=True)(ids).logits, want)
+        assert err_comp <= 2 * err_eager + 5e-3, f"compiled {err_comp:.3g} vs eager {err_eager:.3g} from fp32"
+        del ref32
         with msa.nn.warmup(model):
-            _compile_check(model, ids, "inductor", rel=GPU_LOGIT_TOL, grad_rel=GPU_GRAD_TOL)
+            _compile_check(model, ids, "inductor", rel=GPU_COMPILE_SPARSE_TOL / 2, grad_rel=GPU_COMPILE_SPARSE_TOL)
         model.zero_grad(set_to_none=True)
         _compile_check(model, ids, "inductor", rel=GPU_COMPILE_SPARSE_TOL, grad_rel=2 * GPU_COMPILE_SPARSE_TOL)
     except Exception as e:  # noqa: BLE001
