@@ -136,18 +136,23 @@ def _check_msa_inputs(q, k, v, q_idx, k_idx, rank, topk, block_size):
 
 
 def _check_varlen(cu_seqlens, max_seqlen, x):
+    _check_cu_seqlens(cu_seqlens, x.device)
+    if isinstance(max_seqlen, bool) or not isinstance(max_seqlen, int):
+        _fail("max_seqlen", "an int", repr(max_seqlen), TypeError)
+    if max_seqlen < 1:
+        _fail("max_seqlen", "an int >= 1", max_seqlen)
+
+
+def _check_cu_seqlens(cu_seqlens, device):
+    """Type, dtype, shape and device of a cu_seqlens (its values are checked by the ops)."""
     if not isinstance(cu_seqlens, torch.Tensor):
         _fail("cu_seqlens", "an int32 tensor", type(cu_seqlens).__name__, TypeError)
     if cu_seqlens.dtype != torch.int32:
         _fail("cu_seqlens", "dtype torch.int32", cu_seqlens.dtype, TypeError)
     if cu_seqlens.dim() != 1 or cu_seqlens.numel() < 2:
         _fail("cu_seqlens", "shape (S+1,) with S >= 1", tuple(cu_seqlens.shape))
-    if cu_seqlens.device != x.device:
-        _fail("cu_seqlens", f"device {x.device} (that of q)", cu_seqlens.device)
-    if isinstance(max_seqlen, bool) or not isinstance(max_seqlen, int):
-        _fail("max_seqlen", "an int", repr(max_seqlen), TypeError)
-    if max_seqlen < 1:
-        _fail("max_seqlen", "an int >= 1", max_seqlen)
+    if cu_seqlens.device != device:
+        _fail("cu_seqlens", f"device {device} (that of q)", cu_seqlens.device)
 
 
 def _msa(q, k, v, q_idx, k_idx, cu_seqlens, max_seqlen, topk, block_size, softmax_scale, index_scale, warmup,

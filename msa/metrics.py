@@ -48,6 +48,8 @@ import math
 
 import torch
 
+from .interface import _check_cu_seqlens
+
 __all__ = ["recall", "block_recall", "score_recall", "select_rows"]
 
 _FLOAT_DTYPES = (torch.bfloat16, torch.float16, torch.float32, torch.float64)
@@ -125,14 +127,7 @@ def _check_inputs(q, k, indices, block_size, softmax_scale, skip_trivial, chunk_
 
 def _seq_lengths(cu_seqlens, max_seqlen, total, device):
     """Host list of sequence lengths from a checked cu_seqlens."""
-    if not isinstance(cu_seqlens, torch.Tensor):
-        _fail("cu_seqlens", "an int32 tensor", type(cu_seqlens).__name__, TypeError)
-    if cu_seqlens.dtype != torch.int32:
-        _fail("cu_seqlens", "dtype torch.int32", cu_seqlens.dtype, TypeError)
-    if cu_seqlens.dim() != 1 or cu_seqlens.numel() < 2:
-        _fail("cu_seqlens", "shape (S+1,) with S >= 1", tuple(cu_seqlens.shape))
-    if cu_seqlens.device != device:
-        _fail("cu_seqlens", f"device {device} (that of q)", cu_seqlens.device)
+    _check_cu_seqlens(cu_seqlens, device)
     cu = cu_seqlens.tolist()
     if cu[0] != 0 or cu[-1] != total or any(b < a for a, b in zip(cu[:-1], cu[1:])):
         _fail("cu_seqlens", f"non-decreasing offsets from 0 to T={total}", cu if len(cu) <= 8 else f"{cu[:8]}...")
