@@ -1,11 +1,11 @@
-// Every schema of torch.ops.msa. Implementations register beside their code: the CUDA kernels in
-// csrc/api/*.cpp (TORCH_LIBRARY_IMPL(msa, CUDA, ...)), the CPU reference, fakes and autograd in
-// msa/_ops.py. Layout is packed (thd): tensors are (T, H, D), sequences given by cu_seqlens (S+1,), or,
+// Every schema of torch.ops.msa, registered through PyTorch's stable ABI (csrc/api/stable.h says why).
+// Implementations register beside their code: the CUDA kernels in csrc/api/*.cpp
+// (STABLE_TORCH_LIBRARY_IMPL(msa, CUDA, ...)), the CPU reference, fakes and autograd in msa/_ops.py. Layout is packed (thd): tensors are (T, H, D), sequences given by cu_seqlens (S+1,), or,
 // where cu_seqlens is None, T / max_seqlen sequences of max_seqlen tokens each (the batched layout:
 // nothing to read back from the device). `deterministic` makes the gradients bitwise reproducible.
-#include <torch/library.h>
+#include <torch/csrc/stable/library.h>
 
-TORCH_LIBRARY(msa, m) {
+STABLE_TORCH_LIBRARY(msa, m) {
   // SPEC 2: int32 (Hi, T, topk) selected blocks, ascending, -1 padded.
   m.def("select_blocks(Tensor q_idx, Tensor k_idx, Tensor? cu_seqlens, SymInt max_seqlen, int topk, "
         "int block_size, float index_scale) -> Tensor");
@@ -40,4 +40,16 @@ TORCH_LIBRARY(msa, m) {
   // Checks cu_seqlens (SPEC 7) and, on CUDA, remembers the values read, so later calls on the same
   // tensor version (a CUDA graph capture among them) read nothing back.
   m.def("validate_cu_seqlens(Tensor cu_seqlens, int total_tokens, int max_seqlen) -> ()");
+  // What the CUDA build does on the device of `like` (python -m msa.info): an int64 CPU tensor
+  // [sm90 kernels in this build, the Hopper path taken, forward output rows per tile (D = 128), the
+  // 99 KB configuration taken, opt-in shared memory per block in bytes].
+  m.def("device_config(Tensor like) -> Tensor");
+  // PyTorch's flash attention for the dense main branch of warmup (SPEC 5), implemented in Python
+  // (msa/_ops.py) and called by the CUDA msa_fwd / msa_bwd: aten::_flash_attention_* change their
+  // schemas between torch releases, and the backward's determinism is PyTorch's global flag, which the
+  // stable ABI cannot set.
+  m.def("_dense_fwd(Tensor q, Tensor k, Tensor v, Tensor cu_seqlens, SymInt max_seqlen, float softmax_scale) -> "
+        "(Tensor out, Tensor lse)");
+  m.def("_dense_bwd(Tensor dout, Tensor q, Tensor k, Tensor v, Tensor out, Tensor lse, Tensor cu_seqlens, "
+        "SymInt max_seqlen, float softmax_scale, bool deterministic) -> (Tensor dq, Tensor dk, Tensor dv)");
 }

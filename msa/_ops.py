@@ -26,7 +26,7 @@ ops = torch.ops.msa
 # The ops with a compiled CUDA kernel, read once: the kernels register when _C loads, and a lookup in
 # a set is traceable by torch.compile (the dispatcher query itself is not).
 _CUDA_OPS = frozenset(name for name in ("select_blocks", "sparse_fwd", "sparse_bwd", "msa_fwd", "msa_bwd",
-                                        "reverse_index", "validate_cu_seqlens")
+                                        "reverse_index", "validate_cu_seqlens", "device_config")
                       if torch._C._dispatch_has_kernel_for_dispatch_key(f"msa::{name}", "CUDA"))
 
 
@@ -147,6 +147,35 @@ def _reverse_index_cpu(indices, cu_seqlens, max_seqlen, block_size):
 @_no_autocast
 def _validate_cu_seqlens_cpu(cu_seqlens, total_tokens, max_seqlen):
     _seqs(cu_seqlens, total_tokens, max_seqlen)
+
+
+# ----------------------------------------------------------------------------------------------
+# PyTorch's flash attention for the CUDA warmup path (csrc/torch_bindings.cpp: msa::_dense_fwd and
+# msa::_dense_bwd). The CUDA msa_fwd / msa_bwd call these through the dispatcher: the aten schemas
+# change between torch releases (keywords absorb that here), and the backward's determinism is PyTorch's
+# global flag, which the compiled module (stable ABI) cannot set.
+# ----------------------------------------------------------------------------------------------
+@torch.library.register_kernel("msa::_dense_fwd", "cuda")
+def _dense_fwd_cuda(q, k, v, cu_seqlens, max_seqlen, softmax_scale):
+    out, lse = torch.ops.aten._flash_attention_forward(
+        q, k, v, cu_seqlens, cu_seqlens, max_seqlen, max_seqlen, 0.0, True, False, scale=softmax_scale)[:2]
+    return out, lse.contiguous()
+
+
+@torch.library.register_kernel("msa::_dense_bwd", "cuda")
+def _dense_bwd_cuda(dout, q, k, v, out, lse, cu_seqlens, max_seqlen, softmax_scale, deterministic):
+    rng = torch.zeros(2, dtype=torch.int64, device=q.device)  # no dropout: its rng state is not read
+    unused = torch.empty(0, dtype=torch.int64, device=q.device)
+    was, warn_only = torch.are_deterministic_algorithms_enabled(), torch.is_deterministic_algorithms_warn_only_enabled()
+    if deterministic:
+        torch.use_deterministic_algorithms(True)
+    try:
+        dq, dk, dv = torch.ops.aten._flash_attention_backward(
+            dout.contiguous(), q, k, v, out, lse, cu_seqlens, cu_seqlens, max_seqlen, max_seqlen, 0.0, True, rng,
+            unused, scale=softmax_scale)
+    finally:
+        torch.use_deterministic_algorithms(was, warn_only=warn_only)
+    return dq, dk, dv
 
 
 # ----------------------------------------------------------------------------------------------

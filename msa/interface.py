@@ -6,6 +6,7 @@ viewed as packed with cu_seqlens = [0, N, 2N, ...] and the ops see one layout on
 from __future__ import annotations
 
 import math
+import re
 
 import torch
 
@@ -135,12 +136,32 @@ def _check_msa_inputs(q, k, v, q_idx, k_idx, rank, topk, block_size):
     _check_option("topk", topk, range(1, MAX_TOPK + 1))
 
 
-def _check_varlen(cu_seqlens, max_seqlen, x):
+def _check_varlen(cu_seqlens, max_seqlen, x, total=None):
     _check_cu_seqlens(cu_seqlens, x.device)
     if isinstance(max_seqlen, bool) or not isinstance(max_seqlen, int):
         _fail("max_seqlen", "an int", repr(max_seqlen), TypeError)
     if max_seqlen < 1:
         _fail("max_seqlen", "an int >= 1", max_seqlen)
+    if total is not None and cu_seqlens.is_cuda and not torch.compiler.is_compiling():
+        _check_values_cuda(cu_seqlens, max_seqlen, total)
+
+
+_VALUE_ERROR = re.compile(r"(cu_seqlens|max_seqlen): expected")
+
+
+def _check_values_cuda(cu_seqlens, max_seqlen, total):
+    """The values of a CUDA cu_seqlens are checked by the compiled op (csrc/api/cu_seqlens.cpp), which
+    remembers them per tensor version, so the ops that follow read nothing back. A check in the compiled
+    module can only raise RuntimeError (it is built on PyTorch's stable ABI); here the ones about the
+    values become the ValueError of SPEC 7. (Under torch.compile the ops' own RuntimeError is raised.)"""
+    _require_kernel("validate_cu_seqlens", cu_seqlens)
+    try:
+        ops.validate_cu_seqlens(cu_seqlens, total, max_seqlen)
+    except RuntimeError as e:
+        m = _VALUE_ERROR.search(str(e))
+        if m is None:
+            raise
+        raise ValueError(str(e)[m.start():]) from None
 
 
 def _check_cu_seqlens(cu_seqlens, device):
@@ -207,7 +228,7 @@ def msa_attention_varlen(q, k, v, q_idx, k_idx, cu_seqlens, max_seqlen, *, topk=
     >= the longest sequence. indices, when returned, are (Hi, T, topk); kl averages over T*Hi rows.
     """
     _check_msa_inputs(q, k, v, q_idx, k_idx, 3, topk, block_size)
-    _check_varlen(cu_seqlens, max_seqlen, q)
+    _check_varlen(cu_seqlens, max_seqlen, q, q.shape[0])
     out, kl, indices = _msa(q, k, v, q_idx, k_idx, cu_seqlens, max_seqlen, topk, block_size, softmax_scale,
                             index_scale, warmup, return_indices, deterministic)[:3]
     return (out, kl, indices) if return_indices else (out, kl)
@@ -236,7 +257,7 @@ def select_blocks(q_idx, k_idx, *, topk=16, block_size=128, index_scale=None, cu
     _require_kernel("select_blocks", q_idx)
     iscale = _scale("index_scale", index_scale, Di)
     if rank == 3:
-        _check_varlen(cu_seqlens, max_seqlen, q_idx)
+        _check_varlen(cu_seqlens, max_seqlen, q_idx, q_idx.shape[0])
         return ops.select_blocks(q_idx, k_idx, cu_seqlens, max_seqlen, topk, block_size, iscale)
     B, N, Hi = q_idx.shape[:3]
     idx = ops.select_blocks(_flat(q_idx), _flat(k_idx), None, N, topk, block_size, iscale)
@@ -285,7 +306,7 @@ def sparse_attention(q, k, v, indices, *, block_size=128, softmax_scale=None, re
     scale = _scale("softmax_scale", softmax_scale, D)
     det = _deterministic(deterministic)
     if rank == 3:
-        _check_varlen(cu_seqlens, max_seqlen, q)
+        _check_varlen(cu_seqlens, max_seqlen, q, q.shape[0])
         out, lse = ops.sparse_fwd(q, k, v, indices.contiguous(), cu_seqlens, max_seqlen, block_size, scale, det)
         return (out, lse) if return_lse else out
     B, N = lead
@@ -309,5 +330,8 @@ def validate_cu_seqlens(cu_seqlens, max_seqlen, total_tokens):
     _check_varlen(cu_seqlens, max_seqlen, cu_seqlens)
     if isinstance(total_tokens, bool) or not isinstance(total_tokens, int) or total_tokens < 0:
         _fail("total_tokens", "an int >= 0", repr(total_tokens), TypeError)
-    _require_kernel("validate_cu_seqlens", cu_seqlens)
-    ops.validate_cu_seqlens(cu_seqlens, total_tokens, max_seqlen)
+    if cu_seqlens.is_cuda:
+        _check_values_cuda(cu_seqlens, max_seqlen, total_tokens)
+    else:
+        _require_kernel("validate_cu_seqlens", cu_seqlens)
+        ops.validate_cu_seqlens(cu_seqlens, total_tokens, max_seqlen)

@@ -158,17 +158,21 @@ def test_cuda_bad_inputs_raise_before_launch():
     expect(TypeError, "q", lambda: call(kw32))  # fp32 is CPU-only
     mixed = dict(kw, k_idx=kw["k_idx"].cpu())
     expect(ValueError, "k_idx", lambda: call(mixed))
+    # The raw ops check their arguments in C++ too. Through PyTorch's stable ABI a C++ check can only
+    # raise RuntimeError (csrc/api/stable.h), still naming the argument first; msa's Python API raises
+    # the ValueError / TypeError of SPEC 7 before it reaches them.
     idx = torch.zeros(4, 260, 2, dtype=torch.int32, device="cuda")
     bad_cu = torch.tensor([0, 200, 100, 260], dtype=torch.int32, device="cuda")
-    expect(ValueError, "cu_seqlens", lambda: torch.ops.msa.reverse_index(idx, bad_cu, 200, 64))
+    expect(RuntimeError, "cu_seqlens", lambda: torch.ops.msa.reverse_index(idx, bad_cu, 200, 64))
     good_cu = torch.tensor([0, 130, 260], dtype=torch.int32, device="cuda")
-    expect(ValueError, "max_seqlen", lambda: torch.ops.msa.reverse_index(idx, good_cu, 100, 64))
-    expect(ValueError, "block_size", lambda: torch.ops.msa.reverse_index(idx, good_cu, 130, 32))
+    expect(RuntimeError, "max_seqlen", lambda: torch.ops.msa.reverse_index(idx, good_cu, 100, 64))
+    expect(RuntimeError, "block_size", lambda: torch.ops.msa.reverse_index(idx, good_cu, 130, 32))
     # The public sparse_bwd op checks k and v itself: here v has fewer tokens than q and k.
     q = torch.randn(260, 8, 64, dtype=torch.bfloat16, device="cuda")
     k, v = torch.randn_like(q[:, :2]), torch.randn(200, 2, 64, dtype=torch.bfloat16, device="cuda")
     lse = torch.zeros(8, 260, device="cuda")
-    expect(ValueError, "q, k, v", lambda: torch.ops.msa.sparse_bwd(q, q, k, v, q, lse, idx, good_cu, 130, 64, 0.125))
+    expect(RuntimeError, "q, k, v",
+           lambda: torch.ops.msa.sparse_bwd(q, q, k, v, q, lse, idx, good_cu, 130, 64, 0.125))
     torch.cuda.synchronize()  # nothing faulted
 
 

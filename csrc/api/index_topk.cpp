@@ -1,8 +1,4 @@
 // msa::select_blocks on CUDA (SPEC 2): argument checks, allocation, params, dispatch on (dtype, Di).
-#include <c10/cuda/CUDAGuard.h>
-#include <c10/cuda/CUDAStream.h>
-#include <torch/library.h>
-
 #include "api/checks.h"
 #include "api/dispatch.h"
 #include "api/ops.h"
@@ -13,35 +9,35 @@
 
 namespace msa::api {
 
-at::Tensor select_blocks_cuda(const at::Tensor& q_idx, const at::Tensor& k_idx, const SeqMap& seqs,
-                              int64_t max_seqlen, int64_t topk, int64_t block_size, double index_scale) {
-  TORCH_CHECK_VALUE(q_idx.is_cuda() && k_idx.device() == q_idx.device(), "q_idx, k_idx: expected one CUDA device, got ",
-                    q_idx.device(), ", ", k_idx.device());
-  TORCH_CHECK_TYPE(q_idx.scalar_type() == at::kBFloat16 || q_idx.scalar_type() == at::kHalf,
-                   "q_idx: expected bfloat16 or float16, got ", q_idx.scalar_type());
-  TORCH_CHECK_TYPE(k_idx.scalar_type() == q_idx.scalar_type(), "k_idx: expected dtype ", q_idx.scalar_type(),
-                   ", got ", k_idx.scalar_type());
-  TORCH_CHECK_VALUE(q_idx.dim() == 3 && k_idx.dim() == 3, "q_idx, k_idx: expected (T, H, Di), got ", q_idx.sizes(),
-                    " and ", k_idx.sizes());
+Tensor select_blocks_cuda(const Tensor& q_idx, const Tensor& k_idx, const SeqMap& seqs, int64_t max_seqlen,
+                          int64_t topk, int64_t block_size, double index_scale) {
+  MSA_CHECK(q_idx.is_cuda() && same_device(k_idx, q_idx), "q_idx, k_idx: expected one CUDA device, got ", dev(q_idx),
+            ", ", dev(k_idx));
+  MSA_CHECK(q_idx.scalar_type() == kBFloat16 || q_idx.scalar_type() == kHalf,
+            "q_idx: expected bfloat16 or float16, got ", dtype(q_idx));
+  MSA_CHECK(k_idx.scalar_type() == q_idx.scalar_type(), "k_idx: expected dtype ", dtype(q_idx), ", got ",
+            dtype(k_idx));
+  MSA_CHECK(q_idx.dim() == 3 && k_idx.dim() == 3, "q_idx, k_idx: expected (T, H, Di), got ", shape(q_idx), " and ",
+            shape(k_idx));
   const int64_t T = q_idx.size(0), Hi = q_idx.size(1), Di = q_idx.size(2), Hki = k_idx.size(1);
-  TORCH_CHECK_VALUE(k_idx.size(0) == T && k_idx.size(2) == Di, "k_idx: expected (", T, ", Hki, ", Di, "), got ",
-                    k_idx.sizes());
-  TORCH_CHECK_VALUE(Di == 64 || Di == 128, "q_idx: expected head dim 64 or 128, got ", Di);
-  TORCH_CHECK_VALUE(Hki >= 1 && Hi % Hki == 0 && Hi / Hki <= 64, "k_idx: expected Hki dividing Hi = ", Hi,
+  MSA_CHECK(k_idx.size(0) == T && k_idx.size(2) == Di, "k_idx: expected (", T, ", Hki, ", Di, "), got ",
+                    shape(k_idx));
+  MSA_CHECK(Di == 64 || Di == 128, "q_idx: expected head dim 64 or 128, got ", Di);
+  MSA_CHECK(Hki >= 1 && Hi % Hki == 0 && Hi / Hki <= 64, "k_idx: expected Hki dividing Hi = ", Hi,
                     " with Hi / Hki <= 64, got Hki = ", Hki);
-  TORCH_CHECK_VALUE(topk >= 1 && topk <= 32, "topk: expected 1..32, got ", topk);
-  TORCH_CHECK_VALUE(block_size == 64 || block_size == 128, "block_size: expected 64 or 128, got ", block_size);
-  TORCH_CHECK_VALUE(q_idx.stride(-1) == 1 && k_idx.stride(-1) == 1, "q_idx, k_idx: expected a contiguous last dim");
+  MSA_CHECK(topk >= 1 && topk <= 32, "topk: expected 1..32, got ", topk);
+  MSA_CHECK(block_size == 64 || block_size == 128, "block_size: expected 64 or 128, got ", block_size);
+  MSA_CHECK(q_idx.stride(2) == 1 && k_idx.stride(2) == 1, "q_idx, k_idx: expected a contiguous last dim");
 
-  c10::cuda::CUDAGuard guard(q_idx.device());
-  auto indices = at::empty({Hi, T, topk}, q_idx.options().dtype(at::kInt));
+  const DeviceGuard guard(q_idx.get_device_index());
+  Tensor indices = empty({Hi, T, topk}, kInt, q_idx);
   if (T == 0) return indices;
-  const at::Tensor q = aligned_rows(q_idx), k = aligned_rows(k_idx);
+  const Tensor q = aligned_rows(q_idx), k = aligned_rows(k_idx);
   IndexTopkParams p{};
   p.q_idx = q.data_ptr();
   p.k_idx = k.data_ptr();
-  p.cu_seqlens = seqs.cu.data_ptr<int32_t>();
-  p.indices = indices.data_ptr<int32_t>();
+  p.cu_seqlens = ptr<int32_t>(seqs.cu);
+  p.indices = ptr<int32_t>(indices);
   p.q_stride_t = q.stride(0);
   p.q_stride_h = q.stride(1);
   p.k_stride_t = k.stride(0);
@@ -54,7 +50,7 @@ at::Tensor select_blocks_cuda(const at::Tensor& q_idx, const at::Tensor& k_idx, 
   p.topk = int(topk);
   p.block_size = int(block_size);
   p.scale = float(index_scale);
-  const cudaStream_t stream = c10::cuda::getCurrentCUDAStream();
+  const cudaStream_t stream = current_stream(q_idx);
   [[maybe_unused]] const bool sm90 = use_sm90_kernels();
   dispatch_dtype_dim(q.scalar_type(), Di, [&]<typename T_, int D_>() {
 #ifdef MSA_WITH_SM90
@@ -73,17 +69,16 @@ at::Tensor select_blocks_cuda(const at::Tensor& q_idx, const at::Tensor& k_idx, 
 
 namespace {
 
-at::Tensor select_blocks_op(const at::Tensor& q_idx, const at::Tensor& k_idx,
-                            const std::optional<at::Tensor>& cu_seqlens, int64_t max_seqlen, int64_t topk,
-                            int64_t block_size, double index_scale) {
-  TORCH_CHECK_VALUE(q_idx.is_cuda() && q_idx.dim() == 3, "q_idx: expected a (T, Hi, Di) CUDA tensor, got ",
-                    q_idx.sizes(), " on ", q_idx.device());
+Tensor select_blocks_op(const Tensor& q_idx, const Tensor& k_idx, const std::optional<Tensor>& cu_seqlens,
+                        int64_t max_seqlen, int64_t topk, int64_t block_size, double index_scale) {
+  MSA_CHECK(q_idx.is_cuda() && q_idx.dim() == 3, "q_idx: expected a (T, Hi, Di) CUDA tensor, got ", shape(q_idx),
+            " on ", dev(q_idx));
   const SeqMap seqs = seq_map(cu_seqlens, q_idx.size(0), max_seqlen, q_idx);
   return select_blocks_cuda(q_idx, k_idx, seqs, max_seqlen, topk, block_size, index_scale);
 }
 
 }  // namespace
 
-TORCH_LIBRARY_IMPL(msa, CUDA, m) { m.impl("select_blocks", &select_blocks_op); }
+STABLE_TORCH_LIBRARY_IMPL(msa, CUDA, m) { m.impl("select_blocks", TORCH_BOX(&select_blocks_op)); }
 
 }  // namespace msa::api

@@ -1,82 +1,89 @@
 // CUDA implementations that other entry points call directly (msa_fwd runs the selection itself).
 #pragma once
-#include <ATen/ATen.h>
 
 #include <optional>
 #include <tuple>
 #include <vector>
 
 #include "api/checks.h"
+#include "api/stable.h"
 #include "params.h"
 
 namespace msa::api {
 
-at::Tensor select_blocks_cuda(const at::Tensor& q_idx, const at::Tensor& k_idx, const SeqMap& seqs,
+Tensor select_blocks_cuda(const Tensor& q_idx, const Tensor& k_idx, const SeqMap& seqs,
                               int64_t max_seqlen, int64_t topk, int64_t block_size, double index_scale);
 
 // The sparse forward of SPEC 3 (and, with q_idx/k_idx, the KL terms of SPEC 4) over `indices`.
 struct SparseForward {
-  at::Tensor out;      // (T, Hq, D)
-  at::Tensor lse;      // (Hq, T) fp32
-  at::Tensor lse_idx;  // (Hi, T) fp32, empty without the index branch
-  at::Tensor kl_rows;  // (Hi, T) fp32 per-row KL, empty without the index branch
-  at::Tensor kl_dq_idx;  // (T, Hi, Di) fp32 d kl / d q_idx, with index_grad only
-  at::Tensor kl_dk_idx;  // (T, Hki, Di) fp32 d kl / d k_idx, with index_grad only
+  Tensor out;      // (T, Hq, D)
+  Tensor lse;      // (Hq, T) fp32
+  Tensor lse_idx;  // (Hi, T) fp32, empty without the index branch
+  Tensor kl_rows;  // (Hi, T) fp32 per-row KL, empty without the index branch
+  Tensor kl_dq_idx;  // (T, Hi, Di) fp32 d kl / d q_idx, with index_grad only
+  Tensor kl_dk_idx;  // (T, Hki, Di) fp32 d kl / d k_idx, with index_grad only
 };
-SparseForward sparse_forward_cuda(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
-                                  const std::optional<at::Tensor>& q_idx, const std::optional<at::Tensor>& k_idx,
-                                  const at::Tensor& indices, const SeqMap& seqs, int64_t max_seqlen,
+SparseForward sparse_forward_cuda(const Tensor& q, const Tensor& k, const Tensor& v,
+                                  const std::optional<Tensor>& q_idx, const std::optional<Tensor>& k_idx,
+                                  const Tensor& indices, const SeqMap& seqs, int64_t max_seqlen,
                                   int64_t block_size, double softmax_scale, double index_scale, bool index_grad,
-                                  bool deterministic, bool dense = false, const at::Tensor& lse_given = {});
+                                  bool deterministic, bool dense = false, const std::optional<Tensor>& lse_given = std::nullopt);
 // dense: warmup (SPEC 5), every block up to the token's own (indices is then only read for Hi); with
 // lse_given (Hq, T) the main branch's lse comes from elsewhere and only the KL part runs.
 
 // The main branch's gradients (SPEC 3) from the forward's lse.
-std::tuple<at::Tensor, at::Tensor, at::Tensor> sparse_backward_cuda(
-    const at::Tensor& dout, const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, const at::Tensor& out,
-    const at::Tensor& lse, const at::Tensor& indices, const SeqMap& seqs, int64_t block_size, double softmax_scale,
+std::tuple<Tensor, Tensor, Tensor> sparse_backward_cuda(
+    const Tensor& dout, const Tensor& q, const Tensor& k, const Tensor& v, const Tensor& out,
+    const Tensor& lse, const Tensor& indices, const SeqMap& seqs, int64_t block_size, double softmax_scale,
     bool deterministic);
 
 // The reverse index of a whole selection: per key (index group r, global block) the tokens that selected
 // it, ascending; with units_per_item > 0 also the work list that splits hot keys into items of at most
 // that many tokens (item_offsets (keys + 1), items (max_items, 2) = (key, first row)).
 struct ReverseIndex {
-  at::Tensor offsets, rows, block_offsets, item_offsets, items;
-  at::Tensor order;  // (4 max_items): the launch order, then its sort's keys (2 x) and values
+  Tensor offsets, rows, block_offsets, item_offsets, items;
+  Tensor order;  // (4 max_items): the launch order, then its sort's keys (2 x) and values
   int64_t max_blocks = 0, units_per_item = 0, max_items = 0;
-  at::Tensor keys, rows_in, temp;  // workspace of the build
+  Tensor keys, rows_in, temp;  // workspace of the build
   ReverseIndexParams params{};     // points at the tensors above; the whole token range
 };
 // Allocates a reverse index (and its workspace) with room for `capacity` entries (all of `indices`, or
 // one query chunk's) and fills the params every build shares; callers set the chunk's token range,
 // emit_entries and dense. topk: slots per token (indices.size(2), or the dense mode's block count).
 // units_per_item > 0 adds the work list.
-ReverseIndex alloc_reverse_index(const at::Tensor& indices, const at::Tensor& cu_seqlens, int64_t topk,
+ReverseIndex alloc_reverse_index(const Tensor& indices, const Tensor& cu_seqlens, int64_t topk,
                                  int64_t block_size, int64_t capacity, int64_t units_per_item);
 // Whether the work list gets a launch order, largest items first (default; MSA_ITEM_ORDER=0: key order).
 bool item_order_enabled();
-ReverseIndex build_reverse_index(const at::Tensor& indices, const SeqMap& seqs, int64_t block_size,
+ReverseIndex build_reverse_index(const Tensor& indices, const SeqMap& seqs, int64_t block_size,
                                  int64_t units_per_item);
 
-std::tuple<at::Tensor, at::Tensor, at::Tensor> reverse_index_cuda(const at::Tensor& indices,
-                                                                  const std::optional<at::Tensor>& cu_seqlens,
+std::tuple<Tensor, Tensor, Tensor> reverse_index_cuda(const Tensor& indices,
+                                                                  const std::optional<Tensor>& cu_seqlens,
                                                                   int64_t max_seqlen, int64_t block_size);
 
 // Deterministic mode (params.h, DetGridParams). det_grid: the summation grid, a (4,) fp32 device tensor,
 // for the bound of `mode` (0: factor a0 (a1 + a2) a3, 1: factor a0) over the finite max |x| of each of
 // `tensors` (3-dim bf16/fp16 CUDA tensors with 16-byte rows), and n_max contributions per element.
-at::Tensor det_grid(const std::vector<at::Tensor>& tensors, int mode, double factor, int64_t n_max);
+Tensor det_grid(const std::vector<Tensor>& tensors, int mode, double factor, int64_t n_max);
 // Adds per-item partials into the fp32 accumulators `out` ((T, hout, width) each) in item order
 // (ItemReduceParams): the backward's dK and dV, the forward's dk_idx per query chunk.
-void item_reduce(const at::Tensor& part, const int32_t* item_offsets, const int32_t* block_offsets,
+void item_reduce(const Tensor& part, const int32_t* item_offsets, const int32_t* block_offsets,
                  const SeqMap& seqs, int64_t block_size, int64_t max_blocks, int64_t hi,
-                 const std::vector<at::Tensor>& out);
+                 const std::vector<Tensor>& out);
+
+// Rows per tile of the portable forward's output pass on x's device (128 or 64) for head dim D.
+int fwd_out_rows(const Tensor& x, int64_t D);
+// The 99 KB configuration of the portable sparse kernels for head dim D: taken where x's device offers
+// less shared memory per block than the default portable kernels need (sm_86, sm_89, sm_120: 99 KB), or
+// when MSA_SMALL_SMEM=1 forces it (tests run it on Hopper that way).
+bool small_smem_config(const Tensor& x, int64_t D);
 
 // Rows must be 16-byte aligned for cp.async; otherwise work on a contiguous copy.
-inline at::Tensor aligned_rows(const at::Tensor& x) {
-  const bool ok = x.stride(-1) == 1 && x.stride(0) % 8 == 0 && x.stride(1) % 8 == 0 &&
+inline Tensor aligned_rows(const Tensor& x) {
+  const bool ok = x.stride(2) == 1 && x.stride(0) % 8 == 0 && x.stride(1) % 8 == 0 &&
                   reinterpret_cast<uintptr_t>(x.data_ptr()) % 16 == 0;
-  return ok ? x : x.contiguous();
+  return ok ? x : contig(x);
 }
 
 }  // namespace msa::api

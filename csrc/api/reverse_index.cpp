@@ -1,8 +1,4 @@
 // msa::reverse_index on CUDA: argument checks, allocation, params, launch.
-#include <c10/cuda/CUDAStream.h>
-#include <c10/cuda/CUDAGuard.h>
-#include <torch/library.h>
-
 #include <algorithm>
 #include <tuple>
 
@@ -15,36 +11,36 @@ namespace msa::api {
 
 bool item_order_enabled() { return !env_is("MSA_ITEM_ORDER", "0"); }
 
-ReverseIndex alloc_reverse_index(const at::Tensor& indices, const at::Tensor& cu_seqlens, int64_t topk,
+ReverseIndex alloc_reverse_index(const Tensor& indices, const Tensor& cu_seqlens, int64_t topk,
                                  int64_t block_size, int64_t capacity, int64_t units_per_item) {
   const int64_t heads = indices.size(0), tokens = indices.size(1);
   const int64_t num_seqs = cu_seqlens.size(0) - 1;
   const int64_t max_blocks = tokens / block_size + num_seqs;
   const int64_t num_keys = heads * max_blocks;
-  auto opts = indices.options();
+  const Tensor& like = indices;
   ReverseIndex ri;
   ri.max_blocks = max_blocks;
-  ri.offsets = at::empty({num_keys + 1}, opts);
-  ri.rows = at::empty({capacity}, opts);
-  ri.block_offsets = at::empty({num_seqs + 1}, opts);
-  ri.keys = at::empty({2, capacity}, opts);
-  ri.rows_in = at::empty({capacity}, opts);
+  ri.offsets = empty({num_keys + 1}, kInt, like);
+  ri.rows = empty({capacity}, kInt, like);
+  ri.block_offsets = empty({num_seqs + 1}, kInt, like);
+  ri.keys = empty({2, capacity}, kInt, like);
+  ri.rows_in = empty({capacity}, kInt, like);
   const size_t sort_bytes = reverse_index_sort_bytes(int(capacity), int(num_keys));
   const size_t scan_bytes = units_per_item > 0 ? reverse_index_scan_bytes(int(num_keys)) : 0;
   const bool order = units_per_item > 0 && item_order_enabled();
   const int64_t max_items = units_per_item > 0 ? capacity / units_per_item + num_keys : 0;
   const size_t order_bytes = order ? reverse_index_order_bytes(int(max_items), int(units_per_item)) : 0;
-  ri.temp = at::empty({int64_t(std::max({sort_bytes, scan_bytes, order_bytes}))}, opts.dtype(at::kByte));
+  ri.temp = empty({int64_t(std::max({sort_bytes, scan_bytes, order_bytes}))}, kByte, like);
 
   ReverseIndexParams& p = ri.params;
-  p.indices = indices.data_ptr<int32_t>();
-  p.cu_seqlens = cu_seqlens.data_ptr<int32_t>();
-  p.block_offsets = ri.block_offsets.data_ptr<int32_t>();
-  p.offsets = ri.offsets.data_ptr<int32_t>();
-  p.rows = ri.rows.data_ptr<int32_t>();
-  p.keys_in = ri.keys[0].data_ptr<int32_t>();
-  p.keys_out = ri.keys[1].data_ptr<int32_t>();
-  p.rows_in = ri.rows_in.data_ptr<int32_t>();
+  p.indices = ptr<int32_t>(indices);
+  p.cu_seqlens = ptr<int32_t>(cu_seqlens);
+  p.block_offsets = ptr<int32_t>(ri.block_offsets);
+  p.offsets = ptr<int32_t>(ri.offsets);
+  p.rows = ptr<int32_t>(ri.rows);
+  p.keys_in = ptr<int32_t>(ri.keys);
+  p.keys_out = ptr<int32_t>(ri.keys) + capacity;
+  p.rows_in = ptr<int32_t>(ri.rows_in);
   p.sort_temp = ri.temp.data_ptr();
   p.sort_temp_bytes = sort_bytes;
   p.num_heads = int(heads);
@@ -59,17 +55,17 @@ ReverseIndex alloc_reverse_index(const at::Tensor& indices, const at::Tensor& cu
     // The work list: sum over keys of ceil(count / per_item) <= capacity / per_item + num_keys items.
     ri.units_per_item = units_per_item;
     ri.max_items = max_items;
-    ri.item_offsets = at::empty({num_keys + 1}, opts);
-    ri.items = at::empty({ri.max_items, 2}, opts);
-    p.item_offsets = ri.item_offsets.data_ptr<int32_t>();
-    p.items = reinterpret_cast<int2*>(ri.items.data_ptr<int32_t>());
+    ri.item_offsets = empty({num_keys + 1}, kInt, like);
+    ri.items = empty({ri.max_items, 2}, kInt, like);
+    p.item_offsets = ptr<int32_t>(ri.item_offsets);
+    p.items = reinterpret_cast<int2*>(ptr<int32_t>(ri.items));
     p.units_per_item = int(units_per_item);
     p.scan_temp = ri.temp.data_ptr();
     p.scan_temp_bytes = scan_bytes;
     p.max_items = int(max_items);
     if (order) {
-      ri.order = at::empty({4 * max_items}, opts);
-      p.item_order = ri.order.data_ptr<int32_t>();
+      ri.order = empty({4 * max_items}, kInt, like);
+      p.item_order = ptr<int32_t>(ri.order);
       p.order_keys = p.item_order + max_items;
       p.order_vals = p.item_order + 3 * max_items;
       p.order_temp = ri.temp.data_ptr();
@@ -79,39 +75,38 @@ ReverseIndex alloc_reverse_index(const at::Tensor& indices, const at::Tensor& cu
   return ri;
 }
 
-ReverseIndex build_reverse_index(const at::Tensor& indices, const SeqMap& seqs, int64_t block_size,
+ReverseIndex build_reverse_index(const Tensor& indices, const SeqMap& seqs, int64_t block_size,
                                  int64_t units_per_item) {
   check_cuda_int32(indices, "indices", 3);
-  TORCH_CHECK_VALUE(block_size == 64 || block_size == 128, "block_size: expected 64 or 128, got ", block_size);
+  MSA_CHECK(block_size == 64 || block_size == 128, "block_size: expected 64 or 128, got ", block_size);
   const int64_t heads = indices.size(0), tokens = indices.size(1), topk = indices.size(2);
   const int64_t num_seqs = seqs.num_seqs;
   const int64_t max_blocks = tokens / block_size + num_seqs;
   const int64_t entries = heads * tokens * topk;
   const int64_t num_keys = heads * max_blocks;
-  TORCH_CHECK_VALUE(entries < (int64_t(1) << 31) && num_keys < (int64_t(1) << 30),
-                    "indices: too many entries for the int32 reverse index, shape ", indices.sizes());
+  MSA_CHECK(entries < (int64_t(1) << 31) && num_keys < (int64_t(1) << 30),
+                    "indices: too many entries for the int32 reverse index, shape ", shape(indices));
 
-  c10::cuda::CUDAGuard guard(indices.device());
+  const DeviceGuard guard(indices.get_device_index());
   ReverseIndex ri = alloc_reverse_index(indices, seqs.cu, topk, block_size, entries, units_per_item);
-  MSA_LAUNCH_CHECK(run_reverse_index(ri.params, c10::cuda::getCurrentCUDAStream()), "reverse_index");
+  MSA_LAUNCH_CHECK(run_reverse_index(ri.params, current_stream(indices)), "reverse_index");
   // Only the outputs outlive the build: the workspace goes back to the caching allocator now (stream
   // ordered), not when the caller (the backward) drops the result.
-  ri.keys = at::Tensor();
-  ri.rows_in = at::Tensor();
-  ri.temp = at::Tensor();
+  ri.keys = Tensor();
+  ri.rows_in = Tensor();
+  ri.temp = Tensor();
   ri.params = ReverseIndexParams{};
   return ri;
 }
 
-std::tuple<at::Tensor, at::Tensor, at::Tensor> reverse_index_cuda(const at::Tensor& indices,
-                                                                  const std::optional<at::Tensor>& cu_seqlens,
-                                                                  int64_t max_seqlen, int64_t block_size) {
+std::tuple<Tensor, Tensor, Tensor> reverse_index_cuda(const Tensor& indices, const std::optional<Tensor>& cu_seqlens,
+                                                      int64_t max_seqlen, int64_t block_size) {
   check_cuda_int32(indices, "indices", 3);
   ReverseIndex ri = build_reverse_index(indices, seq_map(cu_seqlens, indices.size(1), max_seqlen, indices),
                                         block_size, 0);
   return {ri.offsets, ri.rows, ri.block_offsets};
 }
 
-TORCH_LIBRARY_IMPL(msa, CUDA, m) { m.impl("reverse_index", &reverse_index_cuda); }
+STABLE_TORCH_LIBRARY_IMPL(msa, CUDA, m) { m.impl("reverse_index", TORCH_BOX(&reverse_index_cuda)); }
 
 }  // namespace msa::api

@@ -2,11 +2,6 @@
 //   reverse index -> stats pass -> stats combine (lse, lse_idx) -> output pass -> out / KL combine.
 // Queries are processed in chunks of tokens so the per-entry partials stay within a fixed workspace
 // (kPartialBudget), whatever N is: memory is O(N) overall and bounded per chunk.
-#include <c10/cuda/CUDAGuard.h>
-#include <c10/cuda/CUDAStream.h>
-#include <ATen/ops/_flash_attention_forward.h>
-#include <torch/library.h>
-
 #include <algorithm>
 #include <tuple>
 
@@ -36,77 +31,82 @@ int fwd_units_per_item() {
   return int(std::min<int64_t>(env_positive("MSA_FWD_UNITS_PER_ITEM", kUnitsPerItem), sm80::kFwdMaxItemUnits));
 }
 
+}  // namespace
+
 // Rows per tile of the portable output pass: 128 where the GPU offers the shared memory (215 KB at
 // D = 128: Hopper), else 64 (157 KB, within the A100's 163 KB per block). MSA_FWD_ROWS=64 forces the
 // small tile, so the tests run it on Hopper too.
-int fwd_out_rows(const at::Tensor& q, int64_t D) {
+int fwd_out_rows(const Tensor& q, int64_t D) {
   if (env_positive("MSA_FWD_ROWS", 128) == 64) return 64;
   return smem_per_block(q) >= sm80::sparse_smem_bytes(int(D), 1, 128) ? 128 : 64;
 }
 
-}  // namespace
+bool small_smem_config(const Tensor& x, int64_t D) {
+  if (env_is("MSA_SMALL_SMEM", "1")) return true;
+  const int64_t needed = std::max({sm80::sparse_smem_bytes(int(D), 0), sm80::sparse_smem_bytes(int(D), 1, 64),
+                                   sm80::sparse_smem_bytes(int(D), 2)});
+  return smem_per_block(x) < needed;
+}
 
-SparseForward sparse_forward_cuda(const at::Tensor& q_in, const at::Tensor& k_in, const at::Tensor& v_in,
-                                  const std::optional<at::Tensor>& q_idx_in, const std::optional<at::Tensor>& k_idx_in,
-                                  const at::Tensor& indices, const SeqMap& seqs, int64_t max_seqlen,
+SparseForward sparse_forward_cuda(const Tensor& q_in, const Tensor& k_in, const Tensor& v_in,
+                                  const std::optional<Tensor>& q_idx_in, const std::optional<Tensor>& k_idx_in,
+                                  const Tensor& indices, const SeqMap& seqs, int64_t max_seqlen,
                                   int64_t block_size, double softmax_scale, double index_scale, bool index_grad,
-                                  bool deterministic, bool dense, const at::Tensor& lse_given) {
+                                  bool deterministic, bool dense, const std::optional<Tensor>& lse_given) {
   check_qkv_cuda(q_in, k_in, v_in);
   check_cuda_int32(indices, "indices", 3);
-  const bool kl_only = lse_given.defined();
-  TORCH_CHECK_VALUE(indices.device() == q_in.device(), "indices: expected device ", q_in.device());
-  TORCH_CHECK_VALUE(block_size == 64 || block_size == 128, "block_size: expected 64 or 128, got ", block_size);
+  const bool kl_only = lse_given.has_value();
+  MSA_CHECK(same_device(indices, q_in), "indices: expected device ", dev(q_in));
+  MSA_CHECK(block_size == 64 || block_size == 128, "block_size: expected 64 or 128, got ", block_size);
   const int64_t T = q_in.size(0), Hq = q_in.size(1), D = q_in.size(2), Hkv = k_in.size(1);
   const int64_t Hi = indices.size(0);
   // Dense: one slot per block of the longest sequence.
   const int64_t topk = dense ? std::max<int64_t>(1, (max_seqlen + block_size - 1) / block_size) : indices.size(2);
-  TORCH_CHECK_VALUE(indices.size(1) == T && (dense || (topk >= 1 && topk <= 32)), "indices: expected (Hi, ", T,
-                    ", 1..32), got ", indices.sizes());
-  TORCH_CHECK_VALUE(Hi >= 1 && Hq % Hi == 0 && (Hi % Hkv == 0 || Hkv % Hi == 0), "indices: expected Hi dividing Hq = ",
+  MSA_CHECK(indices.size(1) == T && (dense || (topk >= 1 && topk <= 32)), "indices: expected (Hi, ", T,
+                    ", 1..32), got ", shape(indices));
+  MSA_CHECK(Hi >= 1 && Hq % Hi == 0 && (Hi % Hkv == 0 || Hkv % Hi == 0), "indices: expected Hi dividing Hq = ",
                     Hq, " with Hi and Hkv = ", Hkv, " dividing one another, got Hi = ", Hi);
   const int64_t G = Hq / Hi, J = Hkv > Hi ? Hkv / Hi : 1;
-  TORCH_CHECK_VALUE(G / J <= 64, "q: at most 64 query heads per (index group, kv head) on CUDA, got ", G / J);
+  MSA_CHECK(G / J <= 64, "q: at most 64 query heads per (index group, kv head) on CUDA, got ", G / J);
   const bool index = q_idx_in.has_value();
   int64_t Di = 0, Hki = 0;
   if (index) {
-    const at::Tensor& qi = *q_idx_in;
-    const at::Tensor& ki = *k_idx_in;
-    TORCH_CHECK_TYPE(qi.scalar_type() == q_in.scalar_type() && ki.scalar_type() == q_in.scalar_type(),
-                     "q_idx, k_idx: expected dtype ", q_in.scalar_type());
-    TORCH_CHECK_VALUE(qi.device() == q_in.device() && ki.device() == q_in.device(), "q_idx, k_idx: expected device ",
-                      q_in.device());
-    TORCH_CHECK_VALUE(qi.dim() == 3 && ki.dim() == 3 && qi.size(0) == T && ki.size(0) == T && qi.size(1) == Hi &&
+    const Tensor& qi = *q_idx_in;
+    const Tensor& ki = *k_idx_in;
+    MSA_CHECK(qi.scalar_type() == q_in.scalar_type() && ki.scalar_type() == q_in.scalar_type(),
+              "q_idx, k_idx: expected dtype ", dtype(q_in));
+    MSA_CHECK(same_device(qi, q_in) && same_device(ki, q_in), "q_idx, k_idx: expected device ", dev(q_in));
+    MSA_CHECK(qi.dim() == 3 && ki.dim() == 3 && qi.size(0) == T && ki.size(0) == T && qi.size(1) == Hi &&
                           ki.size(2) == qi.size(2),
-                      "q_idx, k_idx: expected (T, Hi, Di), (T, Hki, Di), got ", qi.sizes(), ", ", ki.sizes());
+                      "q_idx, k_idx: expected (T, Hi, Di), (T, Hki, Di), got ", shape(qi), ", ", shape(ki));
     Di = qi.size(2);
     Hki = ki.size(1);
-    TORCH_CHECK_VALUE(Di == 64 || Di == 128, "q_idx: expected head dim 64 or 128, got ", Di);
-    TORCH_CHECK_VALUE(Hi % Hki == 0, "k_idx: expected Hki dividing Hi = ", Hi, ", got ", Hki);
+    MSA_CHECK(Di == 64 || Di == 128, "q_idx: expected head dim 64 or 128, got ", Di);
+    MSA_CHECK(Hi % Hki == 0, "k_idx: expected Hki dividing Hi = ", Hi, ", got ", Hki);
   }
   const int64_t S = seqs.num_seqs;
-  const at::Tensor& cu_seqlens = seqs.cu;
+  const Tensor& cu_seqlens = seqs.cu;
 
-  c10::cuda::CUDAGuard guard(q_in.device());
+  const DeviceGuard guard(q_in.get_device_index());
   const int out_rows = fwd_out_rows(q_in, D);
   check_smem(q_in, std::max(sm80::sparse_smem_bytes(int(D), 0), sm80::sparse_smem_bytes(int(D), 1, out_rows)),
              "the sparse forward");
-  const cudaStream_t stream = c10::cuda::getCurrentCUDAStream();
-  const at::Tensor q = aligned_rows(q_in), k = aligned_rows(k_in), v = aligned_rows(v_in);
-  at::Tensor qi, ki;
+  const cudaStream_t stream = current_stream(q_in);
+  const Tensor q = aligned_rows(q_in), k = aligned_rows(k_in), v = aligned_rows(v_in);
+  Tensor qi, ki;
   if (index) {
     qi = aligned_rows(*q_idx_in);
     ki = aligned_rows(*k_idx_in);
   }
-  auto f32 = q.options().dtype(at::kFloat);
   SparseForward res;
-  res.out = kl_only ? at::Tensor() : at::empty_like(q_in, at::MemoryFormat::Contiguous);
-  res.lse = kl_only ? lse_given.contiguous() : at::empty({Hq, T}, f32);
-  res.lse_idx = at::empty({index ? Hi : 0, T}, f32);
-  res.kl_rows = at::empty({index ? Hi : 0, T}, f32);
+  res.out = kl_only ? Tensor() : empty_as(q_in);
+  res.lse = kl_only ? contig(*lse_given) : empty({Hq, T}, kFloat, q);
+  res.lse_idx = empty({index ? Hi : 0, T}, kFloat, q);
+  res.kl_rows = empty({index ? Hi : 0, T}, kFloat, q);
   const bool grad = index && index_grad;
   if (grad) {
-    res.kl_dq_idx = at::zeros({T, Hi, Di}, f32);
-    res.kl_dk_idx = at::zeros({T, Hki, Di}, f32);
+    res.kl_dq_idx = zeros({T, Hi, Di}, kFloat, q);
+    res.kl_dk_idx = zeros({T, Hki, Di}, kFloat, q);
   }
   if (T == 0) return res;
 
@@ -122,22 +122,22 @@ SparseForward sparse_forward_cuda(const at::Tensor& q_in, const at::Tensor& k_in
   const int64_t entries = Hi * chunk * topk;
   const int64_t max_blocks = T / block_size + S;
   const int64_t num_keys = Hi * max_blocks;
-  TORCH_CHECK_VALUE(Hi * T * topk < (int64_t(1) << 31) && num_keys < (int64_t(1) << 30),
+  MSA_CHECK(Hi * T * topk < (int64_t(1) << 31) && num_keys < (int64_t(1) << 30),
                     "q: too many tokens for the int32 reverse index, T = ", T);
 
-  auto stats = at::empty({kl_only ? 0 : entries * G * 2}, f32);
-  auto idx_stats = at::empty({index ? entries * 2 : 0}, f32);
-  auto kl_part = at::empty({index ? entries : 0}, f32);
-  auto out_part = at::empty({kl_only ? 0 : entries * G * D}, q.options());
-  auto dsi_part = at::empty({grad ? entries * 128 : 0}, q.options());
-  at::Tensor dqi_lo, dqi_grid, dki_part;  // deterministic mode (params.h)
+  const Tensor stats = empty({kl_only ? 0 : entries * G * 2}, kFloat, q);
+  const Tensor idx_stats = empty({index ? entries * 2 : 0}, kFloat, q);
+  const Tensor kl_part = empty({index ? entries : 0}, kFloat, q);
+  const Tensor out_part = empty({kl_only ? 0 : entries * G * D}, q.scalar_type(), q);
+  const Tensor dsi_part = empty({grad ? entries * 128 : 0}, q.scalar_type(), q);
+  Tensor dqi_lo, dqi_grid, dki_part;  // deterministic mode (params.h)
   if (det) {
     // dq_idx: exact hi / lo sums; per element topk * J contributions (one per slot and kv head) whose |x|
     // sum to at most 2 * dqi_scale * max|k_idx| (the |Pidx - P| of a row sum to <= 2), doubled for the
     // rounding of dsi to the input dtype. dk_idx: per-item partials, reduced per chunk.
     dqi_grid = det_grid({ki}, 1, 4.0 * index_scale / double(T * Hi), topk * J);
-    dqi_lo = at::zeros_like(res.kl_dq_idx);
-    dki_part = at::empty({(entries / units_per_item + num_keys) * 128 * Di}, f32);
+    dqi_lo = zeros_as(res.kl_dq_idx);
+    dki_part = empty({(entries / units_per_item + num_keys) * 128 * Di}, kFloat, q);
   }
 
   ReverseIndex ri = alloc_reverse_index(indices, cu_seqlens, topk, block_size, entries, units_per_item);
@@ -163,7 +163,7 @@ SparseForward sparse_forward_cuda(const at::Tensor& q_in, const at::Tensor& k_in
     fp.ki_stride_t = ki.stride(0);
     fp.ki_stride_h = ki.stride(1);
   }
-  fp.cu_seqlens = cu_seqlens.data_ptr<int32_t>();
+  fp.cu_seqlens = ptr<int32_t>(cu_seqlens);
   fp.work.offsets = rp.offsets;
   fp.work.entries = rp.rows;
   fp.work.item_offsets = rp.item_offsets;
@@ -190,16 +190,16 @@ SparseForward sparse_forward_cuda(const at::Tensor& q_in, const at::Tensor& k_in
   // The sm_90a output pass compiled for Gu = 4 heads per unit (fewer registers, compile-time KL loops)
   // where it applies; MSA_FWD_FIXED_GU=0 keeps the general kernel (tests compare the two).
   fp.fixed_gu = J == 1 && G == 4 && !env_is("MSA_FWD_FIXED_GU", "0") ? 4 : 0;
-  fp.stats = reinterpret_cast<float2*>(stats.data_ptr<float>());
-  fp.idx_stats = index ? reinterpret_cast<float2*>(idx_stats.data_ptr<float>()) : nullptr;
-  fp.lse = res.lse.data_ptr<float>();
+  fp.stats = reinterpret_cast<float2*>(ptr<float>(stats));
+  fp.idx_stats = index ? reinterpret_cast<float2*>(ptr<float>(idx_stats)) : nullptr;
+  fp.lse = ptr<float>(res.lse);
   fp.out_part = out_part.data_ptr();
-  fp.kl_part = index ? kl_part.data_ptr<float>() : nullptr;
-  fp.lse_idx = index ? res.lse_idx.data_ptr<float>() : nullptr;
+  fp.kl_part = index ? ptr<float>(kl_part) : nullptr;
+  fp.lse_idx = index ? ptr<float>(res.lse_idx) : nullptr;
   fp.dsi_part = grad ? dsi_part.data_ptr() : nullptr;
-  fp.dqi_accum = grad ? res.kl_dq_idx.data_ptr<float>() : nullptr;
-  fp.dqi_lo = det ? dqi_lo.data_ptr<float>() : nullptr;
-  fp.dqi_grid = det ? reinterpret_cast<const float4*>(dqi_grid.data_ptr<float>()) : nullptr;
+  fp.dqi_accum = grad ? ptr<float>(res.kl_dq_idx) : nullptr;
+  fp.dqi_lo = det ? ptr<float>(dqi_lo) : nullptr;
+  fp.dqi_grid = det ? reinterpret_cast<const float4*>(ptr<float>(dqi_grid)) : nullptr;
   // SPEC 4: d kl / d S_idx = (Pidx - P) / rows with S_idx = index_scale * q_idx . k_idx: the constant
   // factor is applied where the gradients accumulate.
   const float index_grad_scale = float(index_scale / double(T * Hi));
@@ -213,8 +213,8 @@ SparseForward sparse_forward_cuda(const at::Tensor& q_in, const at::Tensor& k_in
     dp.dsi_part = dsi_part.data_ptr();
     dp.cu_seqlens = fp.cu_seqlens;
     dp.work = fp.work;
-    dp.dki_accum = res.kl_dk_idx.data_ptr<float>();
-    dp.dki_part = det ? dki_part.data_ptr<float>() : nullptr;
+    dp.dki_accum = ptr<float>(res.kl_dk_idx);
+    dp.dki_part = det ? ptr<float>(dki_part) : nullptr;
     dp.scale = index_grad_scale;
     dp.total_tokens = int(T);
     dp.num_seqs = int(S);
@@ -230,15 +230,15 @@ SparseForward sparse_forward_cuda(const at::Tensor& q_in, const at::Tensor& k_in
   cp.idx_stats = fp.idx_stats;
   cp.out_part = fp.out_part;
   cp.kl_part = fp.kl_part;
-  cp.lse = res.lse.data_ptr<float>();
-  cp.lse_idx = index ? res.lse_idx.data_ptr<float>() : nullptr;
+  cp.lse = ptr<float>(res.lse);
+  cp.lse_idx = index ? ptr<float>(res.lse_idx) : nullptr;
   cp.main = !kl_only;
   if (!kl_only) {
     cp.out = res.out.data_ptr();
     cp.out_stride_t = res.out.stride(0);
     cp.out_stride_h = res.out.stride(1);
   }
-  cp.kl_rows = index ? res.kl_rows.data_ptr<float>() : nullptr;
+  cp.kl_rows = index ? ptr<float>(res.kl_rows) : nullptr;
   cp.total_tokens = int(T);
   cp.topk = int(topk);
   cp.hq = int(Hq);
@@ -280,32 +280,33 @@ SparseForward sparse_forward_cuda(const at::Tensor& q_in, const at::Tensor& k_in
     if (grad) {
       dp.chunk_tokens = int(tc);
       dp.work.max_items = fp.work.max_items;
-      MSA_LAUNCH_CHECK(sm80::launch_index_dk(dp, q.scalar_type() == at::kBFloat16, stream), "msa_fwd (index dk)");
+      MSA_LAUNCH_CHECK(sm80::launch_index_dk(dp, q.scalar_type() == kBFloat16, stream), "msa_fwd (index dk)");
       if (det) {
         item_reduce(dki_part, rp.item_offsets, rp.block_offsets, seqs, block_size, max_blocks, Hi, {res.kl_dk_idx});
       }
     }
   }
-  if (det) res.kl_dq_idx.add_(dqi_lo);
+  if (det) res.kl_dq_idx = add(res.kl_dq_idx, dqi_lo);
   return res;
 }
 
 namespace {
 
+using torch::stable::detail::from;
+
 // Dense causal attention over packed sequences with PyTorch's flash kernel (GQA native): out and the
-// lse (Hq, T) that the KL pass and the backward need.
-std::tuple<at::Tensor, at::Tensor> dense_attention_forward(const at::Tensor& q, const at::Tensor& k,
-                                                           const at::Tensor& v, const at::Tensor& cu_seqlens,
-                                                           int64_t max_seqlen, double scale) {
-  auto res = at::_flash_attention_forward(q, k, v, cu_seqlens, cu_seqlens, max_seqlen, max_seqlen, 0.0,
-                                          /*is_causal=*/true, /*return_debug_mask=*/false, scale);
-  return {std::get<0>(res), std::get<1>(res).contiguous()};
+// lse (Hq, T) that the KL pass and the backward need. Through msa::_dense_fwd (msa/_ops.py), which
+// calls aten::_flash_attention_forward by keyword: that schema grows between torch releases.
+std::tuple<Tensor, Tensor> dense_attention_forward(const Tensor& q, const Tensor& k, const Tensor& v,
+                                                   const Tensor& cu_seqlens, int64_t max_seqlen, double scale) {
+  std::array<StableIValue, 6> st{from(q), from(k), from(v), from(cu_seqlens), from(max_seqlen), from(scale)};
+  detail::call_op("msa::_dense_fwd", "", st);
+  return {torch::stable::detail::to<Tensor>(st[0]), torch::stable::detail::to<Tensor>(st[1])};
 }
 
-std::tuple<at::Tensor, at::Tensor> sparse_fwd_cuda(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
-                                                   const at::Tensor& indices,
-                                                   const std::optional<at::Tensor>& cu_seqlens, int64_t max_seqlen,
-                                                   int64_t block_size, double softmax_scale, bool deterministic) {
+std::tuple<Tensor, Tensor> sparse_fwd_cuda(const Tensor& q, const Tensor& k, const Tensor& v, const Tensor& indices,
+                                           const std::optional<Tensor>& cu_seqlens, int64_t max_seqlen,
+                                           int64_t block_size, double softmax_scale, bool deterministic) {
   (void)deterministic;  // the forward is deterministic; the flag is for its backward (msa/_ops.py)
   check_qkv_cuda(q, k, v);
   const SeqMap seqs = seq_map(cu_seqlens, q.size(0), max_seqlen, q);
@@ -314,23 +315,23 @@ std::tuple<at::Tensor, at::Tensor> sparse_fwd_cuda(const at::Tensor& q, const at
   return {r.out, r.lse};
 }
 
-std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tensor>
-msa_fwd_cuda(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, const at::Tensor& q_idx,
-             const at::Tensor& k_idx, const std::optional<at::Tensor>& cu_seqlens, int64_t max_seqlen, int64_t topk,
+std::tuple<Tensor, Tensor, Tensor, Tensor, Tensor, Tensor, Tensor, Tensor>
+msa_fwd_cuda(const Tensor& q, const Tensor& k, const Tensor& v, const Tensor& q_idx,
+             const Tensor& k_idx, const std::optional<Tensor>& cu_seqlens, int64_t max_seqlen, int64_t topk,
              int64_t block_size, double softmax_scale, double index_scale, bool warmup, bool return_indices,
              bool index_grad, bool deterministic) {
   check_qkv_cuda(q, k, v);
   const SeqMap seqs = seq_map(cu_seqlens, q.size(0), max_seqlen, q);
-  at::Tensor indices;
+  Tensor indices;
   SparseForward r;
   if (warmup) {
     // SPEC 5: dense causal main attention through PyTorch's flash kernel (it keeps the lse), then the
     // KL over the full causal set and its index gradient with our kernels in dense mode.
-    c10::cuda::CUDAGuard guard(q.device());
+    const DeviceGuard guard(q.get_device_index());
     indices = return_indices ? select_blocks_cuda(q_idx, k_idx, seqs, max_seqlen, topk, block_size, index_scale)
-                             : at::empty({q_idx.size(1), q.size(0), 0}, q.options().dtype(at::kInt));
+                             : empty({q_idx.size(1), q.size(0), 0}, kInt, q);
     auto [out, lse] = dense_attention_forward(q, k, v, seqs.cu, max_seqlen, softmax_scale);
-    auto shape_only = at::empty({q_idx.size(1), q.size(0), 1}, q.options().dtype(at::kInt));
+    const Tensor shape_only = empty({q_idx.size(1), q.size(0), 1}, kInt, q);
     r = sparse_forward_cuda(q, k, v, q_idx, k_idx, shape_only, seqs, max_seqlen, block_size, softmax_scale,
                             index_scale, index_grad, deterministic, /*dense=*/true, lse);
     r.out = out;  // the KL-only pass returns the given lse and no output
@@ -340,17 +341,17 @@ msa_fwd_cuda(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, cons
                             index_grad, deterministic);
   }
   // SPEC 4: kl = sum over rows / rows, rows = T * Hi (a fixed-order reduction: deterministic).
-  at::Tensor kl = r.kl_rows.sum() / double(r.kl_rows.numel());
-  auto none = [&] { return at::empty({0}, q.options().dtype(at::kFloat)); };  // distinct: outputs must not alias
+  const Tensor kl = mean(r.kl_rows);
+  auto none = [&] { return empty({0}, kFloat, q); };  // distinct: outputs must not alias
   return {r.out, kl, indices, r.lse, r.lse_idx, index_grad ? r.kl_dq_idx : none(), index_grad ? r.kl_dk_idx : none(),
           r.kl_rows};
 }
 
 }  // namespace
 
-TORCH_LIBRARY_IMPL(msa, CUDA, m) {
-  m.impl("sparse_fwd", &sparse_fwd_cuda);
-  m.impl("msa_fwd", &msa_fwd_cuda);
+STABLE_TORCH_LIBRARY_IMPL(msa, CUDA, m) {
+  m.impl("sparse_fwd", TORCH_BOX(&sparse_fwd_cuda));
+  m.impl("msa_fwd", TORCH_BOX(&msa_fwd_cuda));
 }
 
 }  // namespace msa::api

@@ -1,0 +1,138 @@
+// The whole torch surface of the host code: PyTorch's stable ABI (torch/csrc/stable and the C shim it
+// wraps) and nothing else. CMakeLists.txt compiles every source with TORCH_TARGET_VERSION (2.10), which
+// turns an include of ATen or c10 into a compile error and keeps the stable API to what torch 2.10
+// offers, so one build of msa._C loads on every torch from 2.10 on (README "Install").
+//
+// What the stable API lacks is written here once: error messages that name shapes, dtypes and devices;
+// the current CUDA stream; ops reached through the dispatcher by name (their schemas are stable since
+// torch 2.0: aten::_version, aten::is_inference, aten::mean).
+#pragma once
+#include <cuda_runtime_api.h>
+#include <torch/csrc/inductor/aoti_torch/c/shim.h>
+#include <torch/csrc/stable/accelerator.h>
+#include <torch/csrc/stable/library.h>
+#include <torch/csrc/stable/ops.h>
+#include <torch/csrc/stable/tensor.h>
+#include <torch/headeronly/core/ScalarType.h>
+
+#include <array>
+#include <cstdint>
+#include <initializer_list>
+#include <optional>
+#include <sstream>
+#include <stdexcept>
+#include <string>
+#include <vector>
+
+// Declared in the C shim only under USE_CUDA (torch's own build flag); exported by libtorch_cuda.
+#ifndef USE_CUDA
+extern "C" AOTI_TORCH_EXPORT AOTITorchError aoti_torch_get_current_cuda_stream(int32_t device_index,
+                                                                               void** ret_stream);
+#endif
+
+namespace msa::api {
+
+using Tensor = torch::stable::Tensor;
+using ScalarType = torch::headeronly::ScalarType;
+using Device = torch::stable::Device;
+using DeviceGuard = torch::stable::accelerator::DeviceGuard;
+
+inline constexpr ScalarType kFloat = ScalarType::Float;
+inline constexpr ScalarType kInt = ScalarType::Int;
+inline constexpr ScalarType kLong = ScalarType::Long;
+inline constexpr ScalarType kByte = ScalarType::Byte;
+inline constexpr ScalarType kBFloat16 = ScalarType::BFloat16;
+inline constexpr ScalarType kHalf = ScalarType::Half;
+
+// ---- error messages ------------------------------------------------------------------------------
+// A failed check raises RuntimeError in Python with exactly the message (the Python layer raises the
+// ValueError / TypeError of SPEC 7 first; these checks are the last line before a launch).
+template <typename... A>
+[[noreturn]] void fail(const A&... parts) {
+  std::ostringstream s;
+  (s << ... << parts);
+  throw std::runtime_error(s.str());
+}
+#define MSA_CHECK(cond, ...)                    \
+  do {                                          \
+    if (!(cond)) ::msa::api::fail(__VA_ARGS__); \
+  } while (0)
+
+inline std::string shape(const Tensor& t) {
+  std::string s = "[";
+  for (int64_t i = 0; i < t.dim(); ++i) s += (i ? ", " : "") + std::to_string(t.size(i));
+  return s + "]";
+}
+inline std::string dev(const Tensor& t) {
+  return t.is_cuda() ? "cuda:" + std::to_string(int(t.get_device_index())) : t.is_cpu() ? "cpu" : "other";
+}
+inline const char* dtype(ScalarType st) { return torch::headeronly::toString(st); }
+inline const char* dtype(const Tensor& t) { return dtype(t.scalar_type()); }
+
+// ---- tensors ---------------------------------------------------------------------------------------
+template <typename T>
+T* ptr(const Tensor& t) {
+  return static_cast<T*>(t.data_ptr());
+}
+inline bool same_device(const Tensor& a, const Tensor& b) { return a.device() == b.device(); }
+inline bool same_shape(const Tensor& a, const Tensor& b) {
+  if (a.dim() != b.dim()) return false;
+  for (int64_t i = 0; i < a.dim(); ++i)
+    if (a.size(i) != b.size(i)) return false;
+  return true;
+}
+// New contiguous tensors on the device of `like`.
+inline Tensor empty(std::initializer_list<int64_t> sizes, ScalarType st, const Tensor& like) {
+  return torch::stable::new_empty(like, std::vector<int64_t>(sizes), st);
+}
+inline Tensor zeros(std::initializer_list<int64_t> sizes, ScalarType st, const Tensor& like) {
+  return torch::stable::new_zeros(like, std::vector<int64_t>(sizes), st);
+}
+inline std::vector<int64_t> sizes_of(const Tensor& t) {
+  std::vector<int64_t> s(size_t(t.dim()));
+  for (int64_t i = 0; i < t.dim(); ++i) s[size_t(i)] = t.size(i);
+  return s;
+}
+inline Tensor empty_as(const Tensor& t) { return torch::stable::new_empty(t, sizes_of(t)); }
+inline Tensor zeros_as(const Tensor& t) { return torch::stable::new_zeros(t, sizes_of(t)); }
+inline Tensor cast(const Tensor& t, ScalarType st) { return torch::stable::to(t, st); }
+inline Tensor contig(const Tensor& t) { return torch::stable::contiguous(t); }
+// a + b (both fp32, same shape), a new tensor.
+inline Tensor add(const Tensor& a, const Tensor& b) { return torch::stable::subtract(a, b, -1.0); }
+
+namespace detail {
+template <size_t N>
+void call_op(const char* name, const char* overload, std::array<StableIValue, N>& stack) {
+  const AOTITorchError err = torch_call_dispatcher(name, overload, stack.data(), TORCH_ABI_VERSION);
+  if (err != AOTI_TORCH_SUCCESS) fail("msa: the call of ", name, " failed");
+}
+}  // namespace detail
+
+// The version counter (bumped by every in-place write through PyTorch) and inference-mode-ness.
+inline int64_t version(const Tensor& t) {
+  std::array<StableIValue, 1> st{torch::stable::detail::from(t)};
+  detail::call_op("aten::_version", "", st);
+  return torch::stable::detail::to<int64_t>(st[0]);
+}
+inline bool is_inference(const Tensor& t) {
+  std::array<StableIValue, 1> st{torch::stable::detail::from(t)};
+  detail::call_op("aten::is_inference", "", st);
+  return torch::stable::detail::to<bool>(st[0]);
+}
+// The mean of all elements, a 0-dim tensor (a fixed-order reduction).
+inline Tensor mean(const Tensor& t) {
+  std::array<StableIValue, 2> st{torch::stable::detail::from(t),
+                                 torch::stable::detail::from(std::optional<ScalarType>())};
+  detail::call_op("aten::mean", "", st);
+  return torch::stable::detail::to<Tensor>(st[0]);
+}
+
+// The current CUDA stream of t's device (PyTorch's, so the kernels order with the surrounding ops).
+inline cudaStream_t current_stream(const Tensor& t) {
+  void* s = nullptr;
+  const AOTITorchError err = aoti_torch_get_current_cuda_stream(int32_t(t.get_device_index()), &s);
+  if (err != AOTI_TORCH_SUCCESS) fail("msa: cannot get the current CUDA stream of ", dev(t));
+  return static_cast<cudaStream_t>(s);
+}
+
+}  // namespace msa::api
