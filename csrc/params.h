@@ -71,6 +71,7 @@ struct IndexTopkParams {
   int topk;
   int block_size;
   float scale;                // index_scale
+  bool small_smem;            // the portable kernel's 64-row tile (81 KB at Di = 128: 99 KB GPUs; tests)
 };
 
 }  // namespace msa
@@ -136,6 +137,10 @@ struct SparseFwdParams {
   const float4* dqi_grid;
   int out_rows;            // rows per tile of the portable output pass: 128, or 64 (less shared memory)
   int fixed_gu;            // sm_90a output pass: 4 = the kernel compiled for Gu = 4 (J = 1), 0 = any
+  // Portable passes only (sm80::launch_sparse_fwd; the sm_90a launcher ignores it): the small-smem
+  // configuration for GPUs with 99 KB of shared memory per block (sparse_smem_bytes(d, pass, 64, true);
+  // out_rows is then ignored). Same work items, partials and combines.
+  bool small_smem;
 };
 
 // dk_idx of the KL for d_kl = 1, over the entries of one chunk: per key, scale times the sum over its
@@ -220,6 +225,10 @@ struct SparseBwdParams {
   int hq, hkv, hi;
   float scale;       // softmax_scale
   float scale_log2;  // softmax_scale * log2(e)
+  // Portable kernel only (sm80::launch_sparse_bwd; the sm_90a launcher ignores it): the small-smem
+  // configuration for GPUs with 99 KB of shared memory per block (sparse_smem_bytes(d, 2, 128, true)).
+  // Same work items, accumulators and deterministic partials.
+  bool small_smem;
 };
 
 // delta[h, t] = sum_d dout[t, h, d] * out[t, h, d] (the backward's preprocess).

@@ -48,13 +48,12 @@ inline int64_t smem_per_block(const Tensor& x) {
   return optin;
 }
 
-// The sparse kernels keep a kv block and their tiles in shared memory; a GPU with less per-block
-// shared memory than they need (sm_86 / sm_89: 99 KB) is refused with a clear error before any launch.
+// The sparse kernels keep a kv block and their tiles in shared memory; every configuration is checked
+// against what the GPU offers before any launch (the 99 KB one of sm_86 / sm_89 / sm_120 included).
 inline void check_smem(const Tensor& x, int64_t needed, const char* what) {
   const int64_t optin = smem_per_block(x);
   MSA_CHECK(needed <= optin, "msa: ", what, " needs ", needed, " bytes of shared memory per block; ",
-                              "this GPU offers ", optin, " (the portable kernels are tuned for Hopper's 227 KB; "
-                              "smaller GPUs are not supported yet, see README.md)");
+            "this GPU offers ", optin, " (msa needs at least 99 KB per block, see README.md)");
 }
 
 // q, k, v of the sparse kernels: one CUDA device, bf16/fp16, (T, Hq, D) / (T, Hkv, D), D 64 or 128.

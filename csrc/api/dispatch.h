@@ -39,6 +39,7 @@ inline int64_t env_positive(const char* name, int64_t fallback) {
 }
 
 // Whether environment variable `name` is set to exactly `value` (the on/off knobs: MSA_PORTABLE_KERNELS=1,
+// MSA_SMALL_SMEM=1,
 // MSA_ITEM_ORDER=0, MSA_FWD_FIXED_GU=0).
 inline bool env_is(const char* name, const char* value) {
   const char* env = std::getenv(name);

@@ -50,6 +50,7 @@ Tensor select_blocks_cuda(const Tensor& q_idx, const Tensor& k_idx, const SeqMap
   p.topk = int(topk);
   p.block_size = int(block_size);
   p.scale = float(index_scale);
+  p.small_smem = env_is("MSA_SMALL_SMEM", "1");  // forces the portable kernel's 64-row tile (99 KB GPUs take it)
   const cudaStream_t stream = current_stream(q_idx);
   [[maybe_unused]] const bool sm90 = use_sm90_kernels();
   dispatch_dtype_dim(q.scalar_type(), Di, [&]<typename T_, int D_>() {

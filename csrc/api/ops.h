@@ -78,6 +78,8 @@ int fwd_out_rows(const Tensor& x, int64_t D);
 // less shared memory per block than the default portable kernels need (sm_86, sm_89, sm_120: 99 KB), or
 // when MSA_SMALL_SMEM=1 forces it (tests run it on Hopper that way).
 bool small_smem_config(const Tensor& x, int64_t D);
+// The same for the portable backward (at D = 64 its default fits 99 KB; the forward's output pass does not).
+bool small_smem_bwd_config(const Tensor& x, int64_t D);
 
 // Rows must be 16-byte aligned for cp.async; otherwise work on a contiguous copy.
 inline Tensor aligned_rows(const Tensor& x) {

@@ -12,6 +12,11 @@
 
 namespace msa::api {
 
+bool small_smem_bwd_config(const Tensor& x, int64_t D) {
+  if (use_sm90_kernels()) return false;
+  return env_is("MSA_SMALL_SMEM", "1") || smem_per_block(x) < sm80::sparse_smem_bytes(int(D), 2);
+}
+
 namespace {
 // Tokens per backward work item: a key selected by more tokens (a hot block, an attention sink) is
 // split over several CTAs. MSA_BWD_UNITS_PER_ITEM overrides it (tests force splits with small values).
@@ -42,7 +47,8 @@ std::tuple<Tensor, Tensor, Tensor> sparse_backward_cuda(const Tensor& dout_in, c
                     "q: at most 64 query heads per (index group, kv head) on CUDA");
 
   const DeviceGuard guard(q_in.get_device_index());
-  check_smem(q_in, sm80::sparse_smem_bytes(int(D), 2), "the sparse backward");
+  const bool small = small_smem_bwd_config(q_in, D);
+  check_smem(q_in, sm80::sparse_smem_bytes(int(D), 2, 128, small), "the sparse backward");
   const cudaStream_t stream = current_stream(q_in);
   const ReverseIndex ri = build_reverse_index(indices, seqs, block_size, bwd_units_per_item());
   const int64_t S = seqs.num_seqs;
@@ -112,6 +118,7 @@ std::tuple<Tensor, Tensor, Tensor> sparse_backward_cuda(const Tensor& dout_in, c
     p.num_seqs = int(S);
     p.block_size = int(block_size);
     p.max_blocks = int(ri.max_blocks);
+    p.small_smem = small;  // the 99 KB configuration (the Hopper launcher ignores it)
     p.hq = int(Hq);
     p.hkv = int(Hkv);
     p.hi = int(Hi);

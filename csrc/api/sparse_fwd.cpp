@@ -42,10 +42,9 @@ int fwd_out_rows(const Tensor& q, int64_t D) {
 }
 
 bool small_smem_config(const Tensor& x, int64_t D) {
+  if (use_sm90_kernels()) return false;  // the Hopper kernels have their own tiles
   if (env_is("MSA_SMALL_SMEM", "1")) return true;
-  const int64_t needed = std::max({sm80::sparse_smem_bytes(int(D), 0), sm80::sparse_smem_bytes(int(D), 1, 64),
-                                   sm80::sparse_smem_bytes(int(D), 2)});
-  return smem_per_block(x) < needed;
+  return smem_per_block(x) < std::max(sm80::sparse_smem_bytes(int(D), 0), sm80::sparse_smem_bytes(int(D), 1, 64));
 }
 
 SparseForward sparse_forward_cuda(const Tensor& q_in, const Tensor& k_in, const Tensor& v_in,
@@ -88,9 +87,10 @@ SparseForward sparse_forward_cuda(const Tensor& q_in, const Tensor& k_in, const 
   const Tensor& cu_seqlens = seqs.cu;
 
   const DeviceGuard guard(q_in.get_device_index());
-  const int out_rows = fwd_out_rows(q_in, D);
-  check_smem(q_in, std::max(sm80::sparse_smem_bytes(int(D), 0), sm80::sparse_smem_bytes(int(D), 1, out_rows)),
-             "the sparse forward");
+  const bool small = small_smem_config(q_in, D);
+  const int out_rows = small ? 64 : fwd_out_rows(q_in, D);
+  check_smem(q_in, std::max(sm80::sparse_smem_bytes(int(D), 0, 128, small),
+                            sm80::sparse_smem_bytes(int(D), 1, out_rows, small)), "the sparse forward");
   const cudaStream_t stream = current_stream(q_in);
   const Tensor q = aligned_rows(q_in), k = aligned_rows(k_in), v = aligned_rows(v_in);
   Tensor qi, ki;
@@ -187,6 +187,7 @@ SparseForward sparse_forward_cuda(const Tensor& q_in, const Tensor& k_in, const 
   fp.main_stats = !kl_only;
   fp.write_out = !kl_only;
   fp.out_rows = out_rows;
+  fp.small_smem = small;  // the 99 KB configuration (out_rows is then its own)
   // The sm_90a output pass compiled for Gu = 4 heads per unit (fewer registers, compile-time KL loops)
   // where it applies; MSA_FWD_FIXED_GU=0 keeps the general kernel (tests compare the two).
   fp.fixed_gu = J == 1 && G == 4 && !env_is("MSA_FWD_FIXED_GU", "0") ? 4 : 0;

@@ -139,17 +139,18 @@ struct SwizzledTile {
   }
 };
 
-// One warp's acc (16 rows x 8 N8 columns) += A B over 128 keys: A = rows a_row0 .. a_row0 + 15 of a
-// [row][key] tile (SwizzledTile<128>: P, dS, dsi), B = the keys' rows of a [key][column] tile (BTile,
-// e.g. V, K or K_idx) from 16-byte chunk b_chunk0 on, read transposed by ldmatrix.
-template <typename T, typename BTile, int N8>
+// One warp's acc (16 rows x 8 N8 columns) += A B over kKeys keys (128, or 64): A = rows a_row0 ..
+// a_row0 + 15 of a [row][key] tile (SwizzledTile<kKeys>: P, dS, dsi), B = the keys' rows of a
+// [key][column] tile (BTile, e.g. V, K or K_idx) from 16-byte chunk b_chunk0 on, read transposed by ldmatrix.
+template <typename T, typename BTile, int kKeys = 128, int N8>
 __device__ __forceinline__ void mma_rows_keys(float (&acc)[N8][4], const T* a, int a_row0, const T* b, int b_chunk0,
                                               int lane) {
   static_assert(N8 % 2 == 0, "mma_rows_keys: columns in pairs of n8 tiles");
+  static_assert(kKeys % 16 == 0 && kKeys >= 64, "mma_rows_keys: whole 16-key steps of a swizzled tile");
 #pragma unroll
-  for (int kk = 0; kk < 8; ++kk) {  // 16 keys per step
+  for (int kk = 0; kk < kKeys / 16; ++kk) {  // 16 keys per step
     uint32_t fa[4];
-    ldmatrix_x4(fa, a + SwizzledTile<128>::offset(a_row0 + lane % 16, kk * 2 + lane / 16));
+    ldmatrix_x4(fa, a + SwizzledTile<kKeys>::offset(a_row0 + lane % 16, kk * 2 + lane / 16));
 #pragma unroll
     for (int dp = 0; dp < N8 / 2; ++dp) {
       uint32_t fb[4];

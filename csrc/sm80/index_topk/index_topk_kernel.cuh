@@ -199,12 +199,21 @@ cudaError_t launch_index_topk(const IndexTopkParams& p, cudaStream_t stream) {
   const bool fits8 = IndexTopkShape<8>::template smem_bytes<D, T>() <= smem_optin;
   const int tm8 = IndexTopkShape<8>::kRows / hr;
   const int64_t ctas8 = int64_t((p.max_seqlen + tm8 - 1) / tm8) * p.num_seqs * p.num_key_heads;
-  if (fits8 && (ctas8 >= int64_t(sms) || IndexTopkShape<4>::kRows / hr == 0)) {
+  if (fits8 && !p.small_smem && (ctas8 >= int64_t(sms) || IndexTopkShape<4>::kRows / hr == 0)) {
     return launch_index_topk_shape<T, D, 8>(p, stream, (p.max_seqlen + tm8 - 1) / tm8);
   }
-  const int tm4 = IndexTopkShape<4>::kRows / hr;
-  if (tm4 == 0) return cudaErrorInvalidValue;  // more than 128 index heads per key head
-  return launch_index_topk_shape<T, D, 4>(p, stream, (p.max_seqlen + tm4 - 1) / tm4);
+  // GPUs with 99 KB per block (sm_86, sm_89, sm_120) take the 64-row tile at D = 128 (the 128-row one
+  // needs 112 KB); p.small_smem (MSA_SMALL_SMEM=1) forces it, so the tests run it on Hopper.
+  const bool fits4 = IndexTopkShape<4>::template smem_bytes<D, T>() <= smem_optin;
+  if (fits4 && !p.small_smem) {
+    const int tm4 = IndexTopkShape<4>::kRows / hr;
+    if (tm4 == 0) return cudaErrorInvalidValue;  // more than 128 index heads per key head
+    return launch_index_topk_shape<T, D, 4>(p, stream, (p.max_seqlen + tm4 - 1) / tm4);
+  }
+  static_assert(IndexTopkShape<2>::template smem_bytes<D, T>() <= 101376, "the 64-row tile fits 99 KB");
+  const int tm2 = IndexTopkShape<2>::kRows / hr;
+  if (tm2 == 0) return cudaErrorInvalidValue;  // more than 64 index heads per key head
+  return launch_index_topk_shape<T, D, 2>(p, stream, (p.max_seqlen + tm2 - 1) / tm2);
 }
 
 }  // namespace msa::sm80

@@ -60,6 +60,12 @@ __global__ void sparse_combine_kl_kernel(SparseCombineParams p) {
 
 unsigned blocks_for(int64_t threads) { return unsigned((threads + 255) / 256); }
 
+// The small-smem configuration fits the 99 KB per block of sm_86 / sm_89 / sm_120 (no static shared memory).
+constexpr int kSmallSmemLimit = 101376;
+static_assert(SparseFwdShape::Smem<__nv_bfloat16, 128, false, 64, true>::bytes <= kSmallSmemLimit, "small stats pass");
+static_assert(SparseFwdShape::Smem<__nv_bfloat16, 128, true, 64, true>::bytes <= kSmallSmemLimit, "small output pass");
+static_assert(SparseBwdSmallShape::Smem<__nv_bfloat16, 128>::bytes <= kSmallSmemLimit, "small backward");
+
 }  // namespace
 
 cudaError_t launch_sparse_combine_stats(const SparseCombineParams& p, cudaStream_t stream) {
@@ -76,10 +82,17 @@ cudaError_t launch_sparse_combine_kl(const SparseCombineParams& p, cudaStream_t 
   return cudaGetLastError();
 }
 
-int sparse_smem_bytes(int d, int pass, int rows) {
+int sparse_smem_bytes(int d, int pass, int rows, bool small) {
   // Shared memory depends on the element size (2 bytes for bf16 and fp16), D and the row tile only.
   using T = __nv_bfloat16;
   using S = SparseFwdShape;
+  if (small) {
+    switch (pass) {
+      case 0: return d == 64 ? S::Smem<T, 64, false, 64, true>::bytes : S::Smem<T, 128, false, 64, true>::bytes;
+      case 1: return d == 64 ? S::Smem<T, 64, true, 64, true>::bytes : S::Smem<T, 128, true, 64, true>::bytes;
+      default: return d == 64 ? SparseBwdSmallShape::Smem<T, 64>::bytes : SparseBwdSmallShape::Smem<T, 128>::bytes;
+    }
+  }
   switch (pass) {
     case 0: return d == 64 ? S::Smem<T, 64, false>::bytes : S::Smem<T, 128, false>::bytes;
     case 1:

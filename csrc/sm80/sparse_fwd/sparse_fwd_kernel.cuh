@@ -26,6 +26,19 @@
 //    dq_idx += dsi K_idx (index_dk.cu turns dsi into dk_idx).
 // Warmup (dense mode) runs the same kernel with main_stats = write_out = false: the KL part only.
 // Only the unit's own block needs the causal mask; keys past the sequence end are masked too.
+//
+// Small-smem configuration (kSmall, SparseFwdParams::small_smem: GPUs with 99 KB of shared memory per
+// block, sm_86 / sm_89 / sm_120), both passes in 64-row tiles of eight warps (a pair per row group):
+//  - stats pass (92160 bytes at D = 128): K and K_idx of the whole block resident as above; the pair splits
+//    the keys and merges its two (max, sum) per row in shared memory before the store;
+//  - output pass (95680 bytes at D = 128): K, V and K_idx held 64 keys at a time (kStage), the block's
+//    two halves one after the other, each over all of the item's steps. With the final lse given,
+//    a half's terms simply add: its P V is added to the partial output the first half stored (the
+//    same thread reads back its own bf16 / fp16 store), its KL sums meet per unit in shared memory,
+//    its dsi columns are its own, and its dq_idx is added like the other kv heads' (twice the
+//    contributions per element: the deterministic grid's margin covers them). A block of <= 64 keys
+//    (block_size 64, or a short last block) has one half.
+// Same work items, partial layouts and combines as the default configuration.
 #pragma once
 #include <cuda_runtime.h>
 
@@ -57,26 +70,33 @@ struct SparseFwdShape {
   // units of an m16n8 fragment's rows (g = lane / 4) land in different banks. At a stride of 128 the
   // epilogue's stores were 8-way bank conflicts (NOTES s43).
   static constexpr int kSiStride = kKeys + 8;
-  template <typename T, int D, bool kOut, int kRows = kMaxRows>
+  // kSmall (64-row tiles only): the small-smem configuration (see the top of the file); its output pass
+  // holds kStage = 64 keys of K, V and K_idx at a time.
+  template <typename T, int D, bool kOut, int kRows = kMaxRows, bool kSmall = false>
   struct Smem {  // byte offsets; the stats pass has no V, S_idx, P or dsi tiles (two CTAs per SM)
     static constexpr int kUnits = kRows / 4;
+    static constexpr int kStage = kOut && kSmall ? kKeys / 2 : kKeys;  // keys resident at a time
+    static constexpr int kSiS = kStage + 8;  // kSiStride for a stage of keys
     static constexpr int k = 0;
-    static constexpr int v = k + kKeys * D * int(sizeof(T));
-    static constexpr int ki = v + (kOut ? kKeys * D * int(sizeof(T)) : 0);
-    static constexpr int q = ki + kKeys * kMaxDi * int(sizeof(T));
+    static constexpr int v = k + kStage * D * int(sizeof(T));
+    static constexpr int ki = v + (kOut ? kStage * D * int(sizeof(T)) : 0);
+    static constexpr int q = ki + kStage * kMaxDi * int(sizeof(T));
     static constexpr int qi = q + kRows * D * int(sizeof(T));
     static constexpr int si = qi + kUnits * kMaxDi * int(sizeof(T));
     // Output pass: index logits per (unit, key). Stats pass: per (warp, unit) max and sum of the index
     // logits over the warp's 16 keys.
-    static constexpr int p = si + (kOut ? kUnits * kSiStride * 4 : 8 * kUnits * 8);
-    static constexpr int psum = p + (kOut ? kRows * kKeys * int(sizeof(T)) : 0);  // P in the input dtype
-    static constexpr int dsi = psum + (kOut ? kUnits * kKeys * 4 : 0);
-    static constexpr int lse = dsi + (kOut ? kUnits * kKeys * int(sizeof(T)) : 0);
+    static constexpr int p = si + (kOut ? kUnits * kSiS * 4 : 8 * kUnits * 8);
+    static constexpr int psum = p + (kOut ? kRows * kStage * int(sizeof(T)) : 0);  // P in the input dtype
+    static constexpr int dsi = psum + (kOut ? kUnits * kStage * 4 : 0);
+    static constexpr int lse = dsi + (kOut ? kUnits * kStage * int(sizeof(T)) : 0);
     static constexpr int kl = lse + (kOut ? kRows * 4 : 0);  // per key half and unit: the KL sums
     static constexpr int lse_idx = kl + (kOut ? 2 * kUnits * 4 : 0);  // per unit (register KL path)
     static constexpr int unit = lse_idx + (kOut ? kUnits * 4 : 0);
     static constexpr int rows = unit + 2 * kMaxItemUnits * 4;  // row -> (unit, head) tables
-    static constexpr int bytes = rows + 2 * kRows * 4;
+    // kSmall: output pass, the KL sum of each of the item's units over the first key half; stats
+    // pass, the second key half's (max, sum) per row.
+    static constexpr int part = rows + 2 * kRows * 4;
+    static constexpr int bytes = part + (kSmall ? (kOut ? kMaxItemUnits * 4 : kRows * 8) : 0);
   };
 };
 
@@ -106,23 +126,33 @@ __host__ __device__ inline int sparse_rows_per_tile(int gu, int rows) { return g
 // (unit, head) arithmetically. The registers this frees go to batching Q K^T and the index logits
 // into one wgmma group each (Gu = 4: 252 registers, no spill, none either under a cap of 216; the
 // runtime-Gu kernel holds all of P across P V).
-template <typename T, int D, bool kOut, bool kWgmma = false, int kRows = 128, int kGu = 0>
+//
+// kSmall: the small-smem configuration (top of the file): 64-row tiles, the stats pass's warp pairs split
+// the keys, the output pass stages the block in two 64-key halves (kSplit).
+template <typename T, int D, bool kOut, bool kWgmma = false, int kRows = 128, int kGu = 0, bool kSmall = false>
 __global__ void __launch_bounds__(SparseFwdShape::threads<kOut, kWgmma, kRows>(), kOut ? 1 : 2)
     sparse_fwd_kernel(SparseFwdParams p) {
   using Sh = SparseFwdShape;
-  static_assert(kRows == 128 || (kRows == 64 && kOut && !kWgmma), "64-row tiles: portable output pass only");
+  static_assert(kRows == 128 || (kRows == 64 && (kOut || kSmall) && !kWgmma),
+                "64-row tiles: portable output pass and small-smem passes only");
   static_assert(kGu == 0 || (kWgmma && kRows == 128), "compile-time Gu: sm_90a passes only");
-  using L = typename Sh::template Smem<T, D, kOut, kRows>;
+  static_assert(!kSmall || (!kWgmma && kRows == 64 && kGu == 0), "small-smem configuration: portable 64-row tiles");
+  using L = typename Sh::template Smem<T, D, kOut, kRows, kSmall>;
   constexpr int kUnitsT = L::kUnits;      // units per tile
   constexpr int kRowGroups = kRows / 16;  // 16-row groups: a warp each (a warp pair in the portable output pass)
+  // kSplit: the output pass of the small-smem configuration, K, V and K_idx staged in halves of kStage keys.
+  constexpr bool kSplit = kOut && kSmall;
+  constexpr int kStage = L::kStage;  // keys resident at a time: 128 (the block), or 64 (kSplit)
+  static_assert(kStage == Sh::kKeys || (kSplit && 2 * kStage == Sh::kKeys), "a block is one stage or two halves");
   using Tile = SwizzledTile<D>;
-  using PTile = SwizzledTile<Sh::kKeys>;  // P and dsi tiles: rows x 128 keys
-  static_assert(Sh::kKeys == 128, "mma_rows_keys (P V, dq_idx) runs over 128 keys");
+  using PTile = SwizzledTile<kStage>;  // P and dsi tiles: rows x the stage's keys
   constexpr int kThreadsT = Sh::template threads<kOut, kWgmma, kRows>();
   constexpr int kWarpsT = kThreadsT / 32;
-  constexpr bool kPair = kOut && !kWgmma;  // portable output pass: a warp pair per 16 rows
-  constexpr int kN8 = kPair ? 8 : 16;      // n8 key tiles per warp
+  // A warp pair per 16 rows: the portable output pass, and the small-smem stats pass.
+  constexpr bool kPair = (kOut && !kWgmma) || kSmall;
+  constexpr int kN8 = (kPair ? kStage / 2 : kStage) / 8;  // n8 key tiles per warp (8, 16; kSplit 4)
   constexpr int kDo = kPair ? D / 2 : D;   // P V output columns per warp
+  constexpr int kKeyGroups = kStage / 16;  // the index logits' 16-key groups: a warp each (8; kSplit 4)
   constexpr int kChunks = Tile::kChunks;
   extern __shared__ __align__(128) unsigned char smem_raw[];
   // The wgmma variant's K tile must start 1024-byte aligned (the swizzle is on address bits).
@@ -141,6 +171,8 @@ __global__ void __launch_bounds__(SparseFwdShape::threads<kOut, kWgmma, kRows>()
   float* sLse = reinterpret_cast<float*>(smem + L::lse);
   float* sKl = reinterpret_cast<float*>(smem + L::kl);
   float* sLseIdx = reinterpret_cast<float*>(smem + L::lse_idx);
+  float* sKlAcc = reinterpret_cast<float*>(smem + L::part);    // kSplit: per item unit, first half's KL
+  float2* sMPart = reinterpret_cast<float2*>(smem + L::part);  // kSmall stats pass: per row, second key half
   int* sEntryAll = reinterpret_cast<int*>(smem + L::unit);  // the item's units: local entry ids, tokens
   int* sTokAll = sEntryAll + Sh::kMaxItemUnits;
   int* sRowU = reinterpret_cast<int*>(smem + L::rows);  // tile row -> unit (-1: padding) and head in unit
@@ -165,7 +197,9 @@ __global__ void __launch_bounds__(SparseFwdShape::threads<kOut, kWgmma, kRows>()
   const bool index = p.q_idx != nullptr;
   // KL terms in the MMA register layout when a unit's heads sit in one warp's rows (J = 1, Gu a power
   // of two <= 8); otherwise P goes through shared memory and a per-unit loop.
-  const bool fast_kl = kOut && index && (kGu > 0 || (J == 1 && (Gu == 1 || Gu == 2 || Gu == 4 || Gu == 8)));
+  // (The reduce-scatter below needs Gu <= kN8: kSplit's warps hold 4 n-tiles, so Gu = 8 takes the loop.)
+  const bool fast_kl =
+      kOut && index && (kGu > 0 || (J == 1 && (Gu == 1 || Gu == 2 || Gu == 4 || (Gu == 8 && kN8 >= 8))));
   // Loops run over compile-time extents (the whole 128-key tile, Di = 128): shorter blocks and Di = 64
   // are zero-filled in shared memory and masked, so the MMA loops have no runtime bounds or branches.
   using ITile = SwizzledTile<Sh::kMaxDi>;  // index tiles, Di = 64 padded with zeros
@@ -177,9 +211,10 @@ __global__ void __launch_bounds__(SparseFwdShape::threads<kOut, kWgmma, kRows>()
 
   const int tid = threadIdx.x, warp = tid / 32, lane = tid % 32;
   const int g = lane / 4, tq = lane % 4;
-  // Row group (16 rows), key half (output pass: also the half of D in P V), first key, and the 16 keys
-  // of the index logits of this warp.
-  const int rg = warp % kRowGroups, kh = kOut ? warp / kRowGroups : 0, kb = kh * kN8 * 8, kw = warp % 8;
+  // Row group (16 rows), key half (output pass: also the half of D in P V), first key (of the stage),
+  // the 16 columns of Di of dq_idx and the 16 keys of the index logits of this warp.
+  const int rg = warp % kRowGroups, kh = kOut || kSmall ? warp / kRowGroups : 0, kb = kh * kN8 * 8, kw = warp % 8;
+  const int kwi = warp % kKeyGroups;
   const T* Q = static_cast<const T*>(p.q);
   const T* K = static_cast<const T*>(p.k);
   const T* V = static_cast<const T*>(p.v);
@@ -211,28 +246,31 @@ __global__ void __launch_bounds__(SparseFwdShape::threads<kOut, kWgmma, kRows>()
   }
   const int kih = r / (p.hi / p.hki);
   const float iscale2 = p.index_scale * kLog2e;  // index logits in the log2 domain
-  auto load_kv = [&](int j) {
+  // K (and V) of kv head j of the group, and K_idx: the stage's keys [ko, ko + kStage) of the block
+  // (ko = 0 but in kSplit's second half).
+  auto load_kv = [&](int j, int ko) {
     const int kvh = (r * G + j * Gu) / (p.hq / p.hkv);
-    const T* ks = K + int64_t(seq_start + key0) * p.k_stride_t + int64_t(kvh) * p.k_stride_h;
-    const T* vs = V + int64_t(seq_start + key0) * p.v_stride_t + int64_t(kvh) * p.v_stride_h;
-    for (int i = tid; i < Sh::kKeys * kChunks; i += kThreadsT) {
+    const T* ks = K + int64_t(seq_start + key0 + ko) * p.k_stride_t + int64_t(kvh) * p.k_stride_h;
+    const T* vs = V + int64_t(seq_start + key0 + ko) * p.v_stride_t + int64_t(kvh) * p.v_stride_h;
+    for (int i = tid; i < kStage * kChunks; i += kThreadsT) {
       const int row = i / kChunks, c = i % kChunks;
-      const bool ok = row < blen;
+      const bool ok = row < blen - ko;
       const int rr = ok ? row : 0;
       const int off = kWgmma ? KTileW::offset(row, c) : Tile::offset(row, c);
       cp_async_16(sK + off, ks + int64_t(rr) * p.k_stride_t + c * 8, ok);
       if constexpr (kOut) cp_async_16(sV + off, vs + int64_t(rr) * p.v_stride_t + c * 8, ok);
     }
   };
-  load_kv(0);
-  if (index) {
-    const T* src = KI + int64_t(seq_start + key0) * p.ki_stride_t + int64_t(kih) * p.ki_stride_h;
-    for (int i = tid; i < Sh::kKeys * kIChunks; i += kThreadsT) {
+  auto load_ki = [&](int ko) {
+    const T* src = KI + int64_t(seq_start + key0 + ko) * p.ki_stride_t + int64_t(kih) * p.ki_stride_h;
+    for (int i = tid; i < kStage * kIChunks; i += kThreadsT) {
       const int row = i / kIChunks, c = i % kIChunks;
-      const bool ok = row < blen && c < di_chunks;
+      const bool ok = row < blen - ko && c < di_chunks;
       cp_async_16(sKi + KiTile::offset(row, c), src + (ok ? int64_t(row) * p.ki_stride_t + c * 8 : 0), ok);
     }
-  }
+  };
+  load_kv(0, 0);
+  if (index) load_ki(0);
   __syncthreads();  // the unit table is read by every thread below
 
   // Steps = (tile, kv head of the group); the next step's rows are fetched while this one computes.
@@ -288,7 +326,13 @@ __global__ void __launch_bounds__(SparseFwdShape::threads<kOut, kWgmma, kRows>()
   fetch_step(0);
   cp_async_commit();
 
-  for (int step = 0; step < steps; ++step) {
+  // kSplit: the block's halves one after the other, each over all the steps (the second half only when
+  // the block has more than kStage keys); hs = half * steps + step.
+  const int nh = kSplit && blen > kStage ? 2 : 1;
+  for (int hs = 0; hs < (kSplit ? nh * steps : steps); ++hs) {
+    const int bh = kSplit ? hs / steps : 0;  // the block half
+    const int step = kSplit ? hs - bh * steps : hs;
+    const int ko = kSplit ? bh * kStage : 0;  // the stage's first key in the block
     const int tile = step / J, j = step % J;
     const int ub = tile * U;
     const int nu = min(U, n_units - ub);
@@ -298,8 +342,18 @@ __global__ void __launch_bounds__(SparseFwdShape::threads<kOut, kWgmma, kRows>()
     auto key_limit = [&](int u, int nu_) {
       return u < nu_ ? min(blen - 1, sTok[u] - seq_start - key0) : -1;
     };
+    if constexpr (kSplit) {
+      // The second half: every step of the first is done with K, V and K_idx (its rows were fetched
+      // during the first half's last step).
+      if (step == 0 && bh > 0) {
+        __syncthreads();
+        load_kv(0, ko);
+        if (index) load_ki(ko);
+        cp_async_commit();
+      }
+    }
     if (J > 1 && step > 0) {  // the previous step ended with a barrier: K/V are free
-      load_kv(j);
+      load_kv(j, ko);
       cp_async_commit();
     }
     cp_async_commit();  // this step's rows were fetched during the previous step (after its Q K^T)
@@ -318,9 +372,9 @@ __global__ void __launch_bounds__(SparseFwdShape::threads<kOut, kWgmma, kRows>()
         for (int n = 0; n < NI; ++n) {
           const int col = kc0 + n * 8 + 2 * tq;
           const int row = mt * 16 + g;
-          *reinterpret_cast<float2*>(sSi + row * Sh::kSiStride + col) =
+          *reinterpret_cast<float2*>(sSi + row * L::kSiS + col) =
               make_float2(ci[n][0] * iscale2, ci[n][1] * iscale2);
-          *reinterpret_cast<float2*>(sSi + (row + 8) * Sh::kSiStride + col) =
+          *reinterpret_cast<float2*>(sSi + (row + 8) * L::kSiS + col) =
               make_float2(ci[n][2] * iscale2, ci[n][3] * iscale2);
         }
       } else {
@@ -377,21 +431,22 @@ __global__ void __launch_bounds__(SparseFwdShape::threads<kOut, kWgmma, kRows>()
             for (int e = 0; e < 4; ++e) ci[n][e] = cw[4 * n + e];
           index_epilogue(ci, wq, wg * 64, wg);
         }
-      } else if (kw * 16 < p.block_size) {
-        // Warp w takes keys [16 (w % 8), +16) (part w % 8) and, in the output pass (16 warps), the
-        // units' m-tiles w / 8, w / 8 + 2, ...
-        for (int mt = warp / 8; mt * 16 < nu; mt += kWarpsT / 8) {
+      } else if (ko + kwi * 16 < p.block_size) {
+        // Warp w takes the stage's keys [16 (w % 8), +16) (part w % 8) and, in the output pass (16
+        // warps), the units' m-tiles w / 8, w / 8 + 2, ... (kSplit: keys [16 (w % 4), +16), m-tiles
+        // w / 4, w / 4 + 2, ...)
+        for (int mt = warp / kKeyGroups; mt * 16 < nu; mt += kWarpsT / kKeyGroups) {
           float ci[2][4];
           zero_acc(ci);
 #pragma unroll
           for (int ks = 0; ks < Sh::kMaxDi / 16; ++ks) {
             uint32_t a[4], b[4];
             ldmatrix_x4(a, sQi + ITile::offset(mt * 16 + lane % 16, ks * 2 + lane / 16));
-            ldmatrix_x4(b, sKi + ITile::offset(kw * 16 + (lane % 8) + (lane / 16) * 8, ks * 2 + (lane / 8) % 2));
+            ldmatrix_x4(b, sKi + ITile::offset(kwi * 16 + (lane % 8) + (lane / 16) * 8, ks * 2 + (lane / 8) % 2));
             MmaOp<T>::run(ci[0], a, b[0], b[1]);
             MmaOp<T>::run(ci[1], a, b[2], b[3]);
           }
-          index_epilogue(ci, mt, kw * 16, kw);
+          index_epilogue(ci, mt, kwi * 16, kwi);
         }
       }
     }
@@ -459,16 +514,22 @@ __global__ void __launch_bounds__(SparseFwdShape::threads<kOut, kWgmma, kRows>()
     // One buffer: once every warp has read this step's Q, Q_idx, lse and lse_idx, the next step's rows are
     // fetched into it while the rest of this step runs.
     __syncthreads();
-    if (step + 1 < steps) fetch_step(step + 1);
+    if constexpr (kSplit) {
+      if (hs + 1 < nh * steps) fetch_step(step + 1 < steps ? step + 1 : 0);  // the next half's first step
+    } else {
+      if (step + 1 < steps) fetch_step(step + 1);
+    }
     cp_async_commit();
 
     const int u0 = max(row_unit(row0), 0), u1 = max(row_unit(row1), 0);
     const int hh0 = row_head(row0), hh1 = row_head(row1);
     const int lim0 = live && row_unit(row0) >= 0 ? key_limit(u0, nu) : -1;
     const int lim1 = live && row_unit(row1) >= 0 ? key_limit(u1, nu) : -1;
-    // Units are in token order, so when the tile's first unit sees the whole block every unit does and
-    // the tile needs no mask (padding rows then hold finite values that are never stored).
-    const bool full = blen == Sh::kKeys && sTok[0] - seq_start - key0 >= Sh::kKeys - 1;
+    // Units are in token order, so when the tile's first unit sees the whole block (kSplit: the whole
+    // stage) every unit does and the tile needs no mask (padding rows then hold finite values that are
+    // never stored).
+    const bool full = kSplit ? blen >= ko + kStage && sTok[0] - seq_start - key0 >= ko + kStage - 1
+                             : blen == Sh::kKeys && sTok[0] - seq_start - key0 >= Sh::kKeys - 1;
     if (kOut) {
       // P = 2^(s scale_log2 - lse log2 e), 0 past the visible keys. Two copies: most tiles are full
       // (every non-local block), and theirs has no compare and no predicate per element (NOTES s44).
@@ -476,7 +537,7 @@ __global__ void __launch_bounds__(SparseFwdShape::threads<kOut, kWgmma, kRows>()
         constexpr bool kMasked = decltype(masked)::value;
 #pragma unroll
         for (int n = 0; n < kN8; ++n) {
-          const int col = kb + n * 8 + 2 * tq;
+          const int col = ko + kb + n * 8 + 2 * tq;  // block-relative (the masks)
           c[n][0] = !kMasked || col <= lim0 ? fast_exp2(fmaf(c[n][0], p.scale_log2, -e0)) : 0.f;
           c[n][1] = !kMasked || col + 1 <= lim0 ? fast_exp2(fmaf(c[n][1], p.scale_log2, -e0)) : 0.f;
           c[n][2] = !kMasked || col <= lim1 ? fast_exp2(fmaf(c[n][2], p.scale_log2, -e1)) : 0.f;
@@ -500,11 +561,22 @@ __global__ void __launch_bounds__(SparseFwdShape::threads<kOut, kWgmma, kRows>()
         c[n][3] = full || col + 1 <= lim1 ? c[n][3] * pre : kFwdNegInf;
       }
     }
+    // kSmall stats pass: the first warp of the pair's (max, sum) of rows row0, row1 over keys [0, 64),
+    // merged with the second's after the step's barrier below.
+    [[maybe_unused]] float2 st0 = make_float2(0.f, 0.f), st1 = make_float2(0.f, 0.f);
     if constexpr (!kOut) {
       if (active) {
         float m[2], l[2];
         quad_row_max_sum(c, m, l, p.scale_log2 > 0.f ? p.scale_log2 : 1.f);
-        if (tq == 0) {
+        if constexpr (kSmall) {
+          if (kh == 0) {
+            st0 = make_float2(m[0], l[0]);
+            st1 = make_float2(m[1], l[1]);
+          } else if (tq == 0) {
+            sMPart[row0] = make_float2(m[0], l[0]);
+            sMPart[row1] = make_float2(m[1], l[1]);
+          }
+        } else if (tq == 0) {
           if (lim0 >= 0) p.stats[int64_t(sEntry[u0]) * G + j * Gu + hh0] = make_float2(m[0], l[0]);
           if (lim1 >= 0) p.stats[int64_t(sEntry[u1]) * G + j * Gu + hh1] = make_float2(m[1], l[1]);
         }
@@ -625,7 +697,7 @@ __global__ void __launch_bounds__(SparseFwdShape::threads<kOut, kWgmma, kRows>()
           const int gi = g & (Gu - 1);
 #pragma unroll
           for (int b = 1; b <= 4; b <<= 1) {
-            if (b < Gu) {
+            if (b < Gu && b < kN8) {  // (b < kN8: compile-time, kSplit's fast path has Gu <= 4)
               const bool hi = (gi & b) != 0;
 #pragma unroll
               for (int n = 0; n < kN8; ++n) {
@@ -660,7 +732,7 @@ __global__ void __launch_bounds__(SparseFwdShape::threads<kOut, kWgmma, kRows>()
                 for (int h = 0; h < 2; ++h) {  // rows g and g + 8: accumulator entries 2 h, 2 h + 1
                   const int u = h ? uu1 : uu0;
                   if (kGu > 0 || u >= 0) {
-                    const float2 si = *reinterpret_cast<const float2*>(sSi + u * Sh::kSiStride + col);
+                    const float2 si = *reinterpret_cast<const float2*>(sSi + u * L::kSiS + col);
                     const float pm0 = v[n][2 * h] * inv_g, pm1 = v[n][2 * h + 1] * inv_g;
                     // The select is needed: past block_size or blen the index logits were never written
                     // (stale shared memory), and 0 * NaN is NaN (NOTES s35).
@@ -671,8 +743,8 @@ __global__ void __launch_bounds__(SparseFwdShape::threads<kOut, kWgmma, kRows>()
                     if (kMode == 1 || (kMode == 2 && grad)) {
                       const int lim = h ? lim1 : lim0;
                       const float li = h ? li1 : li0;
-                      const float d0 = col <= lim ? fast_exp2(si.x - li) - pm0 : 0.f;
-                      const float d1 = col + 1 <= lim ? fast_exp2(si.y - li) - pm1 : 0.f;
+                      const float d0 = ko + col <= lim ? fast_exp2(si.x - li) - pm0 : 0.f;
+                      const float d1 = ko + col + 1 <= lim ? fast_exp2(si.y - li) - pm1 : 0.f;
                       *reinterpret_cast<uint32_t*>(sDsi + PTile::offset(u, col / 8) + col % 8) = pack2<T>(d0, d1);
                     }
                   }
@@ -703,18 +775,48 @@ __global__ void __launch_bounds__(SparseFwdShape::threads<kOut, kWgmma, kRows>()
       if constexpr (!kWgmma) {
         __syncthreads();  // P of both key halves
         if (live && p.write_out) {  // write_out = false: KL only (warmup), no P V
-          // P V for this warp's half of D over all keys of the block, into the partial output.
+          // P V for this warp's half of D over all keys of the block (kSplit: of the stage), into the
+          // partial output. kSplit's second half adds its share to the first half's store (the same
+          // thread's, read back before the MMAs so that the load overlaps them), and leaves the rows that
+          // see none of its keys as they are.
+          [[maybe_unused]] uint32_t prev[2][kSplit ? kDo / 8 : 1];
+          if constexpr (kSplit) {
+            if (bh > 0) {
+              const T* first = static_cast<const T*>(p.out_part);
+#pragma unroll
+              for (int h = 0; h < 2; ++h) {
+                const bool has = (h ? lim1 : lim0) >= ko;  // a row of the tile with keys in this half
+                const int64_t e = has ? (h ? sEntry[u1] : sEntry[u0]) : 0;
+                const uint32_t* src =
+                    reinterpret_cast<const uint32_t*>(first + (e * G + j * Gu + (h ? hh1 : hh0)) * D + kh * kDo);
+#pragma unroll
+                for (int n = 0; n < kDo / 8; ++n) prev[h][n] = has ? src[n * 4 + tq] : 0u;
+              }
+            }
+          }
           float o[kDo / 8][4];
           zero_acc(o);
-          mma_rows_keys<T, Tile>(o, sP, rg * 16, sV, kh * (kDo / 8), lane);
+          mma_rows_keys<T, Tile, kStage>(o, sP, rg * 16, sV, kh * (kDo / 8), lane);
+          if constexpr (kSplit) {
+            if (bh > 0) {
+#pragma unroll
+              for (int n = 0; n < kDo / 8; ++n) {
+                const float2 x0 = unpack2<T>(prev[0][n]), x1 = unpack2<T>(prev[1][n]);
+                o[n][0] += x0.x;
+                o[n][1] += x0.y;
+                o[n][2] += x1.x;
+                o[n][3] += x1.y;
+              }
+            }
+          }
           T* part = static_cast<T*>(p.out_part);
-          if (lim0 >= 0) {
+          if (lim0 >= ko) {
             uint32_t* dst =
                 reinterpret_cast<uint32_t*>(part + (int64_t(sEntry[u0]) * G + j * Gu + hh0) * D + kh * kDo);
 #pragma unroll
             for (int n = 0; n < kDo / 8; ++n) dst[n * 4 + tq] = pack2<T>(o[n][0], o[n][1]);
           }
-          if (lim1 >= 0) {
+          if (lim1 >= ko) {
             uint32_t* dst =
                 reinterpret_cast<uint32_t*>(part + (int64_t(sEntry[u1]) * G + j * Gu + hh1) * D + kh * kDo);
 #pragma unroll
@@ -723,15 +825,24 @@ __global__ void __launch_bounds__(SparseFwdShape::threads<kOut, kWgmma, kRows>()
         }
       }
     }
+    // The KL sum of unit u of the tile; kSplit: the block's halves meet in sKlAcc (the first's sum plus
+    // the second's, in this order).
+    [[maybe_unused]] auto kl_store = [&](int u, float x) {
+      if constexpr (kSplit) {
+        if (bh > 0) x = sKlAcc[ub + u] + x;
+        if (bh + 1 < nh) sKlAcc[ub + u] = x; else p.kl_part[sEntry[u]] = x;
+      } else {
+        p.kl_part[sEntry[u]] = x;
+      }
+    };
     __syncthreads();
     if constexpr (kOut) {
       if (fast_kl) {  // the KL sum per unit: both key halves, in a fixed order
-        for (int u = tid; u < nu; u += kThreadsT)
-          p.kl_part[sEntry[u]] = kPair ? sKl[u] + sKl[kUnitsT + u] : sKl[u];
+        for (int u = tid; u < nu; u += kThreadsT) kl_store(u, kPair ? sKl[u] + sKl[kUnitsT + u] : sKl[u]);
       }
       if (index && J > 1) {  // the group's heads meet here: sum this pass's heads per (unit, key)
-        for (int i = tid; i < U * Sh::kKeys; i += kThreadsT) {
-          const int u = i / Sh::kKeys, col = i % Sh::kKeys;
+        for (int i = tid; i < U * kStage; i += kThreadsT) {
+          const int u = i / kStage, col = i % kStage;
           float s = 0.f;
           for (int hh = 0; hh < Gu; ++hh) s += float(sP[PTile::offset(u * Gu + hh, col / 8) + col % 8]);
           sPsum[i] = j == 0 ? s : sPsum[i] + s;
@@ -740,6 +851,18 @@ __global__ void __launch_bounds__(SparseFwdShape::threads<kOut, kWgmma, kRows>()
       }
     }
 
+    if constexpr (!kOut && kSmall) {
+      // The pair's two (max, sum) per row: keys [0, 64) from registers, [64, 128) from shared memory.
+      if (active && kh == 0 && tq == 0) {
+        auto merged = [](float2 a, float2 b) {
+          const float m = fmaxf(a.x, b.x);
+          if (m == kFwdNegInf) return make_float2(m, 0.f);  // no visible key
+          return make_float2(m, a.y * exp2f(a.x - m) + b.y * exp2f(b.x - m));
+        };
+        if (lim0 >= 0) p.stats[int64_t(sEntry[u0]) * G + j * Gu + hh0] = merged(st0, sMPart[row0]);
+        if (lim1 >= 0) p.stats[int64_t(sEntry[u1]) * G + j * Gu + hh1] = merged(st1, sMPart[row1]);
+      }
+    }
     if constexpr (!kOut) {
       // Index stats per unit: merge the parts' (max, sum), in part order (a warp's 16 keys; in the wgmma
       // variant a warpgroup's 64).
@@ -763,17 +886,19 @@ __global__ void __launch_bounds__(SparseFwdShape::threads<kOut, kWgmma, kRows>()
     if (kOut && index && j == J - 1) {
       for (int u = warp; u < nu && !fast_kl; u += kWarpsT) {
         const int lim = key_limit(u, nu);
-        const float* si = sSi + u * Sh::kSiStride;
+        const float* si = sSi + u * L::kSiS;
         const float inv_g = 1.f / float(G);
         const bool grad = p.dsi_part != nullptr;
         const float lse_idx2 = grad ? p.lse_idx[int64_t(r) * p.total_tokens + sTok[u]] * kLog2e : 0.f;
         float acc = 0.f;
-        for (int col = lane; col < (grad ? Sh::kKeys : lim + 1); col += 32) {
+        // The stage's columns col (keys ko + col); without dsi, the visible ones only.
+        const int n_cols = grad ? kStage : (kSplit ? min(kStage, lim - ko + 1) : lim + 1);
+        for (int col = lane; col < n_cols; col += 32) {
           float pm = 0.f, dsi = 0.f;
-          if (col <= lim) {
+          if (ko + col <= lim) {
             float s = 0.f;
             if (J > 1) {
-              s = sPsum[u * Sh::kKeys + col];
+              s = sPsum[u * kStage + col];
             } else {
               for (int hh = 0; hh < Gu; ++hh) s += float(sP[PTile::offset(u * Gu + hh, col / 8) + col % 8]);
             }
@@ -785,7 +910,7 @@ __global__ void __launch_bounds__(SparseFwdShape::threads<kOut, kWgmma, kRows>()
         }
 #pragma unroll
         for (int off = 16; off >= 1; off >>= 1) acc += __shfl_xor_sync(0xffffffffu, acc, off);
-        if (lane == 0) p.kl_part[sEntry[u]] = acc * kLn2;
+        if (lane == 0) kl_store(u, acc * kLn2);
       }
       if (p.dsi_part != nullptr) {
         // dsi of the tile's units to the chunk's buffer at their places in the reverse index (the
@@ -795,16 +920,27 @@ __global__ void __launch_bounds__(SparseFwdShape::threads<kOut, kWgmma, kRows>()
         // / 8, ... and 16 columns of Di. The register KL path wrote dsi before the barrier after the
         // KL block; only the per-unit loop above needs another (the next step's writes to dsi come
         // after the barriers at its start).
+        // kSplit: the stage's columns [ko, ko + 64) of the rows; a block of one half (<= 64 keys) also
+        // stores the zeros of columns [64, 128), which the default configuration writes too.
         if (!fast_kl) __syncthreads();
-        for (int i = tid; i < nu * (Sh::kKeys / 8); i += kThreadsT) {
-          const int u = i / (Sh::kKeys / 8), ch = i % (Sh::kKeys / 8);
-          *reinterpret_cast<uint4*>(static_cast<T*>(p.dsi_part) + int64_t(u_begin + ub + u) * Sh::kKeys + ch * 8) =
+        for (int i = tid; i < nu * (kStage / 8); i += kThreadsT) {
+          const int u = i / (kStage / 8), ch = i % (kStage / 8);
+          *reinterpret_cast<uint4*>(static_cast<T*>(p.dsi_part) + int64_t(u_begin + ub + u) * Sh::kKeys + ko + ch * 8) =
               *reinterpret_cast<const uint4*>(sDsi + PTile::offset(u, ch));
+        }
+        if constexpr (kSplit) {
+          if (nh == 1) {
+            for (int i = tid; i < nu * (kStage / 8); i += kThreadsT) {
+              const int u = i / (kStage / 8), ch = i % (kStage / 8);
+              *reinterpret_cast<uint4*>(static_cast<T*>(p.dsi_part) + int64_t(u_begin + ub + u) * Sh::kKeys + kStage +
+                                        ch * 8) = make_uint4(0, 0, 0, 0);
+            }
+          }
         }
         for (int mt = warp / 8; mt * 16 < nu && kw * 16 < di; mt += kWarpsT / 8) {
           float dq[2][4];
           zero_acc(dq);
-          mma_rows_keys<T, KiTile>(dq, sDsi, mt * 16, sKi, kw * 2, lane);
+          mma_rows_keys<T, KiTile, kStage>(dq, sDsi, mt * 16, sKi, kw * 2, lane);
           // One 16-byte atomic per lane and n-tile: even tq lanes add unit mt * 16 + g, odd ones + 8
           // (deterministic mode: the exact hi / lo split of common/det_sum.h).
           const int uq = mt * 16 + g + ((tq & 1) ? 8 : 0);
@@ -825,11 +961,11 @@ __global__ void __launch_bounds__(SparseFwdShape::threads<kOut, kWgmma, kRows>()
   }
 }
 
-template <typename T, int D, bool kOut, bool kWgmma = false, int kRows = 128, int kGu = 0>
+template <typename T, int D, bool kOut, bool kWgmma = false, int kRows = 128, int kGu = 0, bool kSmall = false>
 cudaError_t launch_sparse_fwd_pass(const SparseFwdParams& p, cudaStream_t stream) {
   if (p.work.max_items == 0) return cudaSuccess;
-  constexpr int smem = SparseFwdShape::Smem<T, D, kOut, kRows>::bytes + (kWgmma ? 1024 : 0);
-  auto kernel = sparse_fwd_kernel<T, D, kOut, kWgmma, kRows, kGu>;
+  constexpr int smem = SparseFwdShape::Smem<T, D, kOut, kRows, kSmall>::bytes + (kWgmma ? 1024 : 0);
+  auto kernel = sparse_fwd_kernel<T, D, kOut, kWgmma, kRows, kGu, kSmall>;
   cudaError_t err = cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, smem);
   // The stats pass runs two CTAs per SM: ask for the largest shared-memory carve-out.
   if (err == cudaSuccess)
@@ -841,6 +977,10 @@ cudaError_t launch_sparse_fwd_pass(const SparseFwdParams& p, cudaStream_t stream
 
 template <typename T, int D>
 cudaError_t launch_sparse_fwd(const SparseFwdParams& p, bool out_pass, cudaStream_t stream) {
+  if (p.small_smem) {  // GPUs with 99 KB of shared memory per block: both passes in 64-row tiles
+    return out_pass ? launch_sparse_fwd_pass<T, D, true, false, 64, 0, true>(p, stream)
+                    : launch_sparse_fwd_pass<T, D, false, false, 64, 0, true>(p, stream);
+  }
   if (!out_pass) return launch_sparse_fwd_pass<T, D, false>(p, stream);
   return p.out_rows == 64 ? launch_sparse_fwd_pass<T, D, true, false, 64>(p, stream)
                           : launch_sparse_fwd_pass<T, D, true>(p, stream);
