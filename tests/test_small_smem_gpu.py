@@ -226,3 +226,20 @@ def test_long_sequence(small):
                                           seed=8)
     _fwd_case(q, k, v, qi, ki, cu, mx, 16, 128)
     _check_grads(q, k, v, qi, ki, cu, mx, 16, 128, seed=8)
+
+
+def test_configuration_is_taken(monkeypatch):
+    """The tests above run the 99 KB kernels: the host's choice (torch.ops.msa.device_config, the same
+    functions the ops decide with) follows MSA_SMALL_SMEM on the portable path, and the Hopper path has
+    its own tiles."""
+    x = torch.empty(0, device="cuda")
+    monkeypatch.setenv("MSA_PORTABLE_KERNELS", "1")
+    monkeypatch.setenv("MSA_SMALL_SMEM", "1")
+    assert ops.device_config(x)[3].item() == 1
+    monkeypatch.delenv("MSA_SMALL_SMEM")
+    optin = ops.device_config(x)[4].item()
+    assert ops.device_config(x)[3].item() == int(optin < 150 * 1024)
+    if torch.cuda.get_device_capability() == (9, 0) and ops.device_config(x)[0].item():
+        monkeypatch.delenv("MSA_PORTABLE_KERNELS")
+        monkeypatch.setenv("MSA_SMALL_SMEM", "1")
+        assert ops.device_config(x)[1].item() == 1 and ops.device_config(x)[3].item() == 0
