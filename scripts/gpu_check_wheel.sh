@@ -28,7 +28,9 @@ nvidia-smi --query-gpu=name,driver_version,clocks.sm,clocks.mem,temperature.gpu 
 $PY -m msa.info > "$LOG/info.txt" 2>&1
 echo "msa.info: rc=$?, msa from $($PY -c 'import msa; print(msa.__file__)')" | tee -a "$LOG/summary.txt"
 t0=$(date +%s)
-$PY -m pytest ${MSA_PYTEST_ARGS:-tests -m gpu} -q -rs --durations=10 -p no:cacheprovider > "$LOG/tests.log" 2>&1
+# MSA_TEST_TIMEOUT (s) stops the tests (SIGINT: pytest still prints its summary) to leave time for the bench.
+timeout -s INT "${MSA_TEST_TIMEOUT:-0}" $PY -m pytest ${MSA_PYTEST_ARGS:-tests -m gpu} -q -rs --durations=10 \
+  -p no:cacheprovider > "$LOG/tests.log" 2>&1
 echo "tests: rc=$?, $(( $(date +%s) - t0 )) s, $(tail -n 1 "$LOG/tests.log")" | tee -a "$LOG/summary.txt"
 if [ "${MSA_SKIP_BENCH:-0}" != 1 ]; then
   $PY -m msa.bench --save "$LOG" ${MSA_BENCH_ARGS:-} 2> "$LOG/bench_progress.log" | tee "$LOG/bench.txt"

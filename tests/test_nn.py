@@ -733,12 +733,15 @@ def process_group(tmp_path, request):
 
 
 def fsdp2_vs_unsharded(device, dtype, N, cfg, tol, steps=2):
+    from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.fsdp import fully_shard
     plain = Model(cfg, layers=2, dtype=dtype, device=device)
     sharded = copy.deepcopy(plain)
+    # The mesh on `device`: without one, fully_shard takes the accelerator whenever one is present.
+    mesh = init_device_mesh(device, (torch.distributed.get_world_size(),))
     for b in sharded.blocks:
-        fully_shard(b)
-    fully_shard(sharded)
+        fully_shard(b, mesh=mesh)
+    fully_shard(sharded, mesh=mesh)
     assert type(next(sharded.parameters())).__name__ == "DTensor"
     opts = [torch.optim.AdamW(m.parameters(), lr=1e-3) for m in (plain, sharded)]
     for step in range(steps):
