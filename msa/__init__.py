@@ -2,6 +2,9 @@
 from ._ops import has_cuda_kernel
 from .interface import msa_attention, msa_attention_varlen, select_blocks, sparse_attention, validate_cu_seqlens
 
-__version__ = "0.1.0"
+try:  # the installed version, as the build recorded it (0.1.0+cu130 for a wheel variant)
+    from ._build_info import version as __version__
+except ImportError:  # a source tree setup.py never built: the base version
+    from ._version import base_version as __version__
 __all__ = ["msa_attention", "msa_attention_varlen", "select_blocks", "sparse_attention", "validate_cu_seqlens",
            "has_cuda_kernel"]
