@@ -203,7 +203,6 @@ class CMakeBuild(build_ext):
             f"-DCMAKE_PREFIX_PATH={torch.utils.cmake_prefix_path}",
             f"-DMSA_PYTHON_INCLUDE_DIR={sysconfig.get_paths()['include']}",
             f"-DMSA_OUTPUT_DIR={out_dir}",
-            f"-DPython_EXECUTABLE={sys.executable}",
         ]
         env = dict(os.environ)
         if nvcc is None:
@@ -213,7 +212,7 @@ class CMakeBuild(build_ext):
             args.append("-DMSA_WITH_CUDA=OFF")
         else:
             args += ["-DMSA_WITH_CUDA=ON", f"-DCMAKE_CUDA_COMPILER={nvcc}",
-                     f"-DCUDA_TOOLKIT_ROOT_DIR={Path(nvcc).resolve().parent.parent}",
+                     f"-DCUDAToolkit_ROOT={Path(nvcc).resolve().parent.parent}",
                      f"-DMSA_CUDA_ARCHS={archs}",
                      f"-DMSA_CUTLASS_DIR={_cutlass_dir()}",
                      f"-DMSA_PTXAS_VERBOSE={'ON' if os.environ.get('MSA_PTXAS_VERBOSE') == '1' else 'OFF'}"]
