@@ -44,12 +44,15 @@ STABLE_TORCH_LIBRARY(msa, m) {
   // [sm90 kernels in this build, the Hopper path taken, forward output rows per tile (D = 128), the
   // 99 KB configuration taken, opt-in shared memory per block in bytes].
   m.def("device_config(Tensor like) -> Tensor");
-  // PyTorch's flash attention for the dense main branch of warmup (SPEC 5), implemented in Python
-  // (msa/_ops.py) and called by the CUDA msa_fwd / msa_bwd: aten::_flash_attention_* change their
-  // schemas between torch releases, and the backward's determinism is PyTorch's global flag, which the
-  // stable ABI cannot set.
-  m.def("_dense_fwd(Tensor q, Tensor k, Tensor v, Tensor cu_seqlens, SymInt max_seqlen, float softmax_scale) -> "
-        "(Tensor out, Tensor lse)");
+  // PyTorch's dense attention (cuDNN or flash) for warmup (SPEC 5), implemented in Python (msa/_ops.py)
+  // and called by the CUDA msa_fwd / msa_bwd: for the dense main branch, and (the output unused) for the
+  // index branch's lse_idx. aten's attention schemas change between torch releases, and the flash
+  // backward's determinism is PyTorch's global flag, which the stable ABI cannot set. uniform: every
+  // sequence holds T / (number of sequences) tokens (the batched layout, or one packed sequence), which
+  // the cuDNN kernels need; lse is (H, T) in either case.
+  m.def("_dense_fwd(Tensor q, Tensor k, Tensor v, Tensor cu_seqlens, SymInt max_seqlen, float softmax_scale, "
+        "bool uniform=False, bool deterministic=False) -> (Tensor out, Tensor lse)");
   m.def("_dense_bwd(Tensor dout, Tensor q, Tensor k, Tensor v, Tensor out, Tensor lse, Tensor cu_seqlens, "
-        "SymInt max_seqlen, float softmax_scale, bool deterministic) -> (Tensor dq, Tensor dk, Tensor dv)");
+        "SymInt max_seqlen, float softmax_scale, bool deterministic, bool uniform=False) -> "
+        "(Tensor dq, Tensor dk, Tensor dv)");
 }

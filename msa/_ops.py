@@ -150,20 +150,93 @@ def _validate_cu_seqlens_cpu(cu_seqlens, total_tokens, max_seqlen):
 
 
 # ----------------------------------------------------------------------------------------------
-# PyTorch's flash attention for the CUDA warmup path (csrc/torch_bindings.cpp: msa::_dense_fwd and
-# msa::_dense_bwd). The CUDA msa_fwd / msa_bwd call these through the dispatcher: the aten schemas
-# change between torch releases (keywords absorb that here), and the backward's determinism is PyTorch's
-# global flag, which the compiled module (stable ABI) cannot set.
+# PyTorch's dense attention for the CUDA warmup path (csrc/torch_bindings.cpp: msa::_dense_fwd and
+# msa::_dense_bwd): the dense main branch, and the index branch's lse_idx (its output unused). The CUDA
+# msa_fwd / msa_bwd call these through the dispatcher: the aten schemas change between torch releases
+# (keywords absorb that here), and the flash backward's determinism is PyTorch's global flag, which the
+# compiled module (stable ABI) cannot set.
+#
+# Backend: cuDNN where it applies (every sequence the same length, deterministic=False, cuDNN SDPA
+# enabled in torch.backends.cuda), PyTorch's flash kernel otherwise. On the H200 cuDNN's fwd+bwd is
+# 1.6-1.7x faster than flash (scripts/probe_dense_backends.py), but its backward is not bitwise
+# repeatable and torch 2.11's packed (ragged) cuDNN path returns wrong values, so those cases take
+# flash. MSA_DENSE_BACKEND=flash (or cudnn) overrides the choice (tests, A/B runs). Both return lse
+# (H, T), the natural-log logsumexp of the scaled logits, and either backward takes either forward's.
+# cuDNN rejects sequences of one token (s_q = s_kv = 1): those take flash too.
 # ----------------------------------------------------------------------------------------------
+_CUDNN_FAILED: set = set()  # shapes whose cuDNN call raised: flash for them from then on (warned once)
+
+
+def _shape_key(q, k, seq_len):
+    return (q.device, q.dtype, seq_len, tuple(q.shape[1:]), tuple(k.shape[1:]))
+
+
+def _dense_backend(q, k, seq_len, uniform, deterministic):
+    """seq_len: the tokens of every sequence when uniform."""
+    import os
+    forced = os.environ.get("MSA_DENSE_BACKEND", "")
+    if forced not in ("", "flash", "cudnn"):
+        raise ValueError(f"MSA_DENSE_BACKEND: expected 'flash' or 'cudnn', got {forced!r}")
+    if forced == "flash" or not uniform or seq_len < 2 or _shape_key(q, k, seq_len) in _CUDNN_FAILED:
+        return "flash"
+    if forced == "cudnn":
+        return "cudnn"
+    usable = (not deterministic and torch.backends.cudnn.is_available() and torch.backends.cuda.cudnn_sdp_enabled()
+              and hasattr(torch.ops.aten, "_scaled_dot_product_cudnn_attention"))
+    return "cudnn" if usable else "flash"
+
+
+def _cudnn_failed(q, k, seq_len, err):
+    import warnings
+    _CUDNN_FAILED.add(_shape_key(q, k, seq_len))
+    warnings.warn(f"msa: cuDNN attention failed on {q.device} for q {tuple(q.shape)}, k {tuple(k.shape)} ({err}); "
+                  f"the warmup path uses PyTorch's flash kernel for this shape from now on", RuntimeWarning,
+                  stacklevel=3)
+
+
+def _bhnd(x, batch):
+    """(T, H, D) packed rows of `batch` equal sequences as the (B, H, N, D) view cuDNN takes."""
+    return x.view(batch, x.shape[0] // batch, x.shape[1], x.shape[2]).transpose(1, 2)
+
+
+def _thd(x):
+    """The inverse of _bhnd (a view when x is (B, N, H, D) in memory, as cuDNN returns it)."""
+    return x.transpose(1, 2).reshape(-1, x.shape[1], x.shape[3])
+
+
 @torch.library.register_kernel("msa::_dense_fwd", "cuda")
-def _dense_fwd_cuda(q, k, v, cu_seqlens, max_seqlen, softmax_scale):
+def _dense_fwd_cuda(q, k, v, cu_seqlens, max_seqlen, softmax_scale, uniform=False, deterministic=False):
+    T, H = q.shape[0], q.shape[1]
+    batch = cu_seqlens.shape[0] - 1  # sequences, all of T / batch tokens when uniform
+    if _dense_backend(q, k, T // max(batch, 1), uniform, deterministic) == "cudnn":
+        try:
+            out, lse = torch.ops.aten._scaled_dot_product_cudnn_attention(
+                _bhnd(q, batch), _bhnd(k, batch), _bhnd(v, batch), None, True, 0.0, True, False,
+                scale=softmax_scale)[:2]
+            # lse (B, H, N[, 1]) -> (H, T): a view for one sequence
+            return _thd(out), lse.reshape(batch, H, T // batch).transpose(0, 1).reshape(H, T)
+        except RuntimeError as e:
+            _cudnn_failed(q, k, T // batch, e)
     out, lse = torch.ops.aten._flash_attention_forward(
         q, k, v, cu_seqlens, cu_seqlens, max_seqlen, max_seqlen, 0.0, True, False, scale=softmax_scale)[:2]
     return out, lse.contiguous()
 
 
 @torch.library.register_kernel("msa::_dense_bwd", "cuda")
-def _dense_bwd_cuda(dout, q, k, v, out, lse, cu_seqlens, max_seqlen, softmax_scale, deterministic):
+def _dense_bwd_cuda(dout, q, k, v, out, lse, cu_seqlens, max_seqlen, softmax_scale, deterministic, uniform=False):
+    dout = dout.contiguous()
+    T, H = q.shape[0], q.shape[1]
+    batch = cu_seqlens.shape[0] - 1
+    if _dense_backend(q, k, T // max(batch, 1), uniform, deterministic) == "cudnn":
+        zero = torch.zeros((), dtype=torch.int64, device=q.device)  # no dropout: the philox state is not read
+        lse4 = lse.view(H, batch, T // batch).transpose(0, 1).contiguous().unsqueeze(-1)
+        try:
+            grads = torch.ops.aten._scaled_dot_product_cudnn_attention_backward(
+                _bhnd(dout, batch), _bhnd(q, batch), _bhnd(k, batch), _bhnd(v, batch), _bhnd(out, batch), lse4,
+                zero, zero, None, None, None, T // batch, T // batch, 0.0, True, scale=softmax_scale)
+            return tuple(_thd(g) for g in grads)
+        except RuntimeError as e:
+            _cudnn_failed(q, k, T // batch, e)
     rng = torch.zeros(2, dtype=torch.int64, device=q.device)  # no dropout: its rng state is not read
     unused = torch.empty(0, dtype=torch.int64, device=q.device)
     was, warn_only = torch.are_deterministic_algorithms_enabled(), torch.is_deterministic_algorithms_warn_only_enabled()
@@ -171,7 +244,7 @@ def _dense_bwd_cuda(dout, q, k, v, out, lse, cu_seqlens, max_seqlen, softmax_sca
         torch.use_deterministic_algorithms(True)
     try:
         dq, dk, dv = torch.ops.aten._flash_attention_backward(
-            dout.contiguous(), q, k, v, out, lse, cu_seqlens, cu_seqlens, max_seqlen, max_seqlen, 0.0, True, rng,
+            dout, q, k, v, out, lse, cu_seqlens, cu_seqlens, max_seqlen, max_seqlen, 0.0, True, rng,
             unused, scale=softmax_scale)
     finally:
         torch.use_deterministic_algorithms(was, warn_only=warn_only)

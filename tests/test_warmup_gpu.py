@@ -1,5 +1,6 @@
-"""Warmup mode on CUDA (SPEC 5): dense main attention (PyTorch flash) and our dense KL pass, against the
-float64 reference: out, lse, kl, lse_idx and all five gradients."""
+"""Warmup mode on CUDA (SPEC 5): dense main attention (PyTorch's cuDNN or flash kernel, msa/_ops.py) and
+our dense KL pass, against the float64 reference: out, lse, kl, lse_idx and all five gradients, on each
+dense backend, with the backend each layout takes checked."""
 import math
 
 import pytest
@@ -9,25 +10,48 @@ import msa
 from attention_check import assert_forward_close, assert_grads_close, reference_forward
 from helpers import HEADS, make_inputs, make_packed, poison_allocator
 
-pytestmark = pytest.mark.gpu
+# A cuDNN call that raises makes the warmup path warn and take flash: here that is a failure.
+pytestmark = [pytest.mark.gpu, pytest.mark.filterwarnings("error::RuntimeWarning")]
 ops = torch.ops.msa
 
 
-def _check(q, k, v, qi, ki, cu, mx, topk, bs, seed):
+@pytest.fixture
+def backends(monkeypatch):
+    """The dense backends the warmup path chose during the test (msa._ops._dense_backend's answers)."""
+    from msa import _ops
+    taken = []
+    choose = _ops._dense_backend
+
+    def record(*args):
+        taken.append(choose(*args))
+        return taken[-1]
+    monkeypatch.setattr(_ops, "_dense_backend", record)
+    return taken
+
+
+def _check(q, k, v, qi, ki, cu, mx, topk, bs, seed, batched=False):
+    """batched: the op without cu_seqlens (B = T / mx sequences of mx tokens) and the batched public API."""
     scale, iscale = 1 / math.sqrt(q.shape[-1]), 1 / math.sqrt(qi.shape[-1])
     poison_allocator()
-    out, kl, idx, lse, lse_idx, g_q, g_k, _ = ops.msa_fwd(q, k, v, qi, ki, cu, mx, topk, bs, scale, iscale, True,
+    cu_op = None if batched else cu
+    out, kl, idx, lse, lse_idx, g_q, g_k, _ = ops.msa_fwd(q, k, v, qi, ki, cu_op, mx, topk, bs, scale, iscale, True,
                                                            False, True)
     assert idx.shape == (qi.shape[1], q.shape[0], 0)
     exact, (lowp_out, _) = reference_forward(q, k, v, qi, ki, None, cu, bs, scale, iscale)
     assert_forward_close(out, kl, lse, lse_idx, exact, lowp_out)
-    again = ops.msa_fwd(q, k, v, qi, ki, cu, mx, topk, bs, scale, iscale, True, False, True)
+    again = ops.msa_fwd(q, k, v, qi, ki, cu_op, mx, topk, bs, scale, iscale, True, False, True)
     for name, a, b in zip(("out", "kl", "lse", "lse_idx"), (out, kl, lse, lse_idx), (again[0], again[1], again[3],
                                                                                      again[4])):
         assert torch.equal(a, b), f"{name} differs between two runs"
     # Gradients through the public API.
     leaves = [x.detach().requires_grad_(True) for x in (q, k, v, qi, ki)]
-    o2, kl2 = msa.msa_attention_varlen(*leaves, cu, mx, topk=topk, block_size=bs, warmup=True)
+    if batched:
+        b = q.shape[0] // mx
+        o2, kl2 = msa.msa_attention(*(x.view(b, mx, *x.shape[1:]) for x in leaves), topk=topk, block_size=bs,
+                                    warmup=True)
+        o2 = o2.reshape(q.shape)
+    else:
+        o2, kl2 = msa.msa_attention_varlen(*leaves, cu, mx, topk=topk, block_size=bs, warmup=True)
     g = torch.Generator().manual_seed(seed)
     dout = torch.randn(o2.shape, generator=g).to(o2)
     dkl = torch.tensor(1.5, device=q.device)
@@ -38,22 +62,53 @@ def _check(q, k, v, qi, ki, cu, mx, topk, bs, seed):
 CASES = [(2, 1, 64, 64, 128), (1, 300, 128, 64, 64), (2, 700, 64, 128, 128), (1, 2048, 128, 128, 128)]
 
 
+@pytest.mark.parametrize("backend", ["auto", "flash"])
+@pytest.mark.parametrize("layout", ["batched", "packed"])
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
 @pytest.mark.parametrize("case", range(len(CASES)))
-def test_warmup_batched(case, dtype):
+def test_warmup_batched(case, dtype, layout, backend, backends, monkeypatch):
+    """Equal lengths: cuDNN by default (batched layout, or one packed sequence), flash when asked for
+    or when the packed layout holds several sequences (its lengths are not known on the host)."""
+    if backend == "flash":
+        monkeypatch.setenv("MSA_DENSE_BACKEND", "flash")
     B, N, D, Di, bs = CASES[case]
     heads = HEADS[case % len(HEADS)]
     x = make_inputs(B, N, heads, D, Di, dtype=dtype, device="cuda", seed=case)
     flat = [t.reshape(B * N, *t.shape[2:]) for t in x]
     cu = torch.arange(0, (B + 1) * N, N, dtype=torch.int32, device="cuda")
-    _check(*flat, cu, N, 16, bs, seed=case)
+    _check(*flat, cu, N, 16, bs, seed=case, batched=layout == "batched")
+    cudnn = backend == "auto" and (layout == "batched" or B == 1) and N > 1 and torch.backends.cudnn.is_available()
+    assert set(backends) == {"cudnn" if cudnn else "flash"}, backends
 
 
 @pytest.mark.parametrize("heads", [(8, 2, 4, 1), (8, 4, 2, 1), (12, 4, 4, 1)])
-def test_warmup_varlen(heads):
+def test_warmup_varlen(heads, backends):
     q, k, v, qi, ki, cu, mx = make_packed([900, 1, 129, 0, 1500], heads, 128, 64, dtype=torch.bfloat16,
                                           device="cuda", seed=sum(heads))
     _check(q, k, v, qi, ki, cu, mx, 16, 128, seed=3)
+    assert set(backends) == {"flash"}, backends
+
+
+def test_warmup_deterministic_takes_flash(backends):
+    """deterministic=True: flash (cuDNN's backward is not bitwise repeatable), gradients bitwise equal."""
+    x = make_inputs(1, 1500, (8, 2, 4, 1), 128, 128, dtype=torch.bfloat16, device="cuda", seed=5)
+    runs = []
+    for _ in range(2):
+        leaves = [t.detach().clone().requires_grad_(True) for t in x]
+        out, kl = msa.msa_attention(*leaves, warmup=True, deterministic=True)
+        runs.append(torch.autograd.grad((out, kl), leaves, (torch.ones_like(out), torch.ones_like(kl))))
+    assert set(backends) == {"flash"}, backends
+    for a, b in zip(*runs):
+        assert torch.equal(a, b)
+
+
+def test_warmup_sequence_of_one_token(backends):
+    """N = 1, batched: cuDNN takes no one-token sequences, so flash, against the reference."""
+    x = make_inputs(3, 1, (4, 2, 2, 1), 64, 64, dtype=torch.bfloat16, device="cuda", seed=9)
+    flat = [t.reshape(3, *t.shape[2:]) for t in x]
+    cu = torch.arange(0, 4, dtype=torch.int32, device="cuda")
+    _check(*flat, cu, 1, 16, 64, seed=9, batched=True)
+    assert set(backends) == {"flash"}, backends
 
 
 def test_warmup_return_indices():

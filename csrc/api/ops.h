@@ -27,9 +27,11 @@ SparseForward sparse_forward_cuda(const Tensor& q, const Tensor& k, const Tensor
                                   const std::optional<Tensor>& q_idx, const std::optional<Tensor>& k_idx,
                                   const Tensor& indices, const SeqMap& seqs, int64_t max_seqlen,
                                   int64_t block_size, double softmax_scale, double index_scale, bool index_grad,
-                                  bool deterministic, bool dense = false, const std::optional<Tensor>& lse_given = std::nullopt);
+                                  bool deterministic, bool dense = false, const std::optional<Tensor>& lse_given = std::nullopt,
+                                  const std::optional<Tensor>& lse_idx_given = std::nullopt);
 // dense: warmup (SPEC 5), every block up to the token's own (indices is then only read for Hi); with
-// lse_given (Hq, T) the main branch's lse comes from elsewhere and only the KL part runs.
+// lse_given (Hq, T) the main branch's lse comes from elsewhere and only the KL part runs; with
+// lse_idx_given (Hi, T) too, the stats pass is skipped (it would only compute lse_idx).
 
 // The main branch's gradients (SPEC 3) from the forward's lse.
 std::tuple<Tensor, Tensor, Tensor> sparse_backward_cuda(

@@ -156,16 +156,17 @@ std::tuple<Tensor, Tensor, Tensor> sparse_bwd_cuda(const Tensor& dout, const Ten
   return sparse_backward_cuda(dout, q, k, v, out, lse, indices, seqs, block_size, softmax_scale, deterministic);
 }
 
-// PyTorch's flash backward (the dense main branch of warmup, SPEC 5), through msa::_dense_bwd
+// PyTorch's cuDNN or flash backward (the dense main branch of warmup, SPEC 5), through msa::_dense_bwd
 // (msa/_ops.py): aten::_flash_attention_backward is deterministic when PyTorch's global flag says so,
 // and the stable ABI cannot set that flag, so the Python side sets it for this call when
-// deterministic=True.
+// deterministic=True (and takes flash then: cuDNN's backward is not repeatable).
 std::tuple<Tensor, Tensor, Tensor> dense_attention_backward(const Tensor& dout, const Tensor& q, const Tensor& k,
                                                             const Tensor& v, const Tensor& out, const Tensor& lse,
                                                             const Tensor& cu, int64_t max_seqlen,
-                                                            double softmax_scale, bool deterministic) {
-  std::array<StableIValue, 10> st{from(dout), from(q),   from(k),          from(v),             from(out),
-                                  from(lse),  from(cu),  from(max_seqlen), from(softmax_scale), from(deterministic)};
+                                                            double softmax_scale, bool deterministic, bool uniform) {
+  std::array<StableIValue, 11> st{from(dout), from(q),          from(k),             from(v),
+                                  from(out),  from(lse),        from(cu),            from(max_seqlen),
+                                  from(softmax_scale), from(deterministic), from(uniform)};
   detail::call_op("msa::_dense_bwd", "", st);
   using torch::stable::detail::to;
   return {to<Tensor>(st[0]), to<Tensor>(st[1]), to<Tensor>(st[2])};
@@ -186,8 +187,9 @@ std::tuple<Tensor, Tensor, Tensor, Tensor, Tensor> msa_bwd_cuda(
     const DeviceGuard guard(q.get_device_index());
     if (warmup) {
       // SPEC 5: the dense main branch's gradients from PyTorch's flash backward.
-      std::tie(dq, dk, dv) =
-          dense_attention_backward(*dout, q, k, v, out, lse, seqs.cu, max_seqlen, softmax_scale, deterministic);
+      const bool uniform = !cu_seqlens.has_value() || cu_seqlens->size(0) == 2;  // as msa_fwd's
+      std::tie(dq, dk, dv) = dense_attention_backward(*dout, q, k, v, out, lse, seqs.cu, max_seqlen, softmax_scale,
+                                                      deterministic, uniform);
     } else {
       std::tie(dq, dk, dv) =
           sparse_backward_cuda(*dout, q, k, v, out, lse, indices, seqs, block_size, softmax_scale, deterministic);

@@ -51,10 +51,13 @@ SparseForward sparse_forward_cuda(const Tensor& q_in, const Tensor& k_in, const 
                                   const std::optional<Tensor>& q_idx_in, const std::optional<Tensor>& k_idx_in,
                                   const Tensor& indices, const SeqMap& seqs, int64_t max_seqlen,
                                   int64_t block_size, double softmax_scale, double index_scale, bool index_grad,
-                                  bool deterministic, bool dense, const std::optional<Tensor>& lse_given) {
+                                  bool deterministic, bool dense, const std::optional<Tensor>& lse_given,
+                                  const std::optional<Tensor>& lse_idx_given) {
   check_qkv_cuda(q_in, k_in, v_in);
   check_cuda_int32(indices, "indices", 3);
   const bool kl_only = lse_given.has_value();
+  // Both lse given (warmup): the stats pass would compute nothing else, so it does not run.
+  const bool no_stats = kl_only && lse_idx_given.has_value();
   MSA_CHECK(same_device(indices, q_in), "indices: expected device ", dev(q_in));
   MSA_CHECK(block_size == 64 || block_size == 128, "block_size: expected 64 or 128, got ", block_size);
   const int64_t T = q_in.size(0), Hq = q_in.size(1), D = q_in.size(2), Hkv = k_in.size(1);
@@ -101,7 +104,12 @@ SparseForward sparse_forward_cuda(const Tensor& q_in, const Tensor& k_in, const 
   SparseForward res;
   res.out = kl_only ? Tensor() : empty_as(q_in);
   res.lse = kl_only ? contig(*lse_given) : empty({Hq, T}, kFloat, q);
-  res.lse_idx = empty({index ? Hi : 0, T}, kFloat, q);
+  if (no_stats) {
+    MSA_CHECK(index && lse_idx_given->dim() == 2 && lse_idx_given->size(0) == Hi && lse_idx_given->size(1) == T &&
+                  lse_idx_given->scalar_type() == kFloat,
+              "lse_idx: expected fp32 (", Hi, ", ", T, "), got ", shape(*lse_idx_given));
+  }
+  res.lse_idx = no_stats ? contig(*lse_idx_given) : empty({index ? Hi : 0, T}, kFloat, q);
   res.kl_rows = empty({index ? Hi : 0, T}, kFloat, q);
   const bool grad = index && index_grad;
   if (grad) {
@@ -126,7 +134,7 @@ SparseForward sparse_forward_cuda(const Tensor& q_in, const Tensor& k_in, const 
                     "q: too many tokens for the int32 reverse index, T = ", T);
 
   const Tensor stats = empty({kl_only ? 0 : entries * G * 2}, kFloat, q);
-  const Tensor idx_stats = empty({index ? entries * 2 : 0}, kFloat, q);
+  const Tensor idx_stats = empty({index && !no_stats ? entries * 2 : 0}, kFloat, q);
   const Tensor kl_part = empty({index ? entries : 0}, kFloat, q);
   const Tensor out_part = empty({kl_only ? 0 : entries * G * D}, q.scalar_type(), q);
   const Tensor dsi_part = empty({grad ? entries * 128 : 0}, q.scalar_type(), q);
@@ -192,7 +200,7 @@ SparseForward sparse_forward_cuda(const Tensor& q_in, const Tensor& k_in, const 
   // where it applies; MSA_FWD_FIXED_GU=0 keeps the general kernel (tests compare the two).
   fp.fixed_gu = J == 1 && G == 4 && !env_is("MSA_FWD_FIXED_GU", "0") ? 4 : 0;
   fp.stats = reinterpret_cast<float2*>(ptr<float>(stats));
-  fp.idx_stats = index ? reinterpret_cast<float2*>(ptr<float>(idx_stats)) : nullptr;
+  fp.idx_stats = index && !no_stats ? reinterpret_cast<float2*>(ptr<float>(idx_stats)) : nullptr;
   fp.lse = ptr<float>(res.lse);
   fp.out_part = out_part.data_ptr();
   fp.kl_part = index ? ptr<float>(kl_part) : nullptr;
@@ -258,8 +266,11 @@ SparseForward sparse_forward_cuda(const Tensor& q_in, const Tensor& k_in, const 
     if (!kl_only) {
       MSA_LAUNCH_CHECK(cudaMemsetAsync(stats.data_ptr(), 0, size_t(n * G) * sizeof(float2), stream), "sparse_fwd");
     }
-    if (index) {
+    if (index && !no_stats) {
       MSA_LAUNCH_CHECK(cudaMemsetAsync(idx_stats.data_ptr(), 0, size_t(n) * sizeof(float2), stream), "sparse_fwd");
+    }
+    if (no_stats) {  // the kl combine then sums every slot: a slot that selects nothing must hold 0
+      MSA_LAUNCH_CHECK(cudaMemsetAsync(kl_part.data_ptr(), 0, size_t(n) * sizeof(float), stream), "sparse_fwd");
     }
     fp.chunk_begin = cp.chunk_begin = int(t0);
     fp.chunk_tokens = cp.chunk_tokens = int(tc);
@@ -270,8 +281,10 @@ SparseForward sparse_forward_cuda(const Tensor& q_in, const Tensor& k_in, const 
 #endif
         return sm80::launch_sparse_fwd<T_, D_>(fp, out_pass, stream);
       };
-      MSA_LAUNCH_CHECK(pass(false), "sparse_fwd (stats pass)");
-      MSA_LAUNCH_CHECK(sm80::launch_sparse_combine_stats(cp, stream), "sparse_fwd (stats combine)");
+      if (!no_stats) {
+        MSA_LAUNCH_CHECK(pass(false), "sparse_fwd (stats pass)");
+        MSA_LAUNCH_CHECK(sm80::launch_sparse_combine_stats(cp, stream), "sparse_fwd (stats combine)");
+      }
       MSA_LAUNCH_CHECK(pass(true), "sparse_fwd (output pass)");
       if (!kl_only) {
         MSA_LAUNCH_CHECK((sm80::launch_sparse_combine_out<T_, D_>(cp, stream)), "sparse_fwd (output combine)");
@@ -299,8 +312,10 @@ using torch::stable::detail::from;
 // lse (Hq, T) that the KL pass and the backward need. Through msa::_dense_fwd (msa/_ops.py), which
 // calls aten::_flash_attention_forward by keyword: that schema grows between torch releases.
 std::tuple<Tensor, Tensor> dense_attention_forward(const Tensor& q, const Tensor& k, const Tensor& v,
-                                                   const Tensor& cu_seqlens, int64_t max_seqlen, double scale) {
-  std::array<StableIValue, 6> st{from(q), from(k), from(v), from(cu_seqlens), from(max_seqlen), from(scale)};
+                                                   const Tensor& cu_seqlens, int64_t max_seqlen, double scale,
+                                                   bool uniform, bool deterministic) {
+  std::array<StableIValue, 8> st{from(q),           from(k),     from(v),       from(cu_seqlens),
+                                 from(max_seqlen), from(scale), from(uniform), from(deterministic)};
   detail::call_op("msa::_dense_fwd", "", st);
   return {torch::stable::detail::to<Tensor>(st[0]), torch::stable::detail::to<Tensor>(st[1])};
 }
@@ -326,15 +341,21 @@ msa_fwd_cuda(const Tensor& q, const Tensor& k, const Tensor& v, const Tensor& q_
   Tensor indices;
   SparseForward r;
   if (warmup) {
-    // SPEC 5: dense causal main attention through PyTorch's flash kernel (it keeps the lse), then the
-    // KL over the full causal set and its index gradient with our kernels in dense mode.
+    // SPEC 5: dense causal main attention through PyTorch's cuDNN or flash kernel (it keeps the lse),
+    // then the KL over the full causal set and its index gradient with our kernels in dense mode.
     const DeviceGuard guard(q.get_device_index());
     indices = return_indices ? select_blocks_cuda(q_idx, k_idx, seqs, max_seqlen, topk, block_size, index_scale)
                              : empty({q_idx.size(1), q.size(0), 0}, kInt, q);
-    auto [out, lse] = dense_attention_forward(q, k, v, seqs.cu, max_seqlen, softmax_scale);
+    // lse_idx from the same dense kernel on the index branch (its output unused): faster than our stats
+    // pass over every block. uniform: equal sequence lengths, which the cuDNN kernels need (msa/_ops.py).
+    const bool uniform = !cu_seqlens.has_value() || cu_seqlens->size(0) == 2;
+    auto [out, lse] = dense_attention_forward(q, k, v, seqs.cu, max_seqlen, softmax_scale, uniform, deterministic);
+    const Tensor lse_idx =
+        std::get<1>(dense_attention_forward(q_idx, k_idx, k_idx, seqs.cu, max_seqlen, index_scale, uniform,
+                                            deterministic));
     const Tensor shape_only = empty({q_idx.size(1), q.size(0), 1}, kInt, q);
     r = sparse_forward_cuda(q, k, v, q_idx, k_idx, shape_only, seqs, max_seqlen, block_size, softmax_scale,
-                            index_scale, index_grad, deterministic, /*dense=*/true, lse);
+                            index_scale, index_grad, deterministic, /*dense=*/true, lse, lse_idx);
     r.out = out;  // the KL-only pass returns the given lse and no output
   } else {
     indices = select_blocks_cuda(q_idx, k_idx, seqs, max_seqlen, topk, block_size, index_scale);

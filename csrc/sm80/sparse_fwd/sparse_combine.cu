@@ -49,7 +49,8 @@ __global__ void sparse_combine_kl_kernel(SparseCombineParams p) {
   float acc = 0.f;
   bool any = false;
   for (int s = 0; s < p.topk; ++s) {
-    if (p.idx_stats[e0 + s].y > 0.f) {
+    // Without idx_stats (warmup given lse_idx: no stats pass) every slot counts; the empty ones hold 0.
+    if (p.idx_stats == nullptr || p.idx_stats[e0 + s].y > 0.f) {
       acc += p.kl_part[e0 + s];
       any = true;
     }
