@@ -288,3 +288,35 @@ struct ItemReduceParams {
 };
 
 }  // namespace msa
+
+namespace msa {
+
+// Warmup's dense KL pass on Hopper (csrc/sm90/dense_kl): SPEC 4 over the full causal set, given the main
+// branch's lse and lse_idx (from the dense attention forward). One CTA per (128-key tile, chunk of
+// query tiles, index-key head); every index group of that key head in turn.
+struct DenseKlParams {
+  const void* q;      // (T, Hq, D)
+  const void* k;      // (T, Hkv, D)
+  const void* q_idx;  // (T, Hi, Di)
+  const void* k_idx;  // (T, Hki, Di)
+  int64_t q_stride_t, q_stride_h, k_stride_t, k_stride_h;  // in elements
+  int64_t qi_stride_t, qi_stride_h, ki_stride_t, ki_stride_h;
+  const int32_t* cu_seqlens;    // (S + 1)
+  const int32_t* tile_offsets;  // (S + 1): first 128-key tile of each sequence (launch_block_offsets)
+  const float* lse;             // (Hq, T) natural log
+  const float* lse_idx;         // (Hi, T) natural log
+  float* dq_idx;                // (T, Hi, Di) fp32, accumulated (zeroed by the caller); nullable: no grad
+  float* dk_idx;                // (T, Hki, Di) fp32, accumulated (zeroed by the caller); with dq_idx
+  unsigned long long* kl_fixed;  // (Hi, T) KL row sums (log2 units) in fixed point 2^-32, zeroed
+  int total_tokens;
+  int num_seqs;
+  int num_tiles;       // grid.x: >= tile_offsets[S] (T / 128 + S)
+  int chunk_tiles;     // 64-row query tiles per CTA
+  int max_chunks;      // grid.y: ceil(ceil(max_seqlen / 64) / chunk_tiles)
+  int hq, hkv, hi, hki;
+  float scale_log2;    // softmax_scale * log2(e)
+  float iscale_log2;   // index_scale * log2(e)
+  float grad_scale;    // index_scale / (T * Hi): d kl / d S_idx = (Pidx - P) / rows, times d S_idx / d q_idx
+};
+
+}  // namespace msa

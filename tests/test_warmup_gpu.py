@@ -115,3 +115,24 @@ def test_warmup_return_indices():
     q, k, v, qi, ki = make_inputs(1, 500, (8, 2, 4, 1), 64, 64, dtype=torch.bfloat16, device="cuda", seed=2)
     out, kl, idx = msa.msa_attention(q, k, v, qi, ki, topk=3, block_size=64, warmup=True, return_indices=True)
     assert torch.equal(idx, msa.select_blocks(qi, ki, topk=3, block_size=64))
+
+
+@pytest.mark.parametrize("case", range(len(CASES)))
+def test_warmup_sparse_kl_pass(case, monkeypatch):
+    """MSA_DENSE_KL=0: the KL pass on the sparse kernels in dense mode (what J > 1 layouts, deterministic
+    mode and non-Hopper GPUs run), against the reference."""
+    monkeypatch.setenv("MSA_DENSE_KL", "0")
+    B, N, D, Di, bs = CASES[case]
+    x = make_inputs(B, N, HEADS[case % len(HEADS)], D, Di, dtype=torch.bfloat16, device="cuda", seed=case + 40)
+    flat = [t.reshape(B * N, *t.shape[2:]) for t in x]
+    cu = torch.arange(0, (B + 1) * N, N, dtype=torch.int32, device="cuda")
+    _check(*flat, cu, N, 16, bs, seed=case, batched=True)
+
+
+@pytest.mark.parametrize("N", [8192, 20000])
+def test_warmup_long(N):
+    """The dense KL pass over many key tiles and query chunks (several CTAs per key tile column)."""
+    x = make_inputs(1, N, (16, 2, 4, 1), 128, 128, dtype=torch.bfloat16, device="cuda", seed=N)
+    flat = [t.reshape(N, *t.shape[2:]) for t in x]
+    cu = torch.tensor([0, N], dtype=torch.int32, device="cuda")
+    _check(*flat, cu, N, 16, 128, seed=1, batched=True)

@@ -33,6 +33,14 @@ SparseForward sparse_forward_cuda(const Tensor& q, const Tensor& k, const Tensor
 // lse_given (Hq, T) the main branch's lse comes from elsewhere and only the KL part runs; with
 // lse_idx_given (Hi, T) too, the stats pass is skipped (it would only compute lse_idx).
 
+// Warmup's KL pass on Hopper (csrc/api/dense_kl.cpp): lse, lse_idx, kl_rows and (index_grad) the KL's
+// index gradients, given the dense attention's lse and lse_idx; out is left empty. dense_kl_applies:
+// this build and device take it for these heads (J = 1) outside deterministic mode.
+bool dense_kl_applies(const Tensor& q, const Tensor& k, const Tensor& q_idx, bool deterministic);
+SparseForward dense_kl_cuda(const Tensor& q, const Tensor& k, const Tensor& q_idx, const Tensor& k_idx,
+                            const SeqMap& seqs, int64_t max_seqlen, double softmax_scale, double index_scale,
+                            bool index_grad, const Tensor& lse, const Tensor& lse_idx);
+
 // The main branch's gradients (SPEC 3) from the forward's lse.
 std::tuple<Tensor, Tensor, Tensor> sparse_backward_cuda(
     const Tensor& dout, const Tensor& q, const Tensor& k, const Tensor& v, const Tensor& out,

@@ -353,9 +353,13 @@ msa_fwd_cuda(const Tensor& q, const Tensor& k, const Tensor& v, const Tensor& q_
     const Tensor lse_idx =
         std::get<1>(dense_attention_forward(q_idx, k_idx, k_idx, seqs.cu, max_seqlen, index_scale, uniform,
                                             deterministic));
-    const Tensor shape_only = empty({q_idx.size(1), q.size(0), 1}, kInt, q);
-    r = sparse_forward_cuda(q, k, v, q_idx, k_idx, shape_only, seqs, max_seqlen, block_size, softmax_scale,
-                            index_scale, index_grad, deterministic, /*dense=*/true, lse, lse_idx);
+    if (dense_kl_applies(q, k, q_idx, deterministic)) {
+      r = dense_kl_cuda(q, k, q_idx, k_idx, seqs, max_seqlen, softmax_scale, index_scale, index_grad, lse, lse_idx);
+    } else {
+      const Tensor shape_only = empty({q_idx.size(1), q.size(0), 1}, kInt, q);
+      r = sparse_forward_cuda(q, k, v, q_idx, k_idx, shape_only, seqs, max_seqlen, block_size, softmax_scale,
+                              index_scale, index_grad, deterministic, /*dense=*/true, lse, lse_idx);
+    }
     r.out = out;  // the KL-only pass returns the given lse and no output
   } else {
     indices = select_blocks_cuda(q_idx, k_idx, seqs, max_seqlen, topk, block_size, index_scale);

@@ -123,6 +123,12 @@ size_t reverse_index_sort_bytes(int num_entries, int num_keys) {
   return bytes;
 }
 
+cudaError_t launch_block_offsets(const int32_t* cu_seqlens, int32_t* block_offsets, int num_seqs, int block_size,
+                                 cudaStream_t stream) {
+  reverse_index_block_offsets_kernel<<<1, 1, 0, stream>>>(cu_seqlens, block_offsets, num_seqs, block_size);
+  return cudaGetLastError();
+}
+
 cudaError_t run_reverse_index(const ReverseIndexParams& p, cudaStream_t stream) {
   const int64_t n = int64_t(p.num_heads) * (p.token_end - p.token_begin) * p.topk;
   const int num_keys = p.num_heads * p.max_blocks;
