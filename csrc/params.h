@@ -310,9 +310,9 @@ struct DenseKlParams {
   unsigned long long* kl_fixed;  // (Hi, T) KL row sums (log2 units) in fixed point 2^-32, zeroed
   int total_tokens;
   int num_seqs;
-  int num_tiles;       // grid.x: >= tile_offsets[S] (T / 128 + S)
+  int num_tiles;       // >= tile_offsets[S] (T / 128 + S); grid.x = num_tiles * max_chunks, grid.y = Hki
   int chunk_tiles;     // 64-row query tiles per CTA
-  int max_chunks;      // grid.y: ceil(ceil(max_seqlen / 64) / chunk_tiles)
+  int max_chunks;      // ceil(ceil(max_seqlen / 64) / chunk_tiles)
   int hq, hkv, hi, hki;
   float scale_log2;    // softmax_scale * log2(e)
   float iscale_log2;   // index_scale * log2(e)

@@ -75,7 +75,8 @@ SparseForward dense_kl_cuda(const Tensor& q_in, const Tensor& k_in, const Tensor
   const int64_t n_qt = (std::min<int64_t>(max_seqlen, T) + 63) / 64;
   p.chunk_tiles = int(env_positive("MSA_DENSE_KL_CHUNK", std::max<int64_t>(4, n_qt / 32)));
   p.max_chunks = int((n_qt + p.chunk_tiles - 1) / p.chunk_tiles);
-  MSA_CHECK(p.max_chunks <= 65535 && Hki <= 65535, "q: too many query tiles for the dense KL grid, T = ", T);
+  MSA_CHECK(int64_t(p.num_tiles) * p.max_chunks < (int64_t(1) << 31) && Hki <= 65535,
+            "q: too many query tiles for the dense KL grid, T = ", T);
   p.hq = int(Hq);
   p.hkv = int(Hkv);
   p.hi = int(Hi);

@@ -125,8 +125,9 @@ __global__ void __launch_bounds__(dense_kl::kThreads, 1) dense_kl_kernel(DenseKl
   const int tid = threadIdx.x, lane = tid % 32, warp = tid / 32, wg = warp / 4, wq = warp % 4;
   const int g = lane / 4, t = lane % 4;
 
-  // This CTA's key tile: sequence s by binary search over the tile offsets.
-  const int tile = blockIdx.x;
+  // This CTA's (key tile, query chunk): chunks of one key tile are consecutive CTAs, so the CTAs that
+  // run at the same time add into disjoint dQ_idx rows (same-address atomics serialise in L2).
+  const int tile = blockIdx.x / p.max_chunks, chunk = blockIdx.x % p.max_chunks;
   if (tile >= p.tile_offsets[p.num_seqs]) return;
   int lo = 0, hi = p.num_seqs - 1;
   while (lo < hi) {
@@ -136,10 +137,10 @@ __global__ void __launch_bounds__(dense_kl::kThreads, 1) dense_kl_kernel(DenseKl
   const int base = p.cu_seqlens[lo], len = p.cu_seqlens[lo + 1] - base;
   const int k0 = (tile - p.tile_offsets[lo]) * kKeys;
   const int n_qt = (len + kRows - 1) / kRows;
-  const int qt_begin = k0 / kRows + blockIdx.y * p.chunk_tiles;
+  const int qt_begin = k0 / kRows + chunk * p.chunk_tiles;
   if (qt_begin >= n_qt) return;
   const int nqt = min(p.chunk_tiles, n_qt - qt_begin);
-  const int hk = blockIdx.z;
+  const int hk = blockIdx.y;
   const int G = p.hq / p.hi, groups = p.hi / p.hki, r0 = hk * groups;
   const int steps = groups * nqt, loads = steps * G;
   const bool grad = p.dq_idx != nullptr;
@@ -397,7 +398,7 @@ cudaError_t launch_dense_kl(const DenseKlParams& p, cudaStream_t stream) {
   auto kernel = dense_kl_kernel<T, D, Di>;
   cudaError_t err = cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, smem);
   if (err != cudaSuccess) return err;
-  const dim3 grid(p.num_tiles, p.max_chunks, p.hki);
+  const dim3 grid(unsigned(p.num_tiles) * unsigned(p.max_chunks), p.hki);
   kernel<<<grid, dense_kl::kThreads, smem, stream>>>(p);
   return cudaGetLastError();
 }
