@@ -1,0 +1,43 @@
+// Index top-k (SPEC 2) microbenchmark: the kernel msa::select_blocks launches, on random normal q_idx / k_idx.
+// FLOPs: the index FLOPs of SPEC 8, 2 Di Hi sum_i (i + 1) per sequence (the causal scores).
+#include "bench_common.h"
+
+using namespace msa::bench;
+
+int main(int argc, char** argv) {
+  Options opt;
+  parse_options(argc, argv,
+                "Index top-k (msa::select_blocks' kernel: sm_90a where built and on Hopper, else portable).\n"
+                "Rows: index_topk/<path>; tflops = 2 Di Hi B N (N + 1) / 2 / time.",
+                opt);
+  const cudaStream_t s = init_device();
+  print_header(opt);
+  for (const int64_t n : opt.ns) {
+    const Problem pb = make_problem(opt, n, s);
+    const int64_t T = pb.tokens;
+    const size_t qi_bytes = size_t(T) * pb.hi * pb.di * 2, ki_bytes = size_t(T) * pb.hki * pb.di * 2;
+    // Rotating sets of q_idx / k_idx (the kernel's inputs): >= 256 MiB together.
+    const int n_sets = rotating_sets(opt, double(qi_bytes + ki_bytes), 64);
+    std::vector<Buf> qi, ki;
+    for (int i = 0; i < n_sets; ++i) {
+      qi.emplace_back(qi_bytes);
+      ki.emplace_back(ki_bytes);
+      fill_normal(qi.back().get(), T * pb.hi * pb.di, pb.fp16, opt.seed * 7919 + 2 * i, s);
+      fill_normal(ki.back().get(), T * pb.hki * pb.di, pb.fp16, opt.seed * 7919 + 2 * i + 1, s);
+    }
+    Buf indices(sizeof(int32_t) * pb.hi * T * pb.topk);
+    std::vector<msa::IndexTopkParams> params;
+    for (int i = 0; i < n_sets; ++i) {
+      params.push_back(index_topk_params(pb, qi[i].get(), ki[i].get(), indices.as<int32_t>()));
+    }
+    bool sm90 = false;
+    BENCH_CHECK(launch_index_topk(pb, params[0], s, &sm90));
+    BENCH_CHECK(cudaStreamSynchronize(s));
+    std::fprintf(stderr, "# index top-k N=%lld: %d set(s)\n", (long long)n, n_sets);
+    const double ms = time_ms(opt, s, n_sets, [&](int i) { BENCH_CHECK(launch_index_topk(pb, params[i], s)); });
+    const double flops = 2.0 * pb.di * pb.hi * double(pb.b) * double(n) * double(n + 1) / 2;
+    print_row("index_topk" + path_suffix(sm90, !sm90 && pb.force_small_smem), pb.shape, ms, flops, 0);
+  }
+  BENCH_CHECK(cudaStreamDestroy(s));
+  return 0;
+}

@@ -1,0 +1,180 @@
+// Torch-free sizes, chunking and configuration choices of the sparse ops: what csrc/api computes around
+// its launches, as plain functions, so the C++ microbenchmarks (benchmarks/cpp) size and fill their
+// workspaces exactly as the torch ops do. Host code only; the functions below call the kernels'
+// own size queries (reverse_index_*_bytes, sparse_smem_bytes), so they link against the kernel objects.
+#pragma once
+#include <cuda_runtime_api.h>
+
+#include <algorithm>
+#include <cstddef>
+#include <cstdint>
+
+#include "params.h"
+#include "sm80/reverse_index/reverse_index.h"
+#include "sm80/sparse_fwd/sparse_fwd.h"
+
+namespace msa {
+
+// The ops' defaults (csrc/api applies its environment overrides on top: MSA_PARTIAL_BUDGET,
+// MSA_FWD_UNITS_PER_ITEM, MSA_BWD_UNITS_PER_ITEM; benchmarks/NOTES_history.md s25 / s30 for the values).
+constexpr int64_t kFwdPartialBudget = int64_t(1) << 30;  // bytes of per-entry partials per forward chunk
+constexpr int kFwdUnitsPerItem = 512;                    // units per forward work item (<= kFwdMaxItemUnits)
+constexpr int64_t kBwdUnitsPerItem = 2048;               // tokens per backward work item
+static_assert(kFwdUnitsPerItem <= sm80::kFwdMaxItemUnits, "the kernel's unit tables hold kFwdMaxItemUnits");
+
+// ---- reverse index -------------------------------------------------------------------------------------
+
+// Element counts and workspace bytes of one reverse index over `heads` x `tokens` x `topk` slots with room
+// for `capacity` entries (all of them, or one query chunk's); units_per_item > 0 adds the work list and
+// `order` its launch order.
+struct ReverseIndexSizes {
+  int64_t heads = 0, tokens = 0, topk = 0, num_seqs = 0, block_size = 0;
+  int64_t capacity = 0;
+  int64_t max_blocks = 0;      // tokens / block_size + num_seqs: bound on the global blocks
+  int64_t num_keys = 0;        // heads * max_blocks
+  int64_t units_per_item = 0;  // 0: no work list
+  int64_t max_items = 0;       // capacity / units_per_item + num_keys (work list), else 0
+  bool order = false;          // item_order (needs the work list)
+  size_t sort_bytes = 0, scan_bytes = 0, order_bytes = 0;
+  // One temp buffer serves the three (they run one after the other on one stream).
+  size_t temp_bytes() const { return std::max(sort_bytes, std::max(scan_bytes, order_bytes)); }
+};
+
+inline ReverseIndexSizes reverse_index_sizes(int64_t heads, int64_t tokens, int64_t topk, int64_t num_seqs,
+                                             int64_t block_size, int64_t capacity, int64_t units_per_item,
+                                             bool order) {
+  ReverseIndexSizes s;
+  s.heads = heads;
+  s.tokens = tokens;
+  s.topk = topk;
+  s.num_seqs = num_seqs;
+  s.block_size = block_size;
+  s.capacity = capacity;
+  s.max_blocks = tokens / block_size + num_seqs;
+  s.num_keys = heads * s.max_blocks;
+  s.units_per_item = units_per_item > 0 ? units_per_item : 0;
+  s.order = s.units_per_item > 0 && order;
+  // The work list: sum over keys of ceil(count / per_item) <= capacity / per_item + num_keys items.
+  s.max_items = s.units_per_item > 0 ? capacity / s.units_per_item + s.num_keys : 0;
+  s.sort_bytes = reverse_index_sort_bytes(int(capacity), int(s.num_keys));
+  s.scan_bytes = s.units_per_item > 0 ? reverse_index_scan_bytes(int(s.num_keys)) : 0;
+  s.order_bytes = s.order ? reverse_index_order_bytes(int(s.max_items), int(s.units_per_item)) : 0;
+  return s;
+}
+
+// Device buffers of one reverse index, in elements of ReverseIndexSizes s (nullptr where not needed).
+struct ReverseIndexBuffers {
+  int32_t* offsets = nullptr;        // s.num_keys + 1
+  int32_t* rows = nullptr;           // s.capacity
+  int32_t* block_offsets = nullptr;  // s.num_seqs + 1
+  int32_t* keys = nullptr;           // 2 * s.capacity (workspace)
+  int32_t* rows_in = nullptr;        // s.capacity (workspace)
+  void* temp = nullptr;              // s.temp_bytes() (workspace)
+  int32_t* item_offsets = nullptr;   // s.num_keys + 1 (work list)
+  int2* items = nullptr;             // s.max_items (work list)
+  int32_t* order = nullptr;          // 4 * s.max_items: the launch order, its sort's keys (2 x) and values
+};
+
+// The params every build over these buffers shares: the whole token range, rows = tokens (callers set
+// token_begin / token_end, emit_entries and dense for a chunk of the forward).
+inline ReverseIndexParams reverse_index_params(const ReverseIndexSizes& s, const ReverseIndexBuffers& b,
+                                               const int32_t* indices, const int32_t* cu_seqlens) {
+  ReverseIndexParams p{};
+  p.indices = indices;
+  p.cu_seqlens = cu_seqlens;
+  p.block_offsets = b.block_offsets;
+  p.offsets = b.offsets;
+  p.rows = b.rows;
+  p.keys_in = b.keys;
+  p.keys_out = b.keys + s.capacity;
+  p.rows_in = b.rows_in;
+  p.sort_temp = b.temp;
+  p.sort_temp_bytes = s.sort_bytes;
+  p.num_heads = int(s.heads);
+  p.total_tokens = int(s.tokens);
+  p.topk = int(s.topk);
+  p.num_seqs = int(s.num_seqs);
+  p.block_size = int(s.block_size);
+  p.max_blocks = int(s.max_blocks);
+  p.token_begin = 0;
+  p.token_end = int(s.tokens);
+  if (s.units_per_item > 0) {
+    p.item_offsets = b.item_offsets;
+    p.items = b.items;
+    p.units_per_item = int(s.units_per_item);
+    p.scan_temp = b.temp;
+    p.scan_temp_bytes = s.scan_bytes;
+    p.max_items = int(s.max_items);
+    if (s.order) {
+      p.item_order = b.order;
+      p.order_keys = b.order + s.max_items;
+      p.order_vals = b.order + 3 * s.max_items;
+      p.order_temp = b.temp;
+      p.order_temp_bytes = s.order_bytes;
+    }
+  }
+  return p;
+}
+
+// The reverse index as the sparse forward's kernels read it (max_items: set per chunk).
+inline SparseWork sparse_work(const ReverseIndexParams& rp) {
+  SparseWork w{};
+  w.offsets = rp.offsets;
+  w.entries = rp.rows;
+  w.item_offsets = rp.item_offsets;
+  w.items = rp.items;
+  w.item_order = rp.item_order;
+  w.block_offsets = rp.block_offsets;
+  w.num_keys = rp.num_heads * rp.max_blocks;
+  w.max_blocks = rp.max_blocks;
+  w.units_per_item = rp.units_per_item;
+  w.max_items = rp.max_items;
+  return w;
+}
+
+// ---- sparse forward: query chunks ----------------------------------------------------------------------
+
+// Bytes of per-entry workspace per query token of the forward: output partials and main stats (unless
+// kl_only), index stats and KL partials (32), dsi partials (index grad), deterministic dk_idx partials.
+inline int64_t fwd_bytes_per_token(int64_t hi, int64_t topk, int64_t g, int64_t d, int64_t elem_bytes, bool kl_only,
+                                   bool grad, bool det, int64_t di, int64_t units_per_item) {
+  return hi * topk *
+         ((kl_only ? 0 : g * (d * elem_bytes + 8)) + 32 + (grad ? 256 : 0) +
+          (det ? (128 * di * 4 + units_per_item - 1) / units_per_item : 0));
+}
+
+// Tokens per query chunk: the chunk's partials fit the budget (at least one token).
+inline int64_t fwd_chunk_tokens(int64_t tokens, int64_t bytes_per_token, int64_t budget) {
+  return std::max<int64_t>(1, std::min<int64_t>(tokens, budget / bytes_per_token));
+}
+
+// Grid of the forward passes for a chunk of `entries` (Hi * chunk tokens * topk): a bound on its items.
+inline int64_t fwd_max_items(int64_t entries, int64_t units_per_item, int64_t num_keys) {
+  return entries / units_per_item + num_keys;
+}
+
+// The sm_90a output pass compiled for Gu = 4 heads per unit applies at J = 1, G = 4 (SparseFwdParams::fixed_gu).
+inline int fwd_fixed_gu(int64_t g, int64_t j) { return j == 1 && g == 4 ? 4 : 0; }
+
+// ---- portable kernels' configuration from the GPU's opt-in shared memory per block ---------------------
+
+// The small-smem (99 KB) configuration of the portable forward passes.
+inline bool fwd_small_smem(int64_t smem_optin, int d) {
+  return smem_optin < std::max(sm80::sparse_smem_bytes(d, 0), sm80::sparse_smem_bytes(d, 1, 64));
+}
+// Rows per tile of the portable output pass: 128 where the shared memory allows, else 64.
+inline int fwd_out_rows(int64_t smem_optin, int d) {
+  return smem_optin >= sm80::sparse_smem_bytes(d, 1, 128) ? 128 : 64;
+}
+// The small-smem configuration of the portable backward.
+inline bool bwd_small_smem(int64_t smem_optin, int d) { return smem_optin < sm80::sparse_smem_bytes(d, 2); }
+
+// Whether `device` is an sm_90 GPU (the Hopper kernels run there when the build has them: MSA_WITH_SM90).
+inline bool device_is_sm90(int device) {
+  int major = 0, minor = 0;
+  if (cudaDeviceGetAttribute(&major, cudaDevAttrComputeCapabilityMajor, device) != cudaSuccess) return false;
+  if (cudaDeviceGetAttribute(&minor, cudaDevAttrComputeCapabilityMinor, device) != cudaSuccess) return false;
+  return major == 9 && minor == 0;
+}
+
+}  // namespace msa

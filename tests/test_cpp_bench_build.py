@@ -1,0 +1,86 @@
+"""The C++ microbenchmarks (benchmarks/cpp) configure, build and answer --help without a GPU.
+
+Opt-in (a full kernel build takes minutes): MSA_TEST_CPP_BENCH=1 python -m pytest tests/test_cpp_bench_build.py
+MSA_CUDA_ARCHS (default 90a) picks the archs, MSA_CUTLASS_DIR the CUTLASS headers (default: as setup.py finds
+them), MSA_TEST_CPP_BENCH_BUILD a build directory to reuse (default: a fresh temporary one).
+"""
+import importlib.util
+import os
+import shutil
+import subprocess
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parent.parent
+BENCHES = ["index_topk", "reverse_index", "sparse_fwd", "sparse_combine", "sparse_bwd"]
+
+pytestmark = pytest.mark.skipif(os.environ.get("MSA_TEST_CPP_BENCH") != "1",
+                                reason="set MSA_TEST_CPP_BENCH=1 to build the C++ microbenchmarks")
+
+
+def _cutlass_dir():
+    if os.environ.get("MSA_CUTLASS_DIR"):
+        return os.environ["MSA_CUTLASS_DIR"]
+    local = ROOT / "third_party" / "cutlass" / "include"
+    if (local / "cute" / "tensor.hpp").exists():
+        return str(local)
+    spec = importlib.util.find_spec("cutlass_library")
+    if spec is not None and spec.submodule_search_locations:
+        inc = Path(list(spec.submodule_search_locations)[0]) / "source" / "include"
+        if (inc / "cute" / "tensor.hpp").exists():
+            return str(inc)
+    return None
+
+
+def _nvcc():
+    cands = [os.environ.get("CUDACXX")]
+    cands += [os.path.join(os.environ[v], "bin", "nvcc") for v in ("CUDA_HOME", "CUDA_PATH") if os.environ.get(v)]
+    cands += ["/usr/local/cuda/bin/nvcc", shutil.which("nvcc")]
+    return next((c for c in cands if c and os.path.isfile(c) and os.access(c, os.X_OK)), None)
+
+
+@pytest.fixture(scope="module")
+def bindir(tmp_path_factory):
+    import torch.utils
+
+    nvcc, cutlass = _nvcc(), _cutlass_dir()
+    if nvcc is None or shutil.which("cmake") is None or shutil.which("ninja") is None:
+        pytest.skip("needs nvcc, cmake and ninja")
+    if cutlass is None:
+        pytest.skip("needs the CUTLASS headers (nvidia-cutlass wheel or MSA_CUTLASS_DIR)")
+    build = Path(os.environ.get("MSA_TEST_CPP_BENCH_BUILD") or tmp_path_factory.mktemp("msa-cpp-bench"))
+    configure = ["cmake", "-S", str(ROOT), "-B", str(build), "-G", "Ninja", "-DCMAKE_BUILD_TYPE=Release",
+                 "-DMSA_BUILD_BENCHMARKS=ON", f"-DMSA_CUDA_ARCHS={os.environ.get('MSA_CUDA_ARCHS', '90a')}",
+                 f"-DMSA_CUTLASS_DIR={cutlass}", f"-DCMAKE_PREFIX_PATH={torch.utils.cmake_prefix_path}",
+                 f"-DCMAKE_CUDA_COMPILER={nvcc}", f"-DCUDAToolkit_ROOT={Path(nvcc).resolve().parent.parent}"]
+    jobs = os.environ.get("MAX_JOBS") or str(os.cpu_count() or 1)
+    for cmd in (configure, ["cmake", "--build", str(build), "--target", "msa_benchmarks", "-j", jobs]):
+        r = subprocess.run(cmd, capture_output=True, text=True)
+        assert r.returncode == 0, f"{' '.join(cmd)} failed:\n{r.stdout[-4000:]}\n{r.stderr[-4000:]}"
+    return build / "bin"
+
+
+@pytest.mark.parametrize("name", BENCHES)
+def test_help(bindir, name):
+    exe = bindir / f"msa_bench_{name}"
+    assert exe.is_file(), f"{exe} was not built"
+    r = subprocess.run([str(exe), "--help"], capture_output=True, text=True, timeout=60)
+    assert r.returncode == 0, r.stderr
+    assert r.stdout.startswith(f"usage: msa_bench_{name}")
+    for flag in ("--n N", "--reps", "--dtype", "--d 64|128", "--portable", "--small-smem", "kernel,shape,ms,tflops,gbps"):
+        assert flag in r.stdout, f"--help of {name} does not mention {flag}"
+
+
+@pytest.mark.parametrize("name", BENCHES)
+def test_bad_option(bindir, name):
+    r = subprocess.run([str(bindir / f"msa_bench_{name}"), "--no-such-option"], capture_output=True, text=True,
+                       timeout=60)
+    assert r.returncode == 2 and "unknown option --no-such-option" in r.stderr
+
+
+def test_atomics_bench_built(bindir):
+    archs = os.environ.get("MSA_CUDA_ARCHS", "90a").split(";")
+    if not any(int(a.rstrip("af")) >= 90 for a in archs):
+        pytest.skip("atomics_bench needs an arch >= 90")
+    assert (bindir / "msa_atomics_bench").is_file()
