@@ -212,4 +212,41 @@ MSA_WGMMA_SS32(__nv_bfloat16, "bf16")
 MSA_WGMMA_SS32(__half, "f16")
 #undef MSA_WGMMA_SS32
 
+// N = 64 (the dense KL pass's S^T = K Q^T: A = 64 keys of K, B = 64 queries of Q, both K-major).
+#define MSA_WGMMA_SS64(TYPE, PTXTYPE) \
+  template <> \
+  struct WgmmaSS<TYPE, 64> { \
+    __device__ __forceinline__ static void run(float (&d)[32], uint64_t desc_a, uint64_t desc_b, bool accumulate) { \
+      asm volatile("{\n.reg .pred p;\nsetp.ne.b32 p, %34, 0;\n" \
+                   "wgmma.mma_async.sync.aligned.m64n64k16.f32." PTXTYPE "." PTXTYPE " " \
+                   "{" MSA_WGMMA_SS_D32 "}, %32, %33, p, 1, 1, 0, 0;\n}\n" \
+                   : MSA_WGMMA_SS_ACC32 \
+                   : "l"(desc_a), "l"(desc_b), "r"(int(accumulate))); \
+    } \
+  };
+#define MSA_WGMMA_SS_D32 \
+  "%0,%1,%2,%3,%4,%5,%6,%7,%8,%9,%10,%11,%12,%13,%14,%15,%16,%17,%18,%19,%20,%21,%22,%23,%24,%25,%26,%27,%28," \
+  "%29,%30,%31"
+#define MSA_WGMMA_SS_ACC32 \
+  "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3]), "+f"(d[4]), "+f"(d[5]), "+f"(d[6]), "+f"(d[7]), \
+  "+f"(d[8]), "+f"(d[9]), "+f"(d[10]), "+f"(d[11]), "+f"(d[12]), "+f"(d[13]), "+f"(d[14]), "+f"(d[15]), \
+  "+f"(d[16]), "+f"(d[17]), "+f"(d[18]), "+f"(d[19]), "+f"(d[20]), "+f"(d[21]), "+f"(d[22]), "+f"(d[23]), \
+  "+f"(d[24]), "+f"(d[25]), "+f"(d[26]), "+f"(d[27]), "+f"(d[28]), "+f"(d[29]), "+f"(d[30]), "+f"(d[31])
+MSA_WGMMA_SS64(__nv_bfloat16, "bf16")
+MSA_WGMMA_SS64(__half, "f16")
+#undef MSA_WGMMA_SS64
+#undef MSA_WGMMA_SS_ACC32
+#undef MSA_WGMMA_SS_D32
+
+// acc (64 x 64) (+)= A (64 x 16 kSteps, shared) * B (shared), both by descriptor: every k-step in one
+// commit group, then the wait. Returns once the wgmmas are done.
+template <typename T, int kSteps, typename ADesc, typename BDesc>
+__device__ __forceinline__ void wgmma_ss64_ksteps(float (&acc)[32], ADesc a_desc, BDesc b_desc, bool accumulate_first) {
+  wgmma_fence();
+#pragma unroll
+  for (int kk = 0; kk < kSteps; ++kk) WgmmaSS<T, 64>::run(acc, a_desc(kk), b_desc(kk), accumulate_first || kk > 0);
+  wgmma_commit();
+  wgmma_wait<0>();
+}
+
 }  // namespace msa::sm90

@@ -38,7 +38,6 @@ using sm80::cp_async_16;
 using sm80::cp_async_4;
 using sm80::fast_exp2;
 using sm80::fast_log2;
-using sm80::ldmatrix_x4;
 using sm80::ldmatrix_x4_trans;
 using sm80::pack2;
 using sm80::smem_addr;
@@ -221,15 +220,10 @@ __global__ void __launch_bounds__(dense_kl::kThreads, 1) dense_kl_kernel(DenseKl
     // S_idx^T: keys x queries.
     float si[32];
     const uint32_t qi_addr = smem_addr(sQi + b * kRows * Di);
-    auto load_ki = [&](uint32_t(&a)[4], int ks) {
-      ldmatrix_x4(a, sKi + KiT::offset(wg * 64 + wq * 16 + lane % 16, ks * 2 + lane / 16));
-    };
-#pragma unroll
-    for (int half = 0; half < Di / 64; ++half) {
-      wgmma_rs_k64<T, 64>(
-          si, [&](uint32_t(&a)[4], int k4) { load_ki(a, half * 4 + k4); },
-          [&](int k4) { return QiT::desc(qi_addr, half * 4 + k4); }, half > 0);
-    }
+    // A = this warpgroup's 64 rows of the key tiles (row 64 wg of each 128-byte panel), by descriptor.
+    const uint32_t ki_rows = ki_addr + wg * 64 * 128, k_rows = k_addr + wg * 64 * 128;
+    wgmma_ss64_ksteps<T, Di / 16>(si, [&](int ks) { return KiT::desc(ki_rows, ks); },
+                                  [&](int ks) { return QiT::desc(qi_addr, ks); }, false);
 
     // The mask: a tile entirely below the diagonal and inside the sequence needs none.
     const bool full = row0 >= k0 + kKeys && row0 + kRows <= len;
@@ -249,15 +243,8 @@ __global__ void __launch_bounds__(dense_kl::kThreads, 1) dense_kl_kernel(DenseKl
       if (hh > 0) issue_q(n - 1 + kSlots);  // the slot of load n - 1: both warpgroups are past it
       const uint32_t q_addr = smem_addr(sQ + (n % kSlots) * kRows * D);
       float sc[32];
-      auto load_k = [&](uint32_t(&a)[4], int ks) {
-        ldmatrix_x4(a, sK + KT::offset(wg * 64 + wq * 16 + lane % 16, ks * 2 + lane / 16));
-      };
-#pragma unroll
-      for (int half = 0; half < D / 64; ++half) {
-        wgmma_rs_k64<T, 64>(
-            sc, [&](uint32_t(&a)[4], int k4) { load_k(a, half * 4 + k4); },
-            [&](int k4) { return QT::desc(q_addr, half * 4 + k4); }, half > 0);
-      }
+      wgmma_ss64_ksteps<T, D / 16>(sc, [&](int ks) { return KT::desc(k_rows, ks); },
+                                   [&](int ks) { return QT::desc(q_addr, ks); }, false);
       const float* lh = lse_b + hh * kRows;
 #pragma unroll
       for (int j = 0; j < 8; ++j) {
