@@ -85,6 +85,7 @@ run msa_bench_sparse_fwd --mode msa-grad "$@"
 run msa_bench_sparse_combine --mode msa-grad "$@"
 run msa_bench_sparse_bwd "$@"
 run msa_bench_sparse_bwd --sink --only bwd "$@"
+run msa_bench_dense_kl "$@"  # sm_90a builds on an sm_90 GPU; elsewhere it prints why and adds no rows
 if [ -x "$BIN/msa_atomics_bench" ]; then  # standalone (its own output format): the bench configuration at 32K
   "$BIN/msa_atomics_bench" 32768 > "$LOG/atomics_bench.txt" 2>&1
   summary "msa_atomics_bench 32768: rc=$?"

@@ -13,7 +13,7 @@ from pathlib import Path
 import pytest
 
 ROOT = Path(__file__).resolve().parent.parent
-BENCHES = ["index_topk", "reverse_index", "sparse_fwd", "sparse_combine", "sparse_bwd"]
+BENCHES = ["index_topk", "reverse_index", "sparse_fwd", "sparse_combine", "sparse_bwd", "dense_kl"]
 
 pytestmark = pytest.mark.skipif(os.environ.get("MSA_TEST_CPP_BENCH") != "1",
                                 reason="set MSA_TEST_CPP_BENCH=1 to build the C++ microbenchmarks")

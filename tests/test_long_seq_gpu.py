@@ -133,3 +133,59 @@ def test_fp16_index_grads_at_the_fp16_floor():
     floor = max_err(e_dki.half(), e_dki)
     err = max_err(dk_idx[block * BS:(block + 1) * BS], e_dki)
     assert err <= floor + step, f"dk_idx: error {err:.3g} beyond fp16 rounding ({floor:.3g}) + one step"
+
+
+def _dense_attended(indices, t, r, cu, block_size):
+    """row_oracle.attended for warmup (SPEC 5): every earlier token of the row's sequence."""
+    from row_oracle import seq_start
+    s0 = seq_start(cu, t)
+    L = int((t - s0).max().item()) + 1
+    tok = s0[:, None] + torch.arange(L, device=t.device)
+    ok = tok <= t[:, None]
+    return torch.where(ok, tok, t[:, None]), ok
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16])
+def test_warmup_long_sequence_sampled_rows(dtype, monkeypatch):
+    """Warmup at N = 131072 (the dense main branch and the dense KL pass over ~1000 key tiles): out, lse,
+    dq, dq_idx, the KL row terms and lse_idx of sampled rows, and dk_idx of the last kv block, against the
+    exact per-row computation over the full causal set."""
+    import row_oracle
+    monkeypatch.setattr(row_oracle, "attended", _dense_attended)
+    monkeypatch.setattr(row_oracle, "CHUNK", 4)  # rows of up to 131072 keys each: (4, L, D) float64
+    N = T = 131072
+    Hq, Hkv, Hi, Hki = HEADS
+    x = _inputs(T, dtype, seed=7)
+    cu = torch.tensor([0, T], dtype=torch.int32, device="cuda")
+    scale, iscale = 1 / math.sqrt(D), 1 / math.sqrt(Di)
+    dkl = torch.tensor(1.0, device="cuda")
+    ops = torch.ops.msa
+    out, kl, idx, lse, lse_idx, g_q, g_k, kl_rows = ops.msa_fwd(
+        x["q"], x["k"], x["v"], x["q_idx"], x["k_idx"], None, N, TOPK, BS, scale, iscale, True, False, True)
+    dq, dk, dv, dq_idx, dk_idx = ops.msa_bwd(
+        x["dout"], dkl, x["q"], x["k"], x["v"], out, lse, x["q_idx"], x["k_idx"], lse_idx, idx, g_q, g_k, None, N,
+        BS, scale, iscale, True)
+    kl_coef = dkl.item() / (T * Hi)
+    g = torch.Generator(device="cpu").manual_seed(3)
+    tokens = torch.unique(torch.cat([torch.arange(T - 8, T), torch.randint(0, T, (8,), generator=g)])).cuda()
+    rows_t = tokens.repeat_interleave(Hi)
+    rows_r = torch.arange(Hi, device="cuda").repeat(len(tokens))
+    args = (None, cu, BS, scale, iscale, kl_coef)
+    exact = in_chunks(lambda t, r: row_terms(x, t, r, *args, torch.float64), rows_t, rows_r)
+    lowp = in_chunks(lambda t, r: row_terms(x, t, r, *args, dtype), rows_t, rows_r)
+    G = Hq // Hi
+    heads = rows_r[:, None] * G + torch.arange(G, device="cuda")
+    _assert_style("out", out[rows_t[:, None], heads], exact["out"], lowp["out"], dtype, 1.0)
+    _assert_style("dq", dq[rows_t[:, None], heads], exact["dq"], lowp["dq"], dtype, 1.0)
+    _assert_style("dq_idx", dq_idx[rows_t, rows_r], exact["dq_idx"], lowp["dq_idx"], dtype, abs(kl_coef))
+    assert_lse_close("lse", lse[heads, rows_t[:, None]], exact["lse"])
+    assert_lse_close("lse_idx", lse_idx[rows_r, rows_t], exact["lse_idx"])
+    kl_err = (kl_rows[rows_r, rows_t].double() - exact["kl_row"]).abs()
+    assert (kl_err <= 1e-3 * exact["kl_row"].abs() + 1e-5).all(), f"KL row terms: max error {kl_err.max():.3g}"
+    # dk_idx of the last kv block, from every row that sees it (the block's own tokens, every group).
+    blk0 = T - BS
+    sel_t = torch.arange(blk0, T, device="cuda").repeat_interleave(Hi)
+    sel_r = torch.arange(Hi, device="cuda").repeat(BS)
+    e_dki = block_grads(x, blk0, sel_t, sel_r, *args, torch.float64)[2]
+    l_dki = block_grads(x, blk0, sel_t, sel_r, *args, dtype)[2]
+    _assert_style("dk_idx (last block)", dk_idx[blk0:], e_dki, l_dki, dtype, abs(kl_coef))

@@ -7,6 +7,7 @@
 #include "api/checks.h"
 #include "api/dispatch.h"
 #include "api/ops.h"
+#include "common/workspace.h"
 #include "sm80/sparse_bwd/sparse_bwd.h"
 #include "sm80/sparse_fwd/sparse_fwd.h"
 
@@ -14,14 +15,14 @@ namespace msa::api {
 
 bool small_smem_bwd_config(const Tensor& x, int64_t D) {
   if (use_sm90_kernels()) return false;
-  return env_is("MSA_SMALL_SMEM", "1") || smem_per_block(x) < sm80::sparse_smem_bytes(int(D), 2);
+  return env_is("MSA_SMALL_SMEM", "1") || msa::bwd_small_smem(smem_per_block(x), int(D));
 }
 
 namespace {
-// Tokens per backward work item: a key selected by more tokens (a hot block, an attention sink) is
-// split over several CTAs. MSA_BWD_UNITS_PER_ITEM overrides it (tests force splits with small values).
-constexpr int64_t kBwdUnitsPerItem = 2048;
-int64_t bwd_units_per_item() { return env_positive("MSA_BWD_UNITS_PER_ITEM", kBwdUnitsPerItem); }
+// Tokens per backward work item (kBwdUnitsPerItem, 2048: csrc/common/workspace.h): a key selected by more
+// tokens (a hot block, an attention sink) is split over several CTAs. MSA_BWD_UNITS_PER_ITEM overrides it
+// (tests force splits with small values).
+int64_t bwd_units_per_item() { return env_positive("MSA_BWD_UNITS_PER_ITEM", msa::kBwdUnitsPerItem); }
 }  // namespace
 
 std::tuple<Tensor, Tensor, Tensor> sparse_backward_cuda(const Tensor& dout_in, const Tensor& q_in, const Tensor& k_in,

@@ -1,34 +1,32 @@
 // msa::sparse_fwd and msa::msa_fwd on CUDA: checks, workspace, the per-chunk pipeline
 //   reverse index -> stats pass -> stats combine (lse, lse_idx) -> output pass -> out / KL combine.
 // Queries are processed in chunks of tokens so the per-entry partials stay within a fixed workspace
-// (kPartialBudget), whatever N is: memory is O(N) overall and bounded per chunk.
+// (kFwdPartialBudget), whatever N is: memory is O(N) overall and bounded per chunk.
 #include <algorithm>
 #include <tuple>
 
 #include "api/checks.h"
 #include "api/dispatch.h"
 #include "api/ops.h"
+#include "common/workspace.h"
 #include "sm80/reverse_index/reverse_index.h"
 #include "sm80/sparse_fwd/sparse_fwd.h"
 
 namespace msa::api {
 namespace {
 
-// Bytes of per-entry partials per chunk (1 GiB). Each chunk pays fixed costs (a reverse-index build,
-// five launches, and a partly filled item for every kv block its tokens select, which loads that
-// block again), so fewer chunks are faster: at N = 32K (bench configuration, fwd+bwd) 6 chunks of
-// 512 MiB took 18.8 ms, 3 of 1 GiB 18.0 ms, 2 of 2 GiB 17.9 ms; at 128K 84.3 / 80.5 / 78.8 ms, where
-// the backward sets the peak (benchmarks/NOTES_history.md s25).
-constexpr int64_t kPartialBudget = int64_t(1) << 30;
-
+// Bytes of per-entry partials per chunk: kFwdPartialBudget (1 GiB, csrc/common/workspace.h). Each chunk
+// pays fixed costs (a reverse-index build, five launches, and a partly filled item for every kv block its
+// tokens select, which loads that block again), so fewer chunks are faster: at N = 32K (bench
+// configuration, fwd+bwd) 6 chunks of 512 MiB took 18.8 ms, 3 of 1 GiB 18.0 ms, 2 of 2 GiB 17.9 ms; at
+// 128K 84.3 / 80.5 / 78.8 ms, where the backward sets the peak (benchmarks/NOTES_history.md s25).
 // MSA_PARTIAL_BUDGET (bytes) overrides the budget: tests use a small one to exercise many chunks.
-int64_t partial_budget() { return env_positive("MSA_PARTIAL_BUDGET", kPartialBudget); }
+int64_t partial_budget() { return env_positive("MSA_PARTIAL_BUDGET", kFwdPartialBudget); }
 // Units per forward work item (one CTA: one kv block, loaded once, and up to this many of the units that
-// selected it). MSA_FWD_UNITS_PER_ITEM overrides it (1 .. sm80::kFwdMaxItemUnits, the kernel's table size).
-constexpr int kUnitsPerItem = 512;  // 128 -> 512: fwd+bwd -0.3 ms at 32K, -1.0 at 128K (NOTES s30)
-static_assert(kUnitsPerItem <= sm80::kFwdMaxItemUnits, "the kernel's unit tables hold kFwdMaxItemUnits");
+// selected it): kFwdUnitsPerItem (512; 128 -> 512: fwd+bwd -0.3 ms at 32K, -1.0 at 128K, NOTES s30).
+// MSA_FWD_UNITS_PER_ITEM overrides it (1 .. sm80::kFwdMaxItemUnits, the kernel's table size).
 int fwd_units_per_item() {
-  return int(std::min<int64_t>(env_positive("MSA_FWD_UNITS_PER_ITEM", kUnitsPerItem), sm80::kFwdMaxItemUnits));
+  return int(std::min<int64_t>(env_positive("MSA_FWD_UNITS_PER_ITEM", kFwdUnitsPerItem), sm80::kFwdMaxItemUnits));
 }
 
 }  // namespace
@@ -38,13 +36,13 @@ int fwd_units_per_item() {
 // small tile, so the tests run it on Hopper too.
 int fwd_out_rows(const Tensor& q, int64_t D) {
   if (env_positive("MSA_FWD_ROWS", 128) == 64) return 64;
-  return smem_per_block(q) >= sm80::sparse_smem_bytes(int(D), 1, 128) ? 128 : 64;
+  return msa::fwd_out_rows(smem_per_block(q), int(D));
 }
 
 bool small_smem_config(const Tensor& x, int64_t D) {
   if (use_sm90_kernels()) return false;  // the Hopper kernels have their own tiles
   if (env_is("MSA_SMALL_SMEM", "1")) return true;
-  return smem_per_block(x) < std::max(sm80::sparse_smem_bytes(int(D), 0), sm80::sparse_smem_bytes(int(D), 1, 64));
+  return msa::fwd_small_smem(smem_per_block(x), int(D));
 }
 
 SparseForward sparse_forward_cuda(const Tensor& q_in, const Tensor& k_in, const Tensor& v_in,
@@ -123,10 +121,10 @@ SparseForward sparse_forward_cuda(const Tensor& q_in, const Tensor& k_in, const 
   // (and one more item per key: the +num_keys below).
   const bool det = grad && deterministic;
   const int units_per_item = fwd_units_per_item();
+  // per_token does not depend on no_stats (idx_stats is then not allocated): the same chunks either way.
   const int64_t per_token =
-      Hi * topk * ((kl_only ? 0 : G * (D * q.element_size() + 8)) + 32 + (grad ? 256 : 0) +
-                   (det ? (128 * Di * 4 + units_per_item - 1) / units_per_item : 0));
-  const int64_t chunk = std::max<int64_t>(1, std::min<int64_t>(T, partial_budget() / per_token));
+      fwd_bytes_per_token(Hi, topk, G, D, q.element_size(), kl_only, grad, det, Di, units_per_item);
+  const int64_t chunk = fwd_chunk_tokens(T, per_token, partial_budget());
   const int64_t entries = Hi * chunk * topk;
   const int64_t max_blocks = T / block_size + S;
   const int64_t num_keys = Hi * max_blocks;
@@ -145,7 +143,7 @@ SparseForward sparse_forward_cuda(const Tensor& q_in, const Tensor& k_in, const 
     // rounding of dsi to the input dtype. dk_idx: per-item partials, reduced per chunk.
     dqi_grid = det_grid({ki}, 1, 4.0 * index_scale / double(T * Hi), topk * J);
     dqi_lo = zeros_as(res.kl_dq_idx);
-    dki_part = empty({(entries / units_per_item + num_keys) * 128 * Di}, kFloat, q);
+    dki_part = empty({fwd_max_items(entries, units_per_item, num_keys) * 128 * Di}, kFloat, q);
   }
 
   ReverseIndex ri = alloc_reverse_index(indices, cu_seqlens, topk, block_size, entries, units_per_item);
@@ -172,15 +170,7 @@ SparseForward sparse_forward_cuda(const Tensor& q_in, const Tensor& k_in, const 
     fp.ki_stride_h = ki.stride(1);
   }
   fp.cu_seqlens = ptr<int32_t>(cu_seqlens);
-  fp.work.offsets = rp.offsets;
-  fp.work.entries = rp.rows;
-  fp.work.item_offsets = rp.item_offsets;
-  fp.work.items = rp.items;
-  fp.work.item_order = rp.item_order;
-  fp.work.block_offsets = rp.block_offsets;
-  fp.work.num_keys = int(num_keys);
-  fp.work.max_blocks = int(max_blocks);
-  fp.work.units_per_item = units_per_item;
+  fp.work = sparse_work(rp);  // max_items: per chunk
   fp.total_tokens = int(T);
   fp.num_seqs = int(S);
   fp.topk = int(topk);
@@ -198,7 +188,7 @@ SparseForward sparse_forward_cuda(const Tensor& q_in, const Tensor& k_in, const 
   fp.small_smem = small;  // the 99 KB configuration (out_rows is then its own)
   // The sm_90a output pass compiled for Gu = 4 heads per unit (fewer registers, compile-time KL loops)
   // where it applies; MSA_FWD_FIXED_GU=0 keeps the general kernel (tests compare the two).
-  fp.fixed_gu = J == 1 && G == 4 && !env_is("MSA_FWD_FIXED_GU", "0") ? 4 : 0;
+  fp.fixed_gu = env_is("MSA_FWD_FIXED_GU", "0") ? 0 : fwd_fixed_gu(G, J);
   fp.stats = reinterpret_cast<float2*>(ptr<float>(stats));
   fp.idx_stats = index && !no_stats ? reinterpret_cast<float2*>(ptr<float>(idx_stats)) : nullptr;
   fp.lse = ptr<float>(res.lse);
@@ -259,7 +249,7 @@ SparseForward sparse_forward_cuda(const Tensor& q_in, const Tensor& k_in, const 
     const int64_t n = Hi * tc * topk;
     rp.token_begin = int(t0);
     rp.token_end = int(t0 + tc);
-    fp.work.max_items = int(n / units_per_item + num_keys);
+    fp.work.max_items = int(fwd_max_items(n, units_per_item, num_keys));
     rp.max_items = fp.work.max_items;  // the launch order covers the grid
     MSA_LAUNCH_CHECK(run_reverse_index(rp, stream), "sparse_fwd (reverse index)");
     // Slots that select nothing are never written: their stats stay (0, 0), "no keys".

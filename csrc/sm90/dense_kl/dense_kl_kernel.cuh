@@ -13,7 +13,8 @@
 //                                                          memory, B: K_idx MN-major), red.v4 to global
 // dK_idx stays in registers over the CTA's whole walk (one red.v4 flush at the end); the KL partials
 // are summed in fixed point (int64 atomics: the KL value does not depend on the order). FLOPs per
-// (query tile, group): 128 x 64 x (2 D G + 6 Di) x 2.
+// (query tile, group): 128 x 64 x (2 D G + 6 Di); useful (causal pairs only): N (N + 1) / 2 x (2 D G + 6 Di)
+// per group and sequence.
 //
 // Loads: cp.async, 16 bytes per thread and chunk. The Q tiles of the heads go through a ring of kSlots
 // slots in (step, head) order: load n lands in slot n % kSlots and is issued once load n - kSlots has
