@@ -139,10 +139,10 @@ def _dense_attended(indices, t, r, cu, block_size):
     """row_oracle.attended for warmup (SPEC 5): every earlier token of the row's sequence."""
     from row_oracle import seq_start
     s0 = seq_start(cu, t)
-    L = int((t - s0).max().item()) + 1
+    L = int(cu[-1].item())  # one width for every chunk (in_chunks concatenates them)
     tok = s0[:, None] + torch.arange(L, device=t.device)
     ok = tok <= t[:, None]
-    return torch.where(ok, tok, t[:, None]), ok
+    return torch.where(ok, tok, t[:, None]), ok  # masked entries point at the row's own token
 
 
 @pytest.mark.parametrize("dtype", [torch.bfloat16])
