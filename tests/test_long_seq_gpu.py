@@ -152,7 +152,7 @@ def test_warmup_long_sequence_sampled_rows(dtype, monkeypatch):
     exact per-row computation over the full causal set."""
     import row_oracle
     monkeypatch.setattr(row_oracle, "attended", _dense_attended)
-    monkeypatch.setattr(row_oracle, "CHUNK", 4)  # rows of up to 131072 keys each: (4, L, D) float64
+    monkeypatch.setattr(row_oracle, "CHUNK", 32)  # rows of 131072 keys each: (32, L, D) float64 = 4.3 GB
     N = T = 131072
     Hq, Hkv, Hi, Hki = HEADS
     x = _inputs(T, dtype, seed=7)
