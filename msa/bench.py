@@ -306,7 +306,8 @@ def header(device, argv):
         f"/ time (main dq, dk, dv; the KL's index gradient is computed in the forward); sparse bwd, sink = the same "
         f"selection with block 0 in every row (one key per index group selected by every token); deterministic = "
         f"msa fwd+bwd with deterministic=True (bitwise reproducible gradients), cost = its extra time; (B,H,N,D) "
-        f"views = the inputs as transposes of (B, H, N, D) tensors (one internal copy each)",
+        f"views = the inputs as transposes of (B, H, N, D) tensors (one internal copy each); warmup = msa fwd+bwd "
+        f"with warmup=True (dense main branch, KL over the full causal set), and its time over dense fwd+bwd",
         *[f"- note: {n}" for n in notes]])
 
 
