@@ -115,9 +115,10 @@ struct KMajorSw128 {
 template <typename T, int N, bool kTransB = false>
 struct WgmmaRS;
 
-#define MSA_WGMMA_ACC_32 \
+#define MSA_WGMMA_ACC_16 \
   "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3]), "+f"(d[4]), "+f"(d[5]), "+f"(d[6]), "+f"(d[7]), \
-  "+f"(d[8]), "+f"(d[9]), "+f"(d[10]), "+f"(d[11]), "+f"(d[12]), "+f"(d[13]), "+f"(d[14]), "+f"(d[15]), \
+  "+f"(d[8]), "+f"(d[9]), "+f"(d[10]), "+f"(d[11]), "+f"(d[12]), "+f"(d[13]), "+f"(d[14]), "+f"(d[15])
+#define MSA_WGMMA_ACC_32 MSA_WGMMA_ACC_16, \
   "+f"(d[16]), "+f"(d[17]), "+f"(d[18]), "+f"(d[19]), "+f"(d[20]), "+f"(d[21]), "+f"(d[22]), "+f"(d[23]), \
   "+f"(d[24]), "+f"(d[25]), "+f"(d[26]), "+f"(d[27]), "+f"(d[28]), "+f"(d[29]), "+f"(d[30]), "+f"(d[31])
 #define MSA_WGMMA_ACC_64 MSA_WGMMA_ACC_32, \
@@ -128,9 +129,8 @@ struct WgmmaRS;
 #define MSA_WGMMA_ARGS \
   "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "l"(desc_b), "r"(int(accumulate))
 
-#define MSA_WGMMA_D_32 \
-  "%0,%1,%2,%3,%4,%5,%6,%7,%8,%9,%10,%11,%12,%13,%14,%15," \
-  "%16,%17,%18,%19,%20,%21,%22,%23,%24,%25,%26,%27,%28,%29,%30,%31"
+#define MSA_WGMMA_D_16 "%0,%1,%2,%3,%4,%5,%6,%7,%8,%9,%10,%11,%12,%13,%14,%15"
+#define MSA_WGMMA_D_32 MSA_WGMMA_D_16 ",%16,%17,%18,%19,%20,%21,%22,%23,%24,%25,%26,%27,%28,%29,%30,%31"
 #define MSA_WGMMA_D_64 MSA_WGMMA_D_32 \
   ",%32,%33,%34,%35,%36,%37,%38,%39,%40,%41,%42,%43,%44,%45,%46,%47,%48,%49,%50,%51,%52,%53,%54,%55,%56,%57,%58," \
   "%59,%60,%61,%62,%63"
@@ -158,10 +158,8 @@ MSA_WGMMA_RS_ALL(__half, "f16", 1)
 #undef MSA_WGMMA_RS_ALL
 #undef MSA_WGMMA_RS
 #undef MSA_WGMMA_D_64
-#undef MSA_WGMMA_D_32
 #undef MSA_WGMMA_ARGS
 #undef MSA_WGMMA_ACC_64
-#undef MSA_WGMMA_ACC_32
 
 // acc (64 x N) (+)= A (64 x 16 kSteps) * B, A from registers: every A fragment is loaded (load_a(frag, kk))
 // before the first wgmma, then one commit and one wait, so the loads overlap and nothing waits between
@@ -190,53 +188,36 @@ __device__ __forceinline__ void wgmma_rs_k64(float (&acc)[N / 2], LoadA load_a, 
 }
 
 // D (64 x N, fp32) (+)= A (64 x 16, shared) * B (16 x N, shared): wgmma m64nNk16 with both operands
-// K-major in shared memory (descriptors from KMajorSw128::desc). N = 32 (the sparse backward's S = Q K^T
-// and dP = dO V^T over 32 keys).
+// K-major in shared memory (descriptors from KMajorSw128::desc).
 template <typename T, int N>
 struct WgmmaSS;
 
-#define MSA_WGMMA_SS32(TYPE, PTXTYPE) \
+// One specialisation per N: the accumulator operands (list and constraints), then the operand numbers
+// of the two descriptors and the accumulate flag (they follow the N / 2 accumulators).
+#define MSA_WGMMA_SS(TYPE, PTXTYPE, N, D_LIST, D_OPS, DESC_A, DESC_B, ACC) \
   template <> \
-  struct WgmmaSS<TYPE, 32> { \
-    __device__ __forceinline__ static void run(float (&d)[16], uint64_t desc_a, uint64_t desc_b, bool accumulate) { \
-      asm volatile("{\n.reg .pred p;\nsetp.ne.b32 p, %18, 0;\n" \
-                   "wgmma.mma_async.sync.aligned.m64n32k16.f32." PTXTYPE "." PTXTYPE " " \
-                   "{%0,%1,%2,%3,%4,%5,%6,%7,%8,%9,%10,%11,%12,%13,%14,%15}, %16, %17, p, 1, 1, 0, 0;\n}\n" \
-                   : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3]), "+f"(d[4]), "+f"(d[5]), "+f"(d[6]), \
-                     "+f"(d[7]), "+f"(d[8]), "+f"(d[9]), "+f"(d[10]), "+f"(d[11]), "+f"(d[12]), "+f"(d[13]), \
-                     "+f"(d[14]), "+f"(d[15]) \
+  struct WgmmaSS<TYPE, N> { \
+    __device__ __forceinline__ static void run(float (&d)[N / 2], uint64_t desc_a, uint64_t desc_b, bool accumulate) { \
+      asm volatile("{\n.reg .pred p;\nsetp.ne.b32 p, " ACC ", 0;\n" \
+                   "wgmma.mma_async.sync.aligned.m64n" #N "k16.f32." PTXTYPE "." PTXTYPE " " \
+                   "{" D_LIST "}, " DESC_A ", " DESC_B ", p, 1, 1, 0, 0;\n}\n" \
+                   : D_OPS \
                    : "l"(desc_a), "l"(desc_b), "r"(int(accumulate))); \
     } \
   };
-MSA_WGMMA_SS32(__nv_bfloat16, "bf16")
-MSA_WGMMA_SS32(__half, "f16")
-#undef MSA_WGMMA_SS32
-
-// N = 64 (the dense KL pass's S^T = K Q^T: A = 64 keys of K, B = 64 queries of Q, both K-major).
-#define MSA_WGMMA_SS64(TYPE, PTXTYPE) \
-  template <> \
-  struct WgmmaSS<TYPE, 64> { \
-    __device__ __forceinline__ static void run(float (&d)[32], uint64_t desc_a, uint64_t desc_b, bool accumulate) { \
-      asm volatile("{\n.reg .pred p;\nsetp.ne.b32 p, %34, 0;\n" \
-                   "wgmma.mma_async.sync.aligned.m64n64k16.f32." PTXTYPE "." PTXTYPE " " \
-                   "{" MSA_WGMMA_SS_D32 "}, %32, %33, p, 1, 1, 0, 0;\n}\n" \
-                   : MSA_WGMMA_SS_ACC32 \
-                   : "l"(desc_a), "l"(desc_b), "r"(int(accumulate))); \
-    } \
-  };
-#define MSA_WGMMA_SS_D32 \
-  "%0,%1,%2,%3,%4,%5,%6,%7,%8,%9,%10,%11,%12,%13,%14,%15,%16,%17,%18,%19,%20,%21,%22,%23,%24,%25,%26,%27,%28," \
-  "%29,%30,%31"
-#define MSA_WGMMA_SS_ACC32 \
-  "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3]), "+f"(d[4]), "+f"(d[5]), "+f"(d[6]), "+f"(d[7]), \
-  "+f"(d[8]), "+f"(d[9]), "+f"(d[10]), "+f"(d[11]), "+f"(d[12]), "+f"(d[13]), "+f"(d[14]), "+f"(d[15]), \
-  "+f"(d[16]), "+f"(d[17]), "+f"(d[18]), "+f"(d[19]), "+f"(d[20]), "+f"(d[21]), "+f"(d[22]), "+f"(d[23]), \
-  "+f"(d[24]), "+f"(d[25]), "+f"(d[26]), "+f"(d[27]), "+f"(d[28]), "+f"(d[29]), "+f"(d[30]), "+f"(d[31])
-MSA_WGMMA_SS64(__nv_bfloat16, "bf16")
-MSA_WGMMA_SS64(__half, "f16")
-#undef MSA_WGMMA_SS64
-#undef MSA_WGMMA_SS_ACC32
-#undef MSA_WGMMA_SS_D32
+// N = 32: the sparse backward's S = Q K^T and dP = dO V^T over 32 keys; N = 64: the dense KL pass's
+// S^T = K Q^T (A = 64 keys of K, B = 64 queries of Q).
+#define MSA_WGMMA_SS_ALL(TYPE, PTXTYPE) \
+  MSA_WGMMA_SS(TYPE, PTXTYPE, 32, MSA_WGMMA_D_16, MSA_WGMMA_ACC_16, "%16", "%17", "%18") \
+  MSA_WGMMA_SS(TYPE, PTXTYPE, 64, MSA_WGMMA_D_32, MSA_WGMMA_ACC_32, "%32", "%33", "%34")
+MSA_WGMMA_SS_ALL(__nv_bfloat16, "bf16")
+MSA_WGMMA_SS_ALL(__half, "f16")
+#undef MSA_WGMMA_SS_ALL
+#undef MSA_WGMMA_SS
+#undef MSA_WGMMA_D_32
+#undef MSA_WGMMA_D_16
+#undef MSA_WGMMA_ACC_32
+#undef MSA_WGMMA_ACC_16
 
 // acc (64 x 64) (+)= A (64 x 16 kSteps, shared) * B (shared), both by descriptor: every k-step in one
 // commit group, then the wait. Returns once the wgmmas are done.
