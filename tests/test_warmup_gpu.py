@@ -136,3 +136,15 @@ def test_warmup_long(N):
     flat = [t.reshape(N, *t.shape[2:]) for t in x]
     cu = torch.tensor([0, N], dtype=torch.int32, device="cuda")
     _check(*flat, cu, N, 16, 128, seed=1, batched=True)
+
+
+def test_warmup_without_index_grad():
+    """index_grad=False (no gradient wanted for q_idx / k_idx, e.g. evaluation): the same out and the same
+    KL value, bitwise (the KL sums do not depend on the gradient work), and no index gradients."""
+    x = make_inputs(1, 3000, (16, 2, 4, 1), 128, 128, dtype=torch.bfloat16, device="cuda", seed=11)
+    flat = [t.reshape(3000, *t.shape[2:]) for t in x]
+    args = (None, 3000, 16, 128, 128 ** -0.5, 128 ** -0.5, True, False)
+    with_grad = ops.msa_fwd(*flat, *args, True)
+    without = ops.msa_fwd(*flat, *args, False)
+    assert torch.equal(with_grad[0], without[0]) and torch.equal(with_grad[1], without[1])
+    assert without[5].numel() == 0 and without[6].numel() == 0
