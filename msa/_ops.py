@@ -160,8 +160,9 @@ def _validate_cu_seqlens_cpu(cu_seqlens, total_tokens, max_seqlen):
 # enabled in torch.backends.cuda), PyTorch's flash kernel otherwise. On the H200 cuDNN's fwd+bwd is
 # 1.6-1.7x faster than flash (scripts/probe_dense_backends.py), but its backward is not bitwise
 # repeatable and torch 2.11's packed (ragged) cuDNN path returns wrong values, so those cases take
-# flash. MSA_DENSE_BACKEND=flash (or cudnn) overrides the choice (tests, A/B runs). Both return lse
-# (H, T), the natural-log logsumexp of the scaled logits, and either backward takes either forward's.
+# flash. MSA_DENSE_BACKEND=flash (or cudnn) overrides the choice (tests, A/B runs; never under
+# deterministic=True). Both return lse (H, T), the natural-log logsumexp of the scaled logits, and
+# either backward takes either forward's.
 # cuDNN rejects sequences of one token (s_q = s_kv = 1): those take flash too.
 # ----------------------------------------------------------------------------------------------
 _CUDNN_FAILED: set = set()  # shapes whose cuDNN call raised: flash for them from then on (warned once)
@@ -177,11 +178,12 @@ def _dense_backend(q, k, seq_len, uniform, deterministic):
     forced = os.environ.get("MSA_DENSE_BACKEND", "")
     if forced not in ("", "flash", "cudnn"):
         raise ValueError(f"MSA_DENSE_BACKEND: expected 'flash' or 'cudnn', got {forced!r}")
-    if forced == "flash" or not uniform or seq_len < 2 or _shape_key(q, k, seq_len) in _CUDNN_FAILED:
+    # deterministic first: no override may trade away a repeatable backward
+    if forced == "flash" or deterministic or not uniform or seq_len < 2 or _shape_key(q, k, seq_len) in _CUDNN_FAILED:
         return "flash"
     if forced == "cudnn":
         return "cudnn"
-    usable = (not deterministic and torch.backends.cudnn.is_available() and torch.backends.cuda.cudnn_sdp_enabled()
+    usable = (torch.backends.cudnn.is_available() and torch.backends.cuda.cudnn_sdp_enabled()
               and hasattr(torch.ops.aten, "_scaled_dot_product_cudnn_attention"))
     return "cudnn" if usable else "flash"
 
@@ -215,6 +217,8 @@ def _dense_fwd_cuda(q, k, v, cu_seqlens, max_seqlen, softmax_scale, uniform=Fals
                 scale=softmax_scale)[:2]
             # lse (B, H, N[, 1]) -> (H, T): a view for one sequence
             return _thd(out), lse.reshape(batch, H, T // batch).transpose(0, 1).reshape(H, T)
+        except torch.OutOfMemoryError:
+            raise  # not a cuDNN limitation: no fallback, no lasting switch to flash
         except RuntimeError as e:
             _cudnn_failed(q, k, T // batch, e)
     out, lse = torch.ops.aten._flash_attention_forward(
@@ -235,6 +239,8 @@ def _dense_bwd_cuda(dout, q, k, v, out, lse, cu_seqlens, max_seqlen, softmax_sca
                 _bhnd(dout, batch), _bhnd(q, batch), _bhnd(k, batch), _bhnd(v, batch), _bhnd(out, batch), lse4,
                 zero, zero, None, None, None, T // batch, T // batch, 0.0, True, scale=softmax_scale)
             return tuple(_thd(g) for g in grads)
+        except torch.OutOfMemoryError:
+            raise  # not a cuDNN limitation: no fallback, no lasting switch to flash
         except RuntimeError as e:
             _cudnn_failed(q, k, T // batch, e)
     rng = torch.zeros(2, dtype=torch.int64, device=q.device)  # no dropout: its rng state is not read

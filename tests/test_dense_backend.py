@@ -39,6 +39,7 @@ def test_override(cudnn_on, monkeypatch):
     monkeypatch.setenv("MSA_DENSE_BACKEND", "cudnn")
     assert _ops._dense_backend(q, k, 64, True, False) == "cudnn"
     assert _ops._dense_backend(q, k, 64, False, False) == "flash"  # cuDNN cannot take ragged lengths
+    assert _ops._dense_backend(q, k, 64, True, True) == "flash"  # nor give a repeatable backward
     monkeypatch.setenv("MSA_DENSE_BACKEND", "fast")
     with pytest.raises(ValueError, match="MSA_DENSE_BACKEND"):
         _ops._dense_backend(q, k, 64, True, False)

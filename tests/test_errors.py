@@ -173,6 +173,16 @@ def test_cuda_bad_inputs_raise_before_launch():
     lse = torch.zeros(8, 260, device="cuda")
     expect(RuntimeError, "q, k, v",
            lambda: torch.ops.msa.sparse_bwd(q, q, k, v, q, lse, idx, good_cu, 130, 64, 0.125))
+    # The raw msa_fwd checks the index inputs before either branch (warmup's dense kernels included):
+    # an unsupported Di, and an Hi that does not divide Hq.
+    k = torch.randn(260, 2, 64, dtype=torch.bfloat16, device="cuda")
+    for qi, ki, name in ((torch.randn(260, 4, 96, dtype=torch.bfloat16, device="cuda"),
+                          torch.randn(260, 1, 96, dtype=torch.bfloat16, device="cuda"), "q_idx"),
+                         (torch.randn(260, 3, 64, dtype=torch.bfloat16, device="cuda"),
+                          torch.randn(260, 1, 64, dtype=torch.bfloat16, device="cuda"), "q_idx")):
+        for warmup in (True, False):
+            expect(RuntimeError, name, lambda: torch.ops.msa.msa_fwd(q, k, k, qi, ki, good_cu, 130, 2, 64, 0.125, 0.1,
+                                                                     warmup, False, True))
     torch.cuda.synchronize()  # nothing faulted
 
 

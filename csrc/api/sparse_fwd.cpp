@@ -45,6 +45,28 @@ bool small_smem_config(const Tensor& x, int64_t D) {
   return msa::fwd_small_smem(smem_per_block(x), int(D));
 }
 
+namespace {
+
+// The index branch's inputs against the main branch's (SPEC 1, 7): dtype, device, shapes, Di, and the
+// head layout the CUDA kernels take. Before any launch of msa_fwd (both of its branches).
+void check_index_cuda(const Tensor& q, const Tensor& k, const Tensor& qi, const Tensor& ki) {
+  const int64_t T = q.size(0), Hq = q.size(1), Hkv = k.size(1);
+  MSA_CHECK(qi.scalar_type() == q.scalar_type() && ki.scalar_type() == q.scalar_type(), "q_idx, k_idx: expected dtype ",
+            dtype(q));
+  MSA_CHECK(same_device(qi, q) && same_device(ki, q), "q_idx, k_idx: expected device ", dev(q));
+  MSA_CHECK(qi.dim() == 3 && ki.dim() == 3 && qi.size(0) == T && ki.size(0) == T && ki.size(2) == qi.size(2),
+            "q_idx, k_idx: expected (T, Hi, Di), (T, Hki, Di), got ", shape(qi), ", ", shape(ki));
+  const int64_t Hi = qi.size(1), Hki = ki.size(1), Di = qi.size(2);
+  MSA_CHECK(Di == 64 || Di == 128, "q_idx: expected head dim 64 or 128, got ", Di);
+  MSA_CHECK(Hi >= 1 && Hq % Hi == 0 && (Hi % Hkv == 0 || Hkv % Hi == 0), "q_idx: expected Hi dividing Hq = ", Hq,
+            " with Hi and Hkv = ", Hkv, " dividing one another, got Hi = ", Hi);
+  MSA_CHECK(Hki >= 1 && Hi % Hki == 0, "k_idx: expected Hki dividing Hi = ", Hi, ", got ", Hki);
+  const int64_t G = Hq / Hi, J = Hkv > Hi ? Hkv / Hi : 1;
+  MSA_CHECK(G / J <= 64, "q: at most 64 query heads per (index group, kv head) on CUDA, got ", G / J);
+}
+
+}  // namespace
+
 SparseForward sparse_forward_cuda(const Tensor& q_in, const Tensor& k_in, const Tensor& v_in,
                                   const std::optional<Tensor>& q_idx_in, const std::optional<Tensor>& k_idx_in,
                                   const Tensor& indices, const SeqMap& seqs, int64_t max_seqlen,
@@ -71,18 +93,10 @@ SparseForward sparse_forward_cuda(const Tensor& q_in, const Tensor& k_in, const 
   const bool index = q_idx_in.has_value();
   int64_t Di = 0, Hki = 0;
   if (index) {
-    const Tensor& qi = *q_idx_in;
-    const Tensor& ki = *k_idx_in;
-    MSA_CHECK(qi.scalar_type() == q_in.scalar_type() && ki.scalar_type() == q_in.scalar_type(),
-              "q_idx, k_idx: expected dtype ", dtype(q_in));
-    MSA_CHECK(same_device(qi, q_in) && same_device(ki, q_in), "q_idx, k_idx: expected device ", dev(q_in));
-    MSA_CHECK(qi.dim() == 3 && ki.dim() == 3 && qi.size(0) == T && ki.size(0) == T && qi.size(1) == Hi &&
-                          ki.size(2) == qi.size(2),
-                      "q_idx, k_idx: expected (T, Hi, Di), (T, Hki, Di), got ", shape(qi), ", ", shape(ki));
-    Di = qi.size(2);
-    Hki = ki.size(1);
-    MSA_CHECK(Di == 64 || Di == 128, "q_idx: expected head dim 64 or 128, got ", Di);
-    MSA_CHECK(Hi % Hki == 0, "k_idx: expected Hki dividing Hi = ", Hi, ", got ", Hki);
+    check_index_cuda(q_in, k_in, *q_idx_in, *k_idx_in);
+    MSA_CHECK(q_idx_in->size(1) == Hi, "q_idx: expected Hi = ", Hi, " heads (indices), got ", shape(*q_idx_in));
+    Di = q_idx_in->size(2);
+    Hki = k_idx_in->size(1);
   }
   const int64_t S = seqs.num_seqs;
   const Tensor& cu_seqlens = seqs.cu;
@@ -327,6 +341,7 @@ msa_fwd_cuda(const Tensor& q, const Tensor& k, const Tensor& v, const Tensor& q_
              int64_t block_size, double softmax_scale, double index_scale, bool warmup, bool return_indices,
              bool index_grad, bool deterministic) {
   check_qkv_cuda(q, k, v);
+  check_index_cuda(q, k, q_idx, k_idx);  // before the dense kernels of warmup, too
   const SeqMap seqs = seq_map(cu_seqlens, q.size(0), max_seqlen, q);
   Tensor indices;
   SparseForward r;
