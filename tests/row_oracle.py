@@ -92,18 +92,16 @@ def block_grads(x, blk0, rows_t, rows_r, indices, cu, block_size, scale, iscale,
         o = row_terms(x, t, r, indices, cu, block_size, scale, iscale, kl_coef, dtype)
         j = o["tok"] - blk0
         inb = o["mask"] & (j >= 0) & (j < block_size)  # (R, L): the row's keys inside this block
-        jj = torch.where(inb, j, 0)
-        kvh, kih = r // (Hi // Hkv), r // (Hi // Hki)
-        w_dk = torch.where(inb[:, None], o["ds"], 0)  # (R, G, L)
-        w_dv = torch.where(inb[:, None], o["p"], 0)
-        w_ki = torch.where(inb, o["dsi"], 0)  # (R, L)
+        ri, li = inb.nonzero(as_tuple=True)  # only those: a dense row has L ~ N entries, almost all outside
+        jj = j[ri, li]
+        kvh, kih = (r // (Hi // Hkv))[ri], (r // (Hi // Hki))[ri]
         # Per row and key: sum over the group's heads of dS q_h (dk), P dO_h (dv); dsi q_idx (dk_idx).
-        c_dk = (torch.einsum("rgl,rgd->rld", w_dk, o["Q"]) * scale).double()
-        c_dv = torch.einsum("rgl,rgd->rld", w_dv, o["dO"]).double()
-        c_ki = (torch.einsum("rl,rd->rld", w_ki, o["Qi"]) * (iscale * kl_coef)).double()
-        dk.index_put_((jj.flatten(), kvh[:, None].expand_as(jj).flatten()), c_dk.flatten(0, 1), accumulate=True)
-        dv.index_put_((jj.flatten(), kvh[:, None].expand_as(jj).flatten()), c_dv.flatten(0, 1), accumulate=True)
-        dki.index_put_((jj.flatten(), kih[:, None].expand_as(jj).flatten()), c_ki.flatten(0, 1), accumulate=True)
+        c_dk = (torch.einsum("eg,egd->ed", o["ds"][ri, :, li], o["Q"][ri]) * scale).double()
+        c_dv = torch.einsum("eg,egd->ed", o["p"][ri, :, li], o["dO"][ri]).double()
+        c_ki = (o["dsi"][ri, li][:, None] * o["Qi"][ri] * (iscale * kl_coef)).double()
+        dk.index_put_((jj, kvh), c_dk, accumulate=True)
+        dv.index_put_((jj, kvh), c_dv, accumulate=True)
+        dki.index_put_((jj, kih), c_ki, accumulate=True)
     return dk, dv, dki
 
 

@@ -146,13 +146,11 @@ def _dense_attended(indices, t, r, cu, block_size):
 
 
 @pytest.mark.parametrize("dtype", [torch.bfloat16])
-def test_warmup_long_sequence_sampled_rows(dtype, kernel_choice, monkeypatch):
+def test_warmup_long_sequence_sampled_rows(dtype, monkeypatch):
     """Warmup at N = 131072 (the dense main branch and the dense KL pass over ~1000 key tiles): out, lse,
     dq, dq_idx, the KL row terms and lse_idx of sampled rows, and dk_idx of the last kv block, against the
-    exact per-row computation over the full causal set. The default kernels only (the Hopper dense KL
-    kernel): the oracle takes ~200 s here (block_grads' masked entries all index_put into row 0)."""
-    if kernel_choice == "portable":
-        pytest.skip("the portable warmup path at this length: covered at N <= 20000 (tests/test_warmup_gpu.py)")
+    exact per-row computation over the full causal set (on both kernel paths: the Hopper dense KL kernel,
+    and the sparse kernels' dense mode)."""
     import row_oracle
     monkeypatch.setattr(row_oracle, "attended", _dense_attended)
     monkeypatch.setattr(row_oracle, "CHUNK", 32)  # rows of 131072 keys each: (32, L, D) float64 = 4.3 GB
