@@ -256,11 +256,14 @@ class Sdist(sdist):
             stamp.write_text(commit + "\n")
 
 
-setup(
-    name=DIST_NAME,
-    version=_version(),
-    install_requires=[_torch_requirement()],
-    ext_modules=[CMakeExtension("msa._C")],
-    cmdclass={"build_ext": CMakeBuild, "sdist": Sdist},
-    options={"bdist_wheel": {"py_limited_api": "cp39"}},
-)
+# Guarded so tools can import this file for its helpers (tests/test_cpp_bench_build.py: _cutlass_dir);
+# pip's setuptools backend and `python setup.py ...` both run it as __main__.
+if __name__ == "__main__":
+    setup(
+        name=DIST_NAME,
+        version=_version(),
+        install_requires=[_torch_requirement()],
+        ext_modules=[CMakeExtension("msa._C")],
+        cmdclass={"build_ext": CMakeBuild, "sdist": Sdist},
+        options={"bdist_wheel": {"py_limited_api": "cp39"}},
+    )

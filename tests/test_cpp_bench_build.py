@@ -20,17 +20,14 @@ pytestmark = pytest.mark.skipif(os.environ.get("MSA_TEST_CPP_BENCH") != "1",
 
 
 def _cutlass_dir():
-    if os.environ.get("MSA_CUTLASS_DIR"):
-        return os.environ["MSA_CUTLASS_DIR"]
-    local = ROOT / "third_party" / "cutlass" / "include"
-    if (local / "cute" / "tensor.hpp").exists():
-        return str(local)
-    spec = importlib.util.find_spec("cutlass_library")
-    if spec is not None and spec.submodule_search_locations:
-        inc = Path(list(spec.submodule_search_locations)[0]) / "source" / "include"
-        if (inc / "cute" / "tensor.hpp").exists():
-            return str(inc)
-    return None
+    """setup.py's lookup (MSA_CUTLASS_DIR, third_party/cutlass, the pinned wheel); None when it finds none."""
+    spec = importlib.util.spec_from_file_location("msa_setup", ROOT / "setup.py")
+    setup_py = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(setup_py)  # defines its helpers only: setup() runs under __main__
+    try:
+        return setup_py._cutlass_dir()
+    except RuntimeError:
+        return None
 
 
 def _nvcc():
