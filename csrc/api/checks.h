@@ -35,6 +35,8 @@ std::vector<int32_t> check_cu_seqlens(const Tensor& cu, int64_t total_tokens, in
 struct SeqMap {
   Tensor cu;             // int32 (S + 1,) on the device of the inputs
   int64_t num_seqs = 0;  // S
+  // Every sequence holds T / S tokens: the batched layout, or one packed sequence (warmup's cuDNN path).
+  bool uniform = false;
 };
 SeqMap seq_map(const std::optional<Tensor>& cu_seqlens, int64_t total_tokens, int64_t max_seqlen,
                const Tensor& like);

@@ -114,7 +114,7 @@ SeqMap seq_map(const std::optional<Tensor>& cu_seqlens, int64_t total_tokens, in
     check_cuda_int32(*cu_seqlens, "cu_seqlens", 1);
     MSA_CHECK(same_device(*cu_seqlens, like), "cu_seqlens: expected device ", dev(like), ", got ", dev(*cu_seqlens));
     check_cu_seqlens(*cu_seqlens, total_tokens, max_seqlen);
-    return {*cu_seqlens, cu_seqlens->size(0) - 1};
+    return {*cu_seqlens, cu_seqlens->size(0) - 1, cu_seqlens->size(0) == 2};
   }
   MSA_CHECK(max_seqlen >= 1 && total_tokens % max_seqlen == 0,
                     "max_seqlen: without cu_seqlens (the batched layout) expected a divisor of T = ", total_tokens,
@@ -125,7 +125,7 @@ SeqMap seq_map(const std::optional<Tensor>& cu_seqlens, int64_t total_tokens, in
   Tensor cu = empty({S + 1}, kInt, like);
   MSA_LAUNCH_CHECK(smxx::launch_iota_int32(ptr<int32_t>(cu), S + 1, int32_t(max_seqlen), current_stream(like)),
                    "cu_seqlens (batched offsets)");
-  return {cu, S};
+  return {cu, S, true};
 }
 
 namespace {

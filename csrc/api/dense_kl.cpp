@@ -13,12 +13,12 @@
 
 namespace msa::api {
 
-bool dense_kl_applies(const Tensor& q, const Tensor& k, const Tensor& q_idx, bool deterministic) {
+bool dense_kl_applies(const Tensor& k, const Tensor& q_idx, bool deterministic) {
 #ifdef MSA_WITH_SM90
   // J = 1: Hkv <= Hi, so every head of an index group reads one kv head.
   return use_sm90_kernels() && !deterministic && k.size(1) <= q_idx.size(1) && !env_is("MSA_DENSE_KL", "0");
 #else
-  (void)q, (void)k, (void)q_idx, (void)deterministic;
+  (void)k, (void)q_idx, (void)deterministic;
   return false;
 #endif
 }

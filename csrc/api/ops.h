@@ -31,12 +31,13 @@ SparseForward sparse_forward_cuda(const Tensor& q, const Tensor& k, const Tensor
                                   const std::optional<Tensor>& lse_idx_given = std::nullopt);
 // dense: warmup (SPEC 5), every block up to the token's own (indices is then only read for Hi); with
 // lse_given (Hq, T) the main branch's lse comes from elsewhere and only the KL part runs; with
-// lse_idx_given (Hi, T) too, the stats pass is skipped (it would only compute lse_idx).
+// lse_idx_given (Hi, T) too, the stats pass is skipped (it would only compute lse_idx). q_idx / k_idx:
+// the caller has checked them against q and k (msa_fwd_cuda, before any launch).
 
 // Warmup's KL pass on Hopper (csrc/api/dense_kl.cpp): lse, lse_idx, kl_rows and (index_grad) the KL's
 // index gradients, given the dense attention's lse and lse_idx; out is left empty. dense_kl_applies:
 // this build and device take it for these heads (J = 1) outside deterministic mode.
-bool dense_kl_applies(const Tensor& q, const Tensor& k, const Tensor& q_idx, bool deterministic);
+bool dense_kl_applies(const Tensor& k, const Tensor& q_idx, bool deterministic);
 SparseForward dense_kl_cuda(const Tensor& q, const Tensor& k, const Tensor& q_idx, const Tensor& k_idx,
                             const SeqMap& seqs, int64_t max_seqlen, double softmax_scale, double index_scale,
                             bool index_grad, const Tensor& lse, const Tensor& lse_idx);

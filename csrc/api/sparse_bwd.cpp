@@ -188,9 +188,8 @@ std::tuple<Tensor, Tensor, Tensor, Tensor, Tensor> msa_bwd_cuda(
     const DeviceGuard guard(q.get_device_index());
     if (warmup) {
       // SPEC 5: the dense main branch's gradients from PyTorch's flash backward.
-      const bool uniform = !cu_seqlens.has_value() || cu_seqlens->size(0) == 2;  // as msa_fwd's
       std::tie(dq, dk, dv) = dense_attention_backward(*dout, q, k, v, out, lse, seqs.cu, max_seqlen, softmax_scale,
-                                                      deterministic, uniform);
+                                                      deterministic, seqs.uniform);
     } else {
       std::tie(dq, dk, dv) =
           sparse_backward_cuda(*dout, q, k, v, out, lse, indices, seqs, block_size, softmax_scale, deterministic);

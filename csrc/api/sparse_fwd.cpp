@@ -92,8 +92,7 @@ SparseForward sparse_forward_cuda(const Tensor& q_in, const Tensor& k_in, const 
   MSA_CHECK(G / J <= 64, "q: at most 64 query heads per (index group, kv head) on CUDA, got ", G / J);
   const bool index = q_idx_in.has_value();
   int64_t Di = 0, Hki = 0;
-  if (index) {
-    check_index_cuda(q_in, k_in, *q_idx_in, *k_idx_in);
+  if (index) {  // the rest of the index inputs: checked by msa_fwd_cuda (check_index_cuda) before any launch
     MSA_CHECK(q_idx_in->size(1) == Hi, "q_idx: expected Hi = ", Hi, " heads (indices), got ", shape(*q_idx_in));
     Di = q_idx_in->size(2);
     Hki = k_idx_in->size(1);
@@ -352,13 +351,13 @@ msa_fwd_cuda(const Tensor& q, const Tensor& k, const Tensor& v, const Tensor& q_
     indices = return_indices ? select_blocks_cuda(q_idx, k_idx, seqs, max_seqlen, topk, block_size, index_scale)
                              : empty({q_idx.size(1), q.size(0), 0}, kInt, q);
     // lse_idx from the same dense kernel on the index branch (its output unused): faster than our stats
-    // pass over every block. uniform: equal sequence lengths, which the cuDNN kernels need (msa/_ops.py).
-    const bool uniform = !cu_seqlens.has_value() || cu_seqlens->size(0) == 2;
-    auto [out, lse] = dense_attention_forward(q, k, v, seqs.cu, max_seqlen, softmax_scale, uniform, deterministic);
-    const Tensor lse_idx =
-        std::get<1>(dense_attention_forward(q_idx, k_idx, k_idx, seqs.cu, max_seqlen, index_scale, uniform,
-                                            deterministic));
-    if (dense_kl_applies(q, k, q_idx, deterministic)) {
+    // pass over every block. seqs.uniform: equal sequence lengths, which the cuDNN kernels need
+    // (msa/_ops.py).
+    auto [out, lse] =
+        dense_attention_forward(q, k, v, seqs.cu, max_seqlen, softmax_scale, seqs.uniform, deterministic);
+    const Tensor lse_idx = std::get<1>(dense_attention_forward(q_idx, k_idx, k_idx, seqs.cu, max_seqlen, index_scale,
+                                                               seqs.uniform, deterministic));
+    if (dense_kl_applies(k, q_idx, deterministic)) {
       r = dense_kl_cuda(q, k, q_idx, k_idx, seqs, max_seqlen, softmax_scale, index_scale, index_grad, lse, lse_idx);
     } else {
       const Tensor shape_only = empty({q_idx.size(1), q.size(0), 1}, kInt, q);
