@@ -193,7 +193,19 @@ def _cudnn_failed(q, k, seq_len, err):
     _CUDNN_FAILED.add(_shape_key(q, k, seq_len))
     warnings.warn(f"msa: cuDNN attention failed on {q.device} for q {tuple(q.shape)}, k {tuple(k.shape)} ({err}); "
                   f"the warmup path uses PyTorch's flash kernel for this shape from now on", RuntimeWarning,
-                  stacklevel=3)
+                  stacklevel=4)
+
+
+def _try_cudnn(call, q, k, seq_len):
+    """call()'s result, or None after a cuDNN RuntimeError (warned; flash for this shape from then on). Out
+    of memory is not a cuDNN limitation: it propagates, with no lasting switch to flash."""
+    try:
+        return call()
+    except torch.OutOfMemoryError:
+        raise
+    except RuntimeError as e:
+        _cudnn_failed(q, k, seq_len, e)
+        return None
 
 
 def _bhnd(x, batch):
@@ -211,16 +223,13 @@ def _dense_fwd_cuda(q, k, v, cu_seqlens, max_seqlen, softmax_scale, uniform=Fals
     T, H = q.shape[0], q.shape[1]
     batch = cu_seqlens.shape[0] - 1  # sequences, all of T / batch tokens when uniform
     if _dense_backend(q, k, T // max(batch, 1), uniform, deterministic) == "cudnn":
-        try:
-            out, lse = torch.ops.aten._scaled_dot_product_cudnn_attention(
-                _bhnd(q, batch), _bhnd(k, batch), _bhnd(v, batch), None, True, 0.0, True, False,
-                scale=softmax_scale)[:2]
+        r = _try_cudnn(lambda: torch.ops.aten._scaled_dot_product_cudnn_attention(
+            _bhnd(q, batch), _bhnd(k, batch), _bhnd(v, batch), None, True, 0.0, True, False, scale=softmax_scale),
+            q, k, T // batch)
+        if r is not None:
+            out, lse = r[:2]
             # lse (B, H, N[, 1]) -> (H, T): a view for one sequence
             return _thd(out), lse.reshape(batch, H, T // batch).transpose(0, 1).reshape(H, T)
-        except torch.OutOfMemoryError:
-            raise  # not a cuDNN limitation: no fallback, no lasting switch to flash
-        except RuntimeError as e:
-            _cudnn_failed(q, k, T // batch, e)
     out, lse = torch.ops.aten._flash_attention_forward(
         q, k, v, cu_seqlens, cu_seqlens, max_seqlen, max_seqlen, 0.0, True, False, scale=softmax_scale)[:2]
     return out, lse.contiguous()
@@ -234,15 +243,11 @@ def _dense_bwd_cuda(dout, q, k, v, out, lse, cu_seqlens, max_seqlen, softmax_sca
     if _dense_backend(q, k, T // max(batch, 1), uniform, deterministic) == "cudnn":
         zero = torch.zeros((), dtype=torch.int64, device=q.device)  # no dropout: the philox state is not read
         lse4 = lse.view(H, batch, T // batch).transpose(0, 1).contiguous().unsqueeze(-1)
-        try:
-            grads = torch.ops.aten._scaled_dot_product_cudnn_attention_backward(
-                _bhnd(dout, batch), _bhnd(q, batch), _bhnd(k, batch), _bhnd(v, batch), _bhnd(out, batch), lse4,
-                zero, zero, None, None, None, T // batch, T // batch, 0.0, True, scale=softmax_scale)
+        grads = _try_cudnn(lambda: torch.ops.aten._scaled_dot_product_cudnn_attention_backward(
+            _bhnd(dout, batch), _bhnd(q, batch), _bhnd(k, batch), _bhnd(v, batch), _bhnd(out, batch), lse4,
+            zero, zero, None, None, None, T // batch, T // batch, 0.0, True, scale=softmax_scale), q, k, T // batch)
+        if grads is not None:
             return tuple(_thd(g) for g in grads)
-        except torch.OutOfMemoryError:
-            raise  # not a cuDNN limitation: no fallback, no lasting switch to flash
-        except RuntimeError as e:
-            _cudnn_failed(q, k, T // batch, e)
     rng = torch.zeros(2, dtype=torch.int64, device=q.device)  # no dropout: its rng state is not read
     unused = torch.empty(0, dtype=torch.int64, device=q.device)
     was, warn_only = torch.are_deterministic_algorithms_enabled(), torch.is_deterministic_algorithms_warn_only_enabled()

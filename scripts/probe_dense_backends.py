@@ -1,25 +1,20 @@
 """Which dense attention backend the warmup path should call on this GPU and torch: times and checks
 aten's flash and cuDNN kernels (fwd+bwd, GQA, lse convention, packed varlen, determinism) in the bench
 configuration. python scripts/probe_dense_backends.py [N ...]"""
+import os
 import sys
 
 import torch
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))  # the in-place build
+from msa import bench  # noqa: E402
 
 A = torch.ops.aten
 
 
 def timeit(fn, reps=10):
-    for _ in range(2):
-        fn()
-    ts = []
-    for _ in range(reps):
-        s, e = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        s.record()
-        fn()
-        e.record()
-        e.synchronize()
-        ts.append(s.elapsed_time(e))
-    return sorted(ts)[len(ts) // 2]
+    """Median ms of fn() (msa.bench's timer: CUDA events, two warm-up calls)."""
+    return bench.Timer(torch.device("cuda"), reps)(fn, [()])
 
 
 def main():
