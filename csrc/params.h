@@ -308,6 +308,7 @@ struct DenseKlParams {
   float* dq_idx;                // (T, Hi, Di) fp32, accumulated (zeroed by the caller); nullable: no grad
   float* dk_idx;                // (T, Hki, Di) fp32, accumulated (zeroed by the caller); with dq_idx
   unsigned long long* kl_fixed;  // (Hi, T) KL row sums (log2 units) in fixed point 2^-32, zeroed
+  unsigned int* kl_bad;          // (Hi, T) nonzero: a non-finite partial sum reached the row, zeroed
   int total_tokens;
   int num_seqs;
   int num_tiles;       // >= tile_offsets[S] (T / 128 + S); grid.x = num_tiles * max_chunks, grid.y = Hki

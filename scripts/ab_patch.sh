@@ -3,7 +3,7 @@
 #   scripts/ab_patch.sh LOGDIR PATCH[,PATCH2,...] [bench args, e.g. --n 32768 131072 --reps 5]
 # Several comma-separated patches are applied in order (B = all of them; device time is scarce).
 # A: build + the tests in MSA_AB_A_TESTS (default tests/test_errors.py) + benchmark. B: patch, rebuild
-# (incremental), the GPU tests, benchmark; the patch is reverted at the end. MSA_AB_PROFILE=N adds a
+# (incremental), the tests in MSA_AB_B_TESTS (default: the GPU tests), benchmark; the patch is reverted at the end. MSA_AB_PROFILE=N adds a
 # per-kernel profile (scripts/profile_msa.py N) of each side, as LOGDIR/{a,b}/profile.txt. Logs of
 # LOGDIR/a and LOGDIR/b (scripts/gpu_check.sh each) come back packed as LOGDIR.tgz.
 set -uo pipefail
@@ -27,7 +27,7 @@ for pf in "${patches[@]}"; do
   tag="$tag-$(basename "$pf" .patch)"
 done
 base=$(cat .msa_commit 2>/dev/null || echo unknown)
-MSA_COMMIT="$base$tag" MSA_PYTEST_ARGS="tests -m gpu" \
+MSA_COMMIT="$base$tag" MSA_PYTEST_ARGS="${MSA_AB_B_TESTS:-tests -m gpu}" \
   bash "$here/gpu_check.sh" "$LOG/b" "$@" > /dev/null 2>&1
 rc=$?
 profile "$LOG/b"

@@ -148,3 +148,24 @@ def test_warmup_without_index_grad():
     without = ops.msa_fwd(*flat, *args, False)
     assert torch.equal(with_grad[0], without[0]) and torch.equal(with_grad[1], without[1])
     assert without[5].numel() == 0 and without[6].numel() == 0
+
+
+@pytest.mark.parametrize("warmup", [True, False])
+@pytest.mark.parametrize("which", ["q", "k", "q_idx"])
+@pytest.mark.parametrize("value", [math.nan, math.inf])
+def test_nonfinite_input_gives_nonfinite_kl(value, which, warmup, kernel_choice):
+    """One token of the second sequence poisoned: the KL is not finite, as in the reference (the KL kernels
+    used to drop a NaN P as if it were 0, and the dense KL kernel's fixed-point sums turned a NaN into a
+    number), the first sequence's output is that of the clean run, and the device is fine afterwards.
+    Warmup and sparse mode, both kernel paths."""
+    x = make_inputs(2, 700, (8, 2, 4, 1), 128, 128, dtype=torch.bfloat16, device="cuda", seed=21)
+    clean_out, clean_kl = msa.msa_attention(*x, warmup=warmup)
+    assert torch.isfinite(clean_kl).item()
+    bad = [t.clone() for t in x]
+    bad[("q", "k", "v", "q_idx", "k_idx").index(which)][1, 300] = value
+    out, kl = msa.msa_attention(*bad, warmup=warmup)
+    assert not torch.isfinite(kl).item(), kl
+    assert torch.equal(out[0], clean_out[0])
+    again_out, again_kl = msa.msa_attention(*x, warmup=warmup)
+    torch.testing.assert_close(again_out, clean_out)
+    torch.testing.assert_close(again_kl, clean_kl)

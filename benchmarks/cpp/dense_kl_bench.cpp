@@ -102,6 +102,7 @@ int main(int argc, char** argv) {
     // The outputs (one set: written, not read): the op allocates dq_idx, dk_idx and kl_fixed zeroed.
     Buf dq_idx(grad ? sizeof(float) * T * pb.hi * pb.di : 0), dk_idx(grad ? sizeof(float) * T * pb.hki * pb.di : 0);
     Buf kl_fixed(sizeof(unsigned long long) * pb.hi * T), kl_rows(sizeof(float) * pb.hi * T);
+    Buf kl_bad(sizeof(unsigned int) * pb.hi * T);
     Buf tile_offsets(sizeof(int32_t) * (S + 1));
     BENCH_CHECK(launch_block_offsets(pb.cu.as<int32_t>(), tile_offsets.as<int32_t>(), int(S), 128, s));
 
@@ -131,6 +132,7 @@ int main(int argc, char** argv) {
       p.dq_idx = grad ? dq_idx.as<float>() : nullptr;
       p.dk_idx = grad ? dk_idx.as<float>() : nullptr;
       p.kl_fixed = kl_fixed.as<unsigned long long>();
+      p.kl_bad = kl_bad.as<unsigned int>();
       p.total_tokens = int(T);
       p.num_seqs = int(S);
       p.num_tiles = int(T / 128 + S);
@@ -155,6 +157,7 @@ int main(int argc, char** argv) {
 
     auto zero = [&](int) {
       kl_fixed.zero(s);
+      kl_bad.zero(s);
       dq_idx.zero(s);  // empty without grad: no-ops
       dk_idx.zero(s);
     };
@@ -177,7 +180,7 @@ int main(int argc, char** argv) {
         zero(i);
         BENCH_CHECK(launch_block_offsets(pb.cu.as<int32_t>(), tile_offsets.as<int32_t>(), int(S), 128, s));
         kernel(i);
-        BENCH_CHECK(sm90::launch_dense_kl_finish(ps[i].kl_fixed, ps[i].lse_idx, kl_rows.as<float>(),
+        BENCH_CHECK(sm90::launch_dense_kl_finish(ps[i].kl_fixed, ps[i].kl_bad, ps[i].lse_idx, kl_rows.as<float>(),
                                                  int64_t(pb.hi) * T, s));
       });
       print_row("dense_kl_total/sm90", shape, ms, F, 0);

@@ -44,6 +44,7 @@ SparseForward dense_kl_cuda(const Tensor& q_in, const Tensor& k_in, const Tensor
   const int smem = sm90::dense_kl_smem_bytes(int(D), int(Di), int(Hq / Hi));
   check_smem(q_in, smem, "the dense KL pass");
   const Tensor kl_fixed = zeros({Hi, T}, kLong, q);
+  const Tensor kl_bad = zeros({Hi, T}, kInt, q);
   const Tensor tile_offsets = empty({S + 1}, kInt, q);
   MSA_LAUNCH_CHECK(launch_block_offsets(ptr<int32_t>(seqs.cu), ptr<int32_t>(tile_offsets), int(S), 128, stream),
                    "msa_fwd (dense KL tiles)");
@@ -68,6 +69,7 @@ SparseForward dense_kl_cuda(const Tensor& q_in, const Tensor& k_in, const Tensor
   p.dq_idx = index_grad ? ptr<float>(res.kl_dq_idx) : nullptr;
   p.dk_idx = index_grad ? ptr<float>(res.kl_dk_idx) : nullptr;
   p.kl_fixed = reinterpret_cast<unsigned long long*>(ptr<int64_t>(kl_fixed));
+  p.kl_bad = reinterpret_cast<unsigned int*>(ptr<int32_t>(kl_bad));
   p.total_tokens = int(T);
   p.num_seqs = int(S);
   p.num_tiles = int(T / 128 + S);
@@ -89,7 +91,7 @@ SparseForward dense_kl_cuda(const Tensor& q_in, const Tensor& k_in, const Tensor
                                      : sm90::launch_dense_kl<T_, D_, 128>(p, stream);
     MSA_LAUNCH_CHECK(err, "msa_fwd (dense KL)");
   });
-  MSA_LAUNCH_CHECK(sm90::launch_dense_kl_finish(p.kl_fixed, p.lse_idx, ptr<float>(res.kl_rows), Hi * T, stream),
+  MSA_LAUNCH_CHECK(sm90::launch_dense_kl_finish(p.kl_fixed, p.kl_bad, p.lse_idx, ptr<float>(res.kl_rows), Hi * T, stream),
                    "msa_fwd (dense KL finish)");
 #else
   (void)q_in, (void)k_in, (void)q_idx_in, (void)k_idx_in, (void)seqs, (void)max_seqlen, (void)softmax_scale;

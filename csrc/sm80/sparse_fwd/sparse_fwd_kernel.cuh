@@ -735,9 +735,10 @@ __global__ void __launch_bounds__(SparseFwdShape::threads<kOut, kWgmma, kRows>()
                     const float2 si = *reinterpret_cast<const float2*>(sSi + u * L::kSiS + col);
                     const float pm0 = v[n][2 * h] * inv_g, pm1 = v[n][2 * h + 1] * inv_g;
                     // The select is needed: past block_size or blen the index logits were never written
-                    // (stale shared memory), and 0 * NaN is NaN (NOTES s35).
-                    const float term = (pm0 >= kMinNormal ? pm0 * (fast_log2(pm0) - si.x) : 0.f) +
-                                       (pm1 >= kMinNormal ? pm1 * (fast_log2(pm1) - si.y) : 0.f);
+                    // (stale shared memory), and 0 * NaN is NaN (NOTES s35). A NaN P (a non-finite
+                    // input) passes the select: the row's KL is NaN, as in the reference.
+                    const float term = (!(pm0 < kMinNormal) ? pm0 * (fast_log2(pm0) - si.x) : 0.f) +
+                                       (!(pm1 < kMinNormal) ? pm1 * (fast_log2(pm1) - si.y) : 0.f);
                     if (h) acc1 += term; else acc0 += term;
                     // SPEC 4: Pidx - P (times d_kl / rows later); 0 past the visible keys.
                     if (kMode == 1 || (kMode == 2 && grad)) {
@@ -903,7 +904,7 @@ __global__ void __launch_bounds__(SparseFwdShape::threads<kOut, kWgmma, kRows>()
               for (int hh = 0; hh < Gu; ++hh) s += float(sP[PTile::offset(u * Gu + hh, col / 8) + col % 8]);
             }
             pm = s * inv_g;
-            if (pm >= kMinNormal) acc += pm * (fast_log2(pm) - si[col]);  // log2 domain (si too)
+            if (!(pm < kMinNormal)) acc += pm * (fast_log2(pm) - si[col]);  // log2 domain (si too); NaN P: NaN
             dsi = fast_exp2(si[col] - lse_idx2) - pm;  // SPEC 4: Pidx - P (times d_kl / rows later)
           }
           if (grad) sDsi[PTile::offset(u, col / 8) + col % 8] = T(dsi);

@@ -4,12 +4,13 @@
 namespace msa::sm90 {
 namespace {
 
-__global__ void dense_kl_finish_kernel(const unsigned long long* kl_fixed, const float* lse_idx, float* kl_rows,
-                                       int64_t n) {
+__global__ void dense_kl_finish_kernel(const unsigned long long* kl_fixed, const unsigned int* kl_bad,
+                                       const float* lse_idx, float* kl_rows, int64_t n) {
   const int64_t i = blockIdx.x * int64_t(blockDim.x) + threadIdx.x;
   if (i >= n) return;
   const double sum = double(static_cast<long long>(kl_fixed[i])) * 0x1p-32;
-  kl_rows[i] = float(sum) * dense_kl::kLn2 + lse_idx[i];
+  // In double: the two terms nearly cancel when the index scores are large.
+  kl_rows[i] = kl_bad[i] ? __int_as_float(0x7fc00000) : float(sum * 0.6931471805599453 + double(lse_idx[i]));
 }
 
 }  // namespace
@@ -23,10 +24,10 @@ int dense_kl_smem_bytes(int d, int di, int g) {
   return b + 1024;  // the alignment of the tiles
 }
 
-cudaError_t launch_dense_kl_finish(const unsigned long long* kl_fixed, const float* lse_idx, float* kl_rows,
-                                   int64_t n, cudaStream_t stream) {
+cudaError_t launch_dense_kl_finish(const unsigned long long* kl_fixed, const unsigned int* kl_bad, const float* lse_idx,
+                                   float* kl_rows, int64_t n, cudaStream_t stream) {
   if (n == 0) return cudaSuccess;
-  dense_kl_finish_kernel<<<unsigned((n + 255) / 256), 256, 0, stream>>>(kl_fixed, lse_idx, kl_rows, n);
+  dense_kl_finish_kernel<<<unsigned((n + 255) / 256), 256, 0, stream>>>(kl_fixed, kl_bad, lse_idx, kl_rows, n);
   return cudaGetLastError();
 }
 

@@ -79,8 +79,7 @@ __device__ __forceinline__ void wait_pending(int n) {
     case 4: sm80::cp_async_wait<4>(); break;
     case 5: sm80::cp_async_wait<5>(); break;
     case 6: sm80::cp_async_wait<6>(); break;
-    case 7: sm80::cp_async_wait<7>(); break;
-    default: sm80::cp_async_wait<0>(); break;
+    default: sm80::cp_async_wait<7>(); break;  // groups complete in order: waiting for more is safe
   }
 }
 
@@ -271,7 +270,7 @@ __global__ void __launch_bounds__(dense_kl::kThreads, 1) dense_kl_kernel(DenseKl
         const float pm = pb[4 * j + e] * inv_g;
         const float s2 = si[4 * j + e] * p.iscale_log2;
         const float pidx = vis ? fast_exp2(s2 - li[col] * kLog2e) : 0.f;
-        pb[4 * j + e] = vis && pm >= kMinNormal ? pm * (fast_log2(pm) - s2) : 0.f;
+        pb[4 * j + e] = vis && !(pm < kMinNormal) ? pm * (fast_log2(pm) - s2) : 0.f;  // NaN P: a NaN row
         si[4 * j + e] = vis ? pidx - pm : 0.f;
       }
     }
@@ -323,8 +322,12 @@ __global__ void __launch_bounds__(dense_kl::kThreads, 1) dense_kl_kernel(DenseKl
       float v = 0.f;
 #pragma unroll
       for (int w = 0; w < 8; ++w) v += sKl[w * kRows + tid];
-      const long long fx = __float2ll_rn(v * 4294967296.f);
-      atomicAdd(p.kl_fixed + int64_t(r) * p.total_tokens + base + row0 + tid, static_cast<unsigned long long>(fx));
+      const int64_t row = int64_t(r) * p.total_tokens + base + row0 + tid;
+      if (isfinite(v)) {
+        atomicAdd(p.kl_fixed + row, static_cast<unsigned long long>(__float2ll_rn(v * 4294967296.f)));
+      } else {
+        atomicOr(p.kl_bad + row, 1u);  // the fixed point cannot hold it: the finish writes NaN
+      }
     }
     if (grad) {
       // dQ_idx (64 queries x Di) = dS K_idx: Di = 128, warpgroup wg takes columns [64 wg, +64) over all 128
