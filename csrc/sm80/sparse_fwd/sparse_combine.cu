@@ -6,18 +6,20 @@
 namespace msa::sm80 {
 namespace {
 
+// A slot's (max, sum): sum 0 = no keys (never written, or nothing visible); a NaN sum (non-finite
+// scores) counts, so the row's lse is NaN, as in the reference.
 __device__ __forceinline__ float combine_lse(const float2* st, int64_t first, int64_t stride, int count) {
   float m = -__builtin_huge_valf();
   for (int s = 0; s < count; ++s) {
     const float2 x = st[first + s * stride];
-    if (x.y > 0.f) m = fmaxf(m, x.x);
+    if (x.y != 0.f) m = fmaxf(m, x.x);
   }
   float l = 0.f;
   for (int s = 0; s < count; ++s) {
     const float2 x = st[first + s * stride];
-    if (x.y > 0.f) l += x.y * exp2f(x.x - m);
+    if (x.y != 0.f) l += x.y * exp2f(x.x - m);
   }
-  return l > 0.f ? (m + log2f(l)) * 0.6931471805599453f : -__builtin_huge_valf();
+  return l == 0.f ? -__builtin_huge_valf() : (m + log2f(l)) * 0.6931471805599453f;
 }
 
 // One thread per (head, token) of the chunk, then per (index head, token).
@@ -50,7 +52,7 @@ __global__ void sparse_combine_kl_kernel(SparseCombineParams p) {
   bool any = false;
   for (int s = 0; s < p.topk; ++s) {
     // Without idx_stats (warmup given lse_idx: no stats pass) every slot counts; the empty ones hold 0.
-    if (p.idx_stats == nullptr || p.idx_stats[e0 + s].y > 0.f) {
+    if (p.idx_stats == nullptr || p.idx_stats[e0 + s].y != 0.f) {  // NaN counts (combine_lse)
       acc += p.kl_part[e0 + s];
       any = true;
     }

@@ -875,7 +875,7 @@ __global__ void __launch_bounds__(SparseFwdShape::threads<kOut, kWgmma, kRows>()
           float l = 0.f;
           for (int w2 = 0; w2 < nw; ++w2) {
             const float2 part = sIPart[w2 * kUnitsT + u];
-            if (part.x != kFwdNegInf) l += part.y * exp2f(part.x - m);
+            if (part.y != 0.f) l += part.y * exp2f(part.x - m);  // empty parts hold 0; a NaN sum stays
           }
           p.idx_stats[sEntry[u]] = make_float2(m, l);
         }

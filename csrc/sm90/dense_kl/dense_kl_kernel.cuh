@@ -16,16 +16,23 @@
 // (query tile, group): 128 x 64 x (2 D G + 6 Di); useful (causal pairs only): N (N + 1) / 2 x (2 D G + 6 Di)
 // per group and sequence.
 //
-// Loads: cp.async, 16 bytes per thread and chunk. The Q tiles of the heads go through a ring of kSlots
-// slots in (step, head) order: load n lands in slot n % kSlots and is issued once load n - kSlots has
-// been consumed by both warpgroups, so the next heads (and the next step's) load while this one
-// computes. Q_idx, lse and lse_idx of step s + 1 load during step s (two buffers).
+// Loads (v2): Q and Q_idx tiles by TMA (boxes of 64 columns x 1 head x 64 rows, 128-byte swizzle: the
+// KMajorSw128 panels), issued by thread 0 into rings with a "full" mbarrier per slot (the TMA bytes) and
+// an "empty" one (one arrival per warp once its wgmma read the slot): no CTA barrier per head, so the two
+// warpgroups drift apart. Q load n (step n / G, head n % G) lands in slot n % slots; thread 0 issues load
+// n + slots - 1 once load n is consumed (its slot held load n - 1). lse / lse_idx of step s + 1 are
+// cp.async'd by every thread during step s into the other of two buffers; an mbarrier of 256 async
+// arrivals says they landed. K and K_idx: cp.async at the start and when the kv head changes (a CTA
+// barrier then). One CTA barrier per step: dS^T and the KL partials (double buffered) before dQ_idx.
 #pragma once
+#include <cuda.h>  // CUtensorMap (types only: the encoder is reached through the runtime)
+#include <cudaTypedefs.h>
 #include <cuda_bf16.h>
 #include <cuda_fp16.h>
 #include <cuda_runtime.h>
 
 #include <cstdint>
+#include <type_traits>
 
 #include "common/mma_sm80.h"
 #include "common/wgmma_sm90.h"
@@ -45,7 +52,7 @@ using sm80::smem_addr;
 
 constexpr int kKeys = 128;   // keys per CTA (two warpgroups of 64)
 constexpr int kRows = 64;    // query rows per step
-constexpr int kSlots = 4;    // Q ring
+constexpr int kMaxSlots = 5;  // Q ring: 5 slots where the shared memory allows, else 4 or 3
 constexpr int kThreads = 256;
 constexpr float kLog2e = 1.4426950408889634f;
 constexpr float kLn2 = 0.6931471805599453f;
@@ -60,27 +67,26 @@ struct Smem {
   using DsT = KMajorSw128<kKeys, kRows>;  // dS^T: rows = keys, 64 queries per row
   static constexpr int k = 0;
   static constexpr int ki = k + kKeys * D * 2;
-  static constexpr int q = ki + kKeys * Di * 2;
-  static constexpr int qi = q + kSlots * kRows * D * 2;
-  static constexpr int ds = qi + 2 * kRows * Di * 2;
-  static constexpr int kl = ds + kKeys * kRows * 2;          // 8 warps x 64 queries, fp32
-  static constexpr int lse_idx = kl + 8 * kRows * 4;         // 2 x 64
-  static constexpr int lse = lse_idx + 2 * kRows * 4;        // 2 x G x 64
-  static constexpr int bytes(int g) { return lse + 2 * g * kRows * 4; }
+  static constexpr int qi = ki + kKeys * Di * 2;               // 2 slots
+  static constexpr int ds = qi + 2 * kRows * Di * 2;            // 2 buffers
+  static constexpr int kl = ds + 2 * kKeys * kRows * 2;         // 2 buffers x 8 warps x 64 queries, fp32
+  static constexpr int bars = kl + 2 * 8 * kRows * 4;           // 2 x kMaxSlots (Q) + 2 x 2 (Q_idx) + 2 (lse)
+  static constexpr int q = bars + 1024;                         // the Q slots, 1024-byte aligned
+  static constexpr int lse_bytes(int g) { return 2 * (g + 1) * kRows * 4; }  // 2 buffers x (G lse + lse_idx)
+  static constexpr int bytes(int g, int slots) { return q + slots * kRows * D * 2 + lse_bytes(g); }
 };
 
-// cp.async.wait_group with a runtime count (the pending groups allowed).
-__device__ __forceinline__ void wait_pending(int n) {
-  switch (n) {
-    case 0: sm80::cp_async_wait<0>(); break;
-    case 1: sm80::cp_async_wait<1>(); break;
-    case 2: sm80::cp_async_wait<2>(); break;
-    case 3: sm80::cp_async_wait<3>(); break;
-    case 4: sm80::cp_async_wait<4>(); break;
-    case 5: sm80::cp_async_wait<5>(); break;
-    case 6: sm80::cp_async_wait<6>(); break;
-    default: sm80::cp_async_wait<7>(); break;  // groups complete in order: waiting for more is safe
-  }
+// The most Q slots (<= kMaxSlots, >= 3) whose shared memory fits `limit` bytes (0: none fits).
+template <int D, int Di>
+inline int q_slots(int g, int limit) {
+  for (int s = kMaxSlots; s >= 3; --s)
+    if (Smem<D, Di>::bytes(g, s) + 1024 <= limit) return s;
+  return 0;
+}
+
+__device__ __forceinline__ void cp_async_mbar_arrive(uint64_t* bar) {
+  asm volatile("cp.async.mbarrier.arrive.noinc.shared::cta.b64 [%0];\n"
+               ::"r"(static_cast<uint32_t>(__cvta_generic_to_shared(bar))) : "memory");
 }
 
 // rows x (W 16-bit elements) tile at global rows [row0, row0 + rows) (stride in elements), rows at or
@@ -101,7 +107,9 @@ __device__ __forceinline__ void load_tile(void* dst, const void* src, int64_t st
 }  // namespace dense_kl
 
 template <typename T, int D, int Di>
-__global__ void __launch_bounds__(dense_kl::kThreads, 1) dense_kl_kernel(DenseKlParams p) {
+__global__ void __launch_bounds__(dense_kl::kThreads, 1)
+    dense_kl_kernel(const DenseKlParams p, const __grid_constant__ CUtensorMap q_map,
+                    const __grid_constant__ CUtensorMap qi_map, const int slots) {
   using namespace dense_kl;
   using L = Smem<D, Di>;
   using KT = typename L::KT;
@@ -116,10 +124,14 @@ __global__ void __launch_bounds__(dense_kl::kThreads, 1) dense_kl_kernel(DenseKl
   T* sKi = reinterpret_cast<T*>(smem + L::ki);
   T* sQ = reinterpret_cast<T*>(smem + L::q);
   T* sQi = reinterpret_cast<T*>(smem + L::qi);
-  T* sDs = reinterpret_cast<T*>(smem + L::ds);
-  float* sKl = reinterpret_cast<float*>(smem + L::kl);
-  float* sLseIdx = reinterpret_cast<float*>(smem + L::lse_idx);
-  float* sLse = reinterpret_cast<float*>(smem + L::lse);
+  T* sDs0 = reinterpret_cast<T*>(smem + L::ds);
+  float* sKl0 = reinterpret_cast<float*>(smem + L::kl);
+  uint64_t* full_q = reinterpret_cast<uint64_t*>(smem + L::bars);
+  uint64_t* empty_q = full_q + kMaxSlots;
+  uint64_t* full_a = empty_q + kMaxSlots;
+  uint64_t* empty_a = full_a + 2;
+  uint64_t* lse_full = empty_a + 2;
+  float* sLse0 = reinterpret_cast<float*>(smem + L::q + slots * kRows * D * 2);
 
   const int tid = threadIdx.x, lane = tid % 32, warp = tid / 32, wg = warp / 4, wq = warp % 4;
   const int g = lane / 4, t = lane % 4;
@@ -150,54 +162,79 @@ __global__ void __launch_bounds__(dense_kl::kThreads, 1) dense_kl_kernel(DenseKl
   const T* qi = static_cast<const T*>(p.q_idx);
   const T* ki = static_cast<const T*>(p.k_idx);
 
-  int issued = 0;  // commit groups issued (uniform over the CTA)
-  int pos_q[kSlots], pos_a[2], pos_k = 0;
-  auto commit = [&]() {
-    sm80::cp_async_commit();
-    return issued++;
-  };
-  auto wait_for = [&](int pos) {
-    wait_pending(issued - 1 - pos);
-    fence_proxy_async_smem();  // cp.async (generic proxy) writes, read by wgmma (async proxy)
-    __syncthreads();
-  };
   auto step_group = [&](int s) { return r0 + s / nqt; };
   auto step_row0 = [&](int s) { return (qt_begin + s % nqt) * kRows; };
-  auto issue_q = [&](int n) {  // Q load n: step n / G, head n % G
-    if (n >= loads) return;
-    const int s = n / G, hh = n % G, h = step_group(s) * G + hh;
-    load_tile<QT, D>(sQ + (n % kSlots) * kRows * D, q + base * p.q_stride_t + h * p.q_stride_h, p.q_stride_t,
-                     step_row0(s), kRows, len, tid);
-    pos_q[n % kSlots] = commit();
+  if (tid == 0) {
+    for (int i = 0; i < slots; ++i) {
+      mbar_init(full_q + i, 1);
+      mbar_init(empty_q + i, 8);
+    }
+    for (int i = 0; i < 2; ++i) {
+      mbar_init(full_a + i, 1);
+      mbar_init(empty_a + i, 8);
+      mbar_init(lse_full + i, kThreads);
+    }
+    mbar_fence_init();
+  }
+  __syncthreads();
+  // Thread 0's TMA loads: Q load m (step m / G, head m % G) and Q_idx of step m, each after the slot's
+  // previous use was released by all 8 warps.
+  auto issue_q = [&](int m) {
+    if (m >= loads) return;
+    const int slot = m % slots, u = m / slots, s = m / G;
+    if (u > 0) mbar_wait(empty_q + slot, (u - 1) & 1);
+    T* dst = sQ + slot * kRows * D;
+    mbar_arrive_expect_tx(full_q + slot, kRows * D * 2);
+#pragma unroll
+    for (int panel = 0; panel < D / 64; ++panel) {
+      tma_load_3d(dst + panel * QT::kPanelElems, &q_map, panel * 64, step_group(s) * G + m % G,
+                  base + step_row0(s), full_q + slot);
+    }
   };
-  auto issue_a = [&](int s) {  // Q_idx, lse_idx and the group's lse of step s
+  auto issue_a = [&](int s) {
+    if (s >= steps) return;
+    const int slot = s & 1, u = s / 2;
+    if (u > 0) mbar_wait(empty_a + slot, (u - 1) & 1);
+    T* dst = sQi + slot * kRows * Di;
+    mbar_arrive_expect_tx(full_a + slot, kRows * Di * 2);
+#pragma unroll
+    for (int panel = 0; panel < Di / 64; ++panel) {
+      tma_load_3d(dst + panel * QiT::kPanelElems, &qi_map, panel * 64, step_group(s), base + step_row0(s),
+                  full_a + slot);
+    }
+  };
+  // Every thread: its share of step s's lse (G heads) and lse_idx, then an async arrival on lse_full.
+  // Buffer s & 1 was last read in step s - 2, before that step's CTA barrier.
+  auto issue_lse = [&](int s) {
     if (s >= steps) return;
     const int b = s & 1, r = step_group(s), row0 = step_row0(s);
-    load_tile<QiT, Di>(sQi + b * kRows * Di, qi + base * p.qi_stride_t + r * p.qi_stride_h, p.qi_stride_t, row0,
-                       kRows, len, tid);
+    float* dst = sLse0 + b * (G + 1) * kRows;
     for (int i = tid; i < (G + 1) * kRows; i += kThreads) {
       const int hh = i / kRows, row = i % kRows;
       const bool ok = row0 + row < len;
       const int tok = base + (ok ? row0 + row : 0);
-      if (hh < G) {
-        cp_async_4(sLse + (b * G + hh) * kRows + row, p.lse + int64_t(r * G + hh) * p.total_tokens + tok, ok);
-      } else {
-        cp_async_4(sLseIdx + b * kRows + row, p.lse_idx + int64_t(r) * p.total_tokens + tok, ok);
-      }
+      const float* src_row = hh < G ? p.lse + int64_t(r * G + hh) * p.total_tokens : p.lse_idx + int64_t(r) * p.total_tokens;
+      cp_async_4(dst + i, src_row + tok, ok);
     }
-    pos_a[b] = commit();
+    cp_async_mbar_arrive(lse_full + b);
   };
-  auto issue_k = [&](int kvh) {
+  auto load_k = [&](int kvh) {  // every thread; then cp.async.wait_all + a CTA barrier
     load_tile<KT, D>(sK, k + base * p.k_stride_t + kvh * p.k_stride_h, p.k_stride_t, k0, kKeys, len, tid);
-    pos_k = commit();
+    sm80::cp_async_commit();
   };
 
-  // Prologue: K_idx and K of the first group, step 0's Q_idx and lse, the first kSlots Q loads.
+  // Prologue: K_idx and K of the first group (cp.async), step 0's Q_idx, lse and the first Q loads.
   load_tile<KiT, Di>(sKi, ki + base * p.ki_stride_t + hk * p.ki_stride_h, p.ki_stride_t, k0, kKeys, len, tid);
   int kv_loaded = r0 * G / kv_per;
-  issue_k(kv_loaded);
-  issue_a(0);
-  for (int n = 0; n < kSlots; ++n) issue_q(n);
+  load_k(kv_loaded);
+  sm80::cp_async_wait<0>();
+  fence_proxy_async_smem();
+  __syncthreads();
+  issue_lse(0);
+  if (tid == 0) {
+    issue_a(0);
+    for (int m = 0; m < slots - 1; ++m) issue_q(m);
+  }
 
   float dk[Di / 2];  // this warpgroup's 64 keys x Di of d kl / d k_idx (before grad_scale)
 #pragma unroll
@@ -210,12 +247,20 @@ __global__ void __launch_bounds__(dense_kl::kThreads, 1) dense_kl_kernel(DenseKl
   for (int s = 0; s < steps; ++s) {
     const int b = s & 1, r = step_group(s), row0 = step_row0(s);
     const int kvh = r * G / kv_per;
-    if (kvh != kv_loaded) {  // a new kv head for this group: every read of sK finished at the last barrier
-      issue_k(kvh);
+    T* sDs = sDs0 + b * kKeys * kRows;
+    float* sKl = sKl0 + b * 8 * kRows;
+    if (kvh != kv_loaded) {  // a new kv head for this group: every read of sK ended before the last barrier
+      load_k(kvh);
+      sm80::cp_async_wait<0>();
+      fence_proxy_async_smem();
+      __syncthreads();
       kv_loaded = kvh;
     }
-    issue_a(s + 1);  // buffer b ^ 1: last read in step s - 1
-    wait_for(max(pos_a[b], pos_k));
+    issue_lse(s + 1);
+    if (tid == 0) issue_a(s + 1);
+    mbar_wait(full_a + b, (s / 2) & 1);
+    mbar_wait(lse_full + b, (s / 2) & 1);
+    const float* sLseIdx = sLse0 + b * (G + 1) * kRows + G * kRows;
 
     // S_idx^T: keys x queries.
     float si[32];
@@ -236,15 +281,16 @@ __global__ void __launch_bounds__(dense_kl::kThreads, 1) dense_kl_kernel(DenseKl
     float pb[32];
 #pragma unroll
     for (int i = 0; i < 32; ++i) pb[i] = 0.f;
-    const float* lse_b = sLse + b * G * kRows;
+    const float* lse_b = sLse0 + b * (G + 1) * kRows;
     for (int hh = 0; hh < G; ++hh) {
-      const int n = s * G + hh;
-      wait_for(pos_q[n % kSlots]);
-      if (hh > 0) issue_q(n - 1 + kSlots);  // the slot of load n - 1: both warpgroups are past it
-      const uint32_t q_addr = smem_addr(sQ + (n % kSlots) * kRows * D);
+      const int n = s * G + hh, slot = n % slots;
+      mbar_wait(full_q + slot, (n / slots) & 1);
+      const uint32_t q_addr = smem_addr(sQ + slot * kRows * D);
       float sc[32];
       wgmma_ss64_ksteps<T, D / 16>(sc, [&](int ks) { return KT::desc(k_rows, ks); },
                                    [&](int ks) { return QT::desc(q_addr, ks); }, false);
+      if (lane == 0) mbar_arrive(empty_q + slot);  // this warp is done with the slot
+      if (tid == 0) issue_q(n + slots - 1);        // into the slot of load n - 1
       const float* lh = lse_b + hh * kRows;
 #pragma unroll
       for (int j = 0; j < 8; ++j) {
@@ -260,7 +306,7 @@ __global__ void __launch_bounds__(dense_kl::kThreads, 1) dense_kl_kernel(DenseKl
 
     // Pidx, dS^T (into si) and the KL terms (into pb).
     const float inv_g = 1.f / float(G);
-    const float* li = sLseIdx + b * kRows;
+    const float* li = sLseIdx;
 #pragma unroll
     for (int j = 0; j < 8; ++j) {
 #pragma unroll
@@ -316,6 +362,7 @@ __global__ void __launch_bounds__(dense_kl::kThreads, 1) dense_kl_kernel(DenseKl
       wgmma_commit();
       wgmma_wait<0>();
     }
+    if (lane == 0) mbar_arrive(empty_a + b);  // this warp's reads of the Q_idx slot are done
     __syncthreads();  // sDs and sKl complete
 
     if (tid < kRows && row0 + tid < len) {  // KL in fixed point: the order of the adds does not matter
@@ -361,8 +408,6 @@ __global__ void __launch_bounds__(dense_kl::kThreads, 1) dense_kl_kernel(DenseKl
         }
       }
     }
-    __syncthreads();  // sDs, sKl, sK and the last Q slot are free
-    issue_q(s * G + G - 1 + kSlots);
   }
   sm80::cp_async_wait<0>();
 
@@ -382,15 +427,50 @@ __global__ void __launch_bounds__(dense_kl::kThreads, 1) dense_kl_kernel(DenseKl
   }
 }
 
+// The TMA descriptor of a (T, H, W) tensor (strides in elements): boxes of 64 columns x 1 head x 64 rows,
+// 128-byte swizzle (the KMajorSw128 panel layout), zeros out of bounds.
+template <typename T>
+cudaError_t make_row_map(const void* ptr, int w, int heads, int tokens, int64_t stride_h, int64_t stride_t,
+                         CUtensorMap* map) {
+  static PFN_cuTensorMapEncodeTiled_v12000 encode = nullptr;
+  if (encode == nullptr) {
+    cudaDriverEntryPointQueryResult found{};
+    void* fn = nullptr;
+    const cudaError_t err = cudaGetDriverEntryPointByVersion("cuTensorMapEncodeTiled", &fn, 12000, cudaEnableDefault,
+                                                             &found);
+    if (err != cudaSuccess || found != cudaDriverEntryPointSuccess || fn == nullptr) return cudaErrorNotSupported;
+    encode = reinterpret_cast<PFN_cuTensorMapEncodeTiled_v12000>(fn);
+  }
+  const cuuint64_t dims[3] = {cuuint64_t(w), cuuint64_t(heads), cuuint64_t(tokens)};
+  const cuuint64_t strides[2] = {cuuint64_t(stride_h) * sizeof(T), cuuint64_t(stride_t) * sizeof(T)};
+  const cuuint32_t box[3] = {64, 1, cuuint32_t(dense_kl::kRows)};
+  const cuuint32_t elem_strides[3] = {1, 1, 1};
+  const CUresult r = encode(map, std::is_same_v<T, __half> ? CU_TENSOR_MAP_DATA_TYPE_FLOAT16 : CU_TENSOR_MAP_DATA_TYPE_BFLOAT16,
+                            3, const_cast<void*>(ptr), dims, strides, box, elem_strides, CU_TENSOR_MAP_INTERLEAVE_NONE,
+                            CU_TENSOR_MAP_SWIZZLE_128B, CU_TENSOR_MAP_L2_PROMOTION_L2_256B,
+                            CU_TENSOR_MAP_FLOAT_OOB_FILL_NONE);
+  return r == CUDA_SUCCESS ? cudaSuccess : cudaErrorNotSupported;
+}
+
 template <typename T, int D, int Di>
 cudaError_t launch_dense_kl(const DenseKlParams& p, cudaStream_t stream) {
   const int G = p.hq / p.hi;
-  const int smem = dense_kl_smem_bytes(D, Di, G);
+  int device = 0, limit = 0;
+  cudaError_t err = cudaGetDevice(&device);
+  if (err == cudaSuccess) err = cudaDeviceGetAttribute(&limit, cudaDevAttrMaxSharedMemoryPerBlockOptin, device);
+  if (err != cudaSuccess) return err;
+  const int slots = dense_kl::q_slots<D, Di>(G, limit);
+  if (slots == 0) return cudaErrorInvalidConfiguration;
+  CUtensorMap q_map, qi_map;
+  err = make_row_map<T>(p.q, D, p.hq, p.total_tokens, p.q_stride_h, p.q_stride_t, &q_map);
+  if (err == cudaSuccess) err = make_row_map<T>(p.q_idx, Di, p.hi, p.total_tokens, p.qi_stride_h, p.qi_stride_t, &qi_map);
+  if (err != cudaSuccess) return err;
+  const int smem = dense_kl::Smem<D, Di>::bytes(G, slots) + 1024;
   auto kernel = dense_kl_kernel<T, D, Di>;
-  cudaError_t err = cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, smem);
+  err = cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, smem);
   if (err != cudaSuccess) return err;
   const dim3 grid(unsigned(p.num_tiles) * unsigned(p.max_chunks), p.hki);
-  kernel<<<grid, dense_kl::kThreads, smem, stream>>>(p);
+  kernel<<<grid, dense_kl::kThreads, smem, stream>>>(p, q_map, qi_map, slots);
   return cudaGetLastError();
 }
 
