@@ -104,9 +104,38 @@ __device__ __forceinline__ void load_tile(void* dst, const void* src, int64_t st
   }
 }
 
+// A k-step's descriptor from the tile's k-step 0 descriptor: the start address (bits 0-13, in 16-byte
+// units) advanced as KMajorSw128::desc does; addresses stay below 256 KB, so the field never carries.
+template <typename Tile>
+__device__ __forceinline__ uint64_t desc_step(uint64_t d0, int ks) {
+  return d0 + uint64_t(((ks / 4) * Tile::kPanelElems * 2 + (ks % 4) * 32) >> 4);
+}
+
+// acc (64 x 64) = A B^T over kSteps k-steps, both operands by descriptor, issued and committed as one
+// group (not waited for).
+template <typename T, typename ATile, typename BTile, int kSteps>
+__device__ __forceinline__ void issue_ss(float (&acc)[32], uint64_t a0, uint64_t b0) {
+  wgmma_fence();
+#pragma unroll
+  for (int ks = 0; ks < kSteps; ++ks) {
+    WgmmaSS<T, 64>::run(acc, desc_step<ATile>(a0, ks), desc_step<BTile>(b0, ks), ks > 0);
+  }
+  wgmma_commit();
+}
+
+// The accumulators as a dependency of the code that follows a wgmma wait: their reads stay after it.
+template <int N>
+__device__ __forceinline__ void fence_regs(float (&r)[N]) {
+#pragma unroll
+  for (int i = 0; i < N; ++i) asm volatile("" : "+f"(r[i])::"memory");
+}
+
 }  // namespace dense_kl
 
-template <typename T, int D, int Di>
+// kG > 0: G = kG query heads per index group at compile time, and head h + 1's S^T (or, after the last
+// head, S_idx^T) runs on the tensor cores while head h's exponentials run (two accumulators). kG = 0: G
+// from the params, one head at a time, S_idx^T first.
+template <typename T, int D, int Di, int kG>
 __global__ void __launch_bounds__(dense_kl::kThreads, 1)
     dense_kl_kernel(const DenseKlParams p, const __grid_constant__ CUtensorMap q_map,
                     const __grid_constant__ CUtensorMap qi_map, const int slots) {
@@ -118,8 +147,9 @@ __global__ void __launch_bounds__(dense_kl::kThreads, 1)
   using QiT = typename L::QiT;
   using DsT = typename L::DsT;
   extern __shared__ __align__(1024) char smem_raw[];
-  // The swizzled tiles must start 1024-byte aligned.
-  char* smem = reinterpret_cast<char*>((reinterpret_cast<uintptr_t>(smem_raw) + 1023) & ~uintptr_t(1023));
+  // The swizzled tiles must start 1024-byte aligned. An offset of smem_raw (not an integer cast back to
+  // a pointer) keeps the compiler's knowledge that these are shared addresses: LDS / STS, not LD / ST.
+  char* smem = smem_raw + ((1024u - (smem_addr(smem_raw) & 1023u)) & 1023u);
   T* sK = reinterpret_cast<T*>(smem + L::k);
   T* sKi = reinterpret_cast<T*>(smem + L::ki);
   T* sQ = reinterpret_cast<T*>(smem + L::q);
@@ -152,18 +182,18 @@ __global__ void __launch_bounds__(dense_kl::kThreads, 1)
   if (qt_begin >= n_qt) return;
   const int nqt = min(p.chunk_tiles, n_qt - qt_begin);
   const int hk = blockIdx.y;
-  const int G = p.hq / p.hi, groups = p.hi / p.hki, r0 = hk * groups;
+  const int G = kG > 0 ? kG : p.hq / p.hi, groups = p.hi / p.hki, r0 = hk * groups;
   const int steps = groups * nqt, loads = steps * G;
   const bool grad = p.dq_idx != nullptr;
   const int kv_per = p.hq / p.hkv;  // query heads per kv head
+  // Q loads in flight ahead of the one being read: thread 0 refills the slot of the load `slots -
+  // prefetch` before (so it rarely waits for the other warpgroup), and at least two are ahead (the
+  // pipelined heads wait for load n + 1 before they release load n).
+  const int prefetch = slots >= 4 ? slots - 2 : 2;
 
-  const T* q = static_cast<const T*>(p.q);
   const T* k = static_cast<const T*>(p.k);
-  const T* qi = static_cast<const T*>(p.q_idx);
   const T* ki = static_cast<const T*>(p.k_idx);
 
-  auto step_group = [&](int s) { return r0 + s / nqt; };
-  auto step_row0 = [&](int s) { return (qt_begin + s % nqt) * kRows; };
   if (tid == 0) {
     for (int i = 0; i < slots; ++i) {
       mbar_init(full_q + i, 1);
@@ -177,37 +207,41 @@ __global__ void __launch_bounds__(dense_kl::kThreads, 1)
     mbar_fence_init();
   }
   __syncthreads();
-  // Thread 0's TMA loads: Q load m (step m / G, head m % G) and Q_idx of step m, each after the slot's
-  // previous use was released by all 8 warps.
-  auto issue_q = [&](int m) {
-    if (m >= loads) return;
-    const int slot = m % slots, u = m / slots, s = m / G;
-    if (u > 0) mbar_wait(empty_q + slot, (u - 1) & 1);
-    T* dst = sQ + slot * kRows * D;
-    mbar_arrive_expect_tx(full_q + slot, kRows * D * 2);
+  // Thread 0's Q loads, in (step, head) order: the next one's slot, the parity of that slot's use, and
+  // its (query tile, group, head). Counters, not divisions: this runs once per head.
+  int pq_n = 0, pq_slot = 0, pq_phase = 0, pq_qt = 0, pq_r = r0, pq_h = 0;
+  auto issue_q = [&]() {
+    if (pq_n >= loads) return;
+    if (pq_n >= slots) mbar_wait(empty_q + pq_slot, pq_phase ^ 1);  // the slot's previous use released
+    T* dst = sQ + pq_slot * kRows * D;
+    mbar_arrive_expect_tx(full_q + pq_slot, kRows * D * 2);
 #pragma unroll
     for (int panel = 0; panel < D / 64; ++panel) {
-      tma_load_3d(dst + panel * QT::kPanelElems, &q_map, panel * 64, step_group(s) * G + m % G,
-                  base + step_row0(s), full_q + slot);
+      tma_load_3d(dst + panel * QT::kPanelElems, &q_map, panel * 64, pq_r * G + pq_h, base + (qt_begin + pq_qt) * kRows,
+                  full_q + pq_slot);
+    }
+    ++pq_n;
+    if (++pq_slot == slots) pq_slot = 0, pq_phase ^= 1;
+    if (++pq_h == G) {
+      pq_h = 0;
+      if (++pq_qt == nqt) pq_qt = 0, ++pq_r;
     }
   };
-  auto issue_a = [&](int s) {
-    if (s >= steps) return;
-    const int slot = s & 1, u = s / 2;
+  // Thread 0: Q_idx of step s (query tile qt, group r) into slot s & 1, after its use by step s - 2.
+  auto issue_a = [&](int s, int qt, int r) {
+    const int slot = s & 1, u = s >> 1;
     if (u > 0) mbar_wait(empty_a + slot, (u - 1) & 1);
     T* dst = sQi + slot * kRows * Di;
     mbar_arrive_expect_tx(full_a + slot, kRows * Di * 2);
 #pragma unroll
     for (int panel = 0; panel < Di / 64; ++panel) {
-      tma_load_3d(dst + panel * QiT::kPanelElems, &qi_map, panel * 64, step_group(s), base + step_row0(s),
-                  full_a + slot);
+      tma_load_3d(dst + panel * QiT::kPanelElems, &qi_map, panel * 64, r, base + (qt_begin + qt) * kRows, full_a + slot);
     }
   };
   // Every thread: its share of step s's lse (G heads) and lse_idx, then an async arrival on lse_full.
   // Buffer s & 1 was last read in step s - 2, before that step's CTA barrier.
-  auto issue_lse = [&](int s) {
-    if (s >= steps) return;
-    const int b = s & 1, r = step_group(s), row0 = step_row0(s);
+  auto issue_lse = [&](int s, int qt, int r) {
+    const int b = s & 1, row0 = (qt_begin + qt) * kRows;
     float* dst = sLse0 + b * (G + 1) * kRows;
     for (int i = tid; i < (G + 1) * kRows; i += kThreads) {
       const int hh = i / kRows, row = i % kRows;
@@ -230,22 +264,30 @@ __global__ void __launch_bounds__(dense_kl::kThreads, 1)
   sm80::cp_async_wait<0>();
   fence_proxy_async_smem();
   __syncthreads();
-  issue_lse(0);
+  issue_lse(0, 0, r0);
   if (tid == 0) {
-    issue_a(0);
-    for (int m = 0; m < slots - 1; ++m) issue_q(m);
+    issue_a(0, 0, r0);
+    for (int i = 0; i < prefetch; ++i) issue_q();
   }
 
   float dk[Di / 2];  // this warpgroup's 64 keys x Di of d kl / d k_idx (before grad_scale)
 #pragma unroll
   for (int i = 0; i < Di / 2; ++i) dk[i] = 0.f;
 
-  const uint32_t k_addr = smem_addr(sK), ki_addr = smem_addr(sKi);
+  const uint32_t ki_addr = smem_addr(sKi);
+  // A = this warpgroup's 64 rows of the key tiles (row 64 wg of each 128-byte panel), by descriptor.
+  const uint64_t k_d0 = KT::desc(smem_addr(sK) + wg * 64 * 128, 0);
+  const uint64_t ki_d0 = KiT::desc(ki_addr + wg * 64 * 128, 0);
   const int key_row = wg * 64 + wq * 16 + g;  // this thread's keys: key_row and key_row + 8 of the tile
   const int key0 = k0 + key_row, key1 = key0 + 8;
+  const float nlog2g = -__log2f(float(G));  // Pbar = sum_h exp2(S_h c - lse_h log2 e - log2 G)
 
+  int c_slot = 0, c_phase = 0;  // the next Q load to read: its slot and the parity of that slot's use
+  int qt = 0, r = r0;           // step s's query tile (in the chunk) and index group
   for (int s = 0; s < steps; ++s) {
-    const int b = s & 1, r = step_group(s), row0 = step_row0(s);
+    int qt_next = qt + 1, r_next = r;
+    if (qt_next == nqt) qt_next = 0, ++r_next;
+    const int b = s & 1, row0 = (qt_begin + qt) * kRows;
     const int kvh = r * G / kv_per;
     T* sDs = sDs0 + b * kKeys * kRows;
     float* sKl = sKl0 + b * 8 * kRows;
@@ -256,69 +298,126 @@ __global__ void __launch_bounds__(dense_kl::kThreads, 1)
       __syncthreads();
       kv_loaded = kvh;
     }
-    issue_lse(s + 1);
-    if (tid == 0) issue_a(s + 1);
-    mbar_wait(full_a + b, (s / 2) & 1);
-    mbar_wait(lse_full + b, (s / 2) & 1);
-    const float* sLseIdx = sLse0 + b * (G + 1) * kRows + G * kRows;
-
-    // S_idx^T: keys x queries.
-    float si[32];
+    if (s + 1 < steps) {
+      issue_lse(s + 1, qt_next, r_next);
+      if (tid == 0) issue_a(s + 1, qt_next, r_next);
+    }
+    mbar_wait(full_a + b, (s >> 1) & 1);
+    mbar_wait(lse_full + b, (s >> 1) & 1);
+    const float* lse_b = sLse0 + b * (G + 1) * kRows;
     const uint32_t qi_addr = smem_addr(sQi + b * kRows * Di);
-    // A = this warpgroup's 64 rows of the key tiles (row 64 wg of each 128-byte panel), by descriptor.
-    const uint32_t ki_rows = ki_addr + wg * 64 * 128, k_rows = k_addr + wg * 64 * 128;
-    wgmma_ss64_ksteps<T, Di / 16>(si, [&](int ks) { return KiT::desc(ki_rows, ks); },
-                                  [&](int ks) { return QiT::desc(qi_addr, ks); }, false);
+    const uint64_t qi_d0 = QiT::desc(qi_addr, 0);
 
-    // The mask: a tile entirely below the diagonal and inside the sequence needs none.
+    // The mask: a tile entirely below the diagonal and inside the sequence needs none (the branches on
+    // `full` are uniform over the CTA).
     const bool full = row0 >= k0 + kKeys && row0 + kRows <= len;
-    auto visible = [&](int key, int col) {
-      const int qr = row0 + col;
-      return full || (key <= qr && qr < len);
+    auto visible = [&](int e, int j) {
+      const int qr = row0 + 8 * j + 2 * t + (e & 1);
+      return (e < 2 ? key0 : key1) <= qr && qr < len;
     };
 
-    // Pbar^T: the group's heads, Q through the ring.
+    // Pbar^T (keys x queries): the group's heads, Q through the ring.
     float pb[32];
 #pragma unroll
     for (int i = 0; i < 32; ++i) pb[i] = 0.f;
-    const float* lse_b = sLse0 + b * (G + 1) * kRows;
-    for (int hh = 0; hh < G; ++hh) {
-      const int n = s * G + hh, slot = n % slots;
-      mbar_wait(full_q + slot, (n / slots) & 1);
-      const uint32_t q_addr = smem_addr(sQ + slot * kRows * D);
-      float sc[32];
-      wgmma_ss64_ksteps<T, D / 16>(sc, [&](int ks) { return KT::desc(k_rows, ks); },
-                                   [&](int ks) { return QT::desc(q_addr, ks); }, false);
-      if (lane == 0) mbar_arrive(empty_q + slot);  // this warp is done with the slot
-      if (tid == 0) issue_q(n + slots - 1);        // into the slot of load n - 1
+    auto head_terms = [&](const float (&sc)[32], int hh) {
       const float* lh = lse_b + hh * kRows;
+      float lv[16];  // this thread's 16 queries: -(lse log2 e + log2 G)
 #pragma unroll
       for (int j = 0; j < 8; ++j) {
+        const float2 x = *reinterpret_cast<const float2*>(lh + 8 * j + 2 * t);
+        lv[2 * j] = fmaf(x.x, -kLog2e, nlog2g);
+        lv[2 * j + 1] = fmaf(x.y, -kLog2e, nlog2g);
+      }
+      if (full) {
 #pragma unroll
-        for (int e = 0; e < 4; ++e) {
-          const int col = 8 * j + 2 * t + (e & 1);
-          const int key = e < 2 ? key0 : key1;
-          const float x = fast_exp2(fmaf(sc[4 * j + e], p.scale_log2, -lh[col] * kLog2e));
-          pb[4 * j + e] += visible(key, col) ? x : 0.f;
+        for (int j = 0; j < 8; ++j) {
+#pragma unroll
+          for (int e = 0; e < 4; ++e) pb[4 * j + e] += fast_exp2(fmaf(sc[4 * j + e], p.scale_log2, lv[2 * j + (e & 1)]));
         }
+      } else {
+#pragma unroll
+        for (int j = 0; j < 8; ++j) {
+#pragma unroll
+          for (int e = 0; e < 4; ++e) {
+            const float x = fast_exp2(fmaf(sc[4 * j + e], p.scale_log2, lv[2 * j + (e & 1)]));
+            pb[4 * j + e] += visible(e, j) ? x : 0.f;
+          }
+        }
+      }
+    };
+    auto next_slot = [&]() {
+      if (++c_slot == slots) c_slot = 0, c_phase ^= 1;
+    };
+    float si[32];
+    if constexpr (kG > 0) {
+      float sc[2][32];
+      mbar_wait(full_q + c_slot, c_phase);
+      issue_ss<T, KT, QT, D / 16>(sc[0], k_d0, QT::desc(smem_addr(sQ + c_slot * kRows * D), 0));
+#pragma unroll
+      for (int hh = 0; hh < kG; ++hh) {
+        const int slot = c_slot;
+        next_slot();
+        if (hh + 1 < kG) {
+          mbar_wait(full_q + c_slot, c_phase);
+          issue_ss<T, KT, QT, D / 16>(sc[(hh + 1) & 1], k_d0, QT::desc(smem_addr(sQ + c_slot * kRows * D), 0));
+        } else {
+          issue_ss<T, KiT, QiT, Di / 16>(si, ki_d0, qi_d0);
+        }
+        wgmma_wait<1>();  // head hh's S^T is done, the next GEMM runs under its exponentials
+        fence_regs(sc[hh & 1]);
+        if (lane == 0) mbar_arrive(empty_q + slot);  // this warp is done with the slot
+        if (tid == 0) issue_q();
+        head_terms(sc[hh & 1], hh);
+      }
+      wgmma_wait<0>();
+      fence_regs(si);
+    } else {
+      issue_ss<T, KiT, QiT, Di / 16>(si, ki_d0, qi_d0);
+      wgmma_wait<0>();
+      fence_regs(si);
+      for (int hh = 0; hh < G; ++hh) {
+        float sc[32];
+        mbar_wait(full_q + c_slot, c_phase);
+        issue_ss<T, KT, QT, D / 16>(sc, k_d0, QT::desc(smem_addr(sQ + c_slot * kRows * D), 0));
+        wgmma_wait<0>();
+        fence_regs(sc);
+        if (lane == 0) mbar_arrive(empty_q + c_slot);
+        next_slot();
+        if (tid == 0) issue_q();
+        head_terms(sc, hh);
       }
     }
 
-    // Pidx, dS^T (into si) and the KL terms (into pb).
-    const float inv_g = 1.f / float(G);
-    const float* li = sLseIdx;
+    // Pidx, dS^T (into si) and the KL terms (into pb). Masked keys have pb = 0 (no KL term); their dS is
+    // zeroed here.
+    {
+      const float* li = lse_b + G * kRows;
+      float lv[16];  // this thread's 16 queries: lse_idx log2 e
 #pragma unroll
-    for (int j = 0; j < 8; ++j) {
-#pragma unroll
-      for (int e = 0; e < 4; ++e) {
-        const int col = 8 * j + 2 * t + (e & 1);
-        const bool vis = visible(e < 2 ? key0 : key1, col);
-        const float pm = pb[4 * j + e] * inv_g;
-        const float s2 = si[4 * j + e] * p.iscale_log2;
-        const float pidx = vis ? fast_exp2(s2 - li[col] * kLog2e) : 0.f;
-        pb[4 * j + e] = vis && !(pm < kMinNormal) ? pm * (fast_log2(pm) - s2) : 0.f;  // NaN P: a NaN row
-        si[4 * j + e] = vis ? pidx - pm : 0.f;
+      for (int j = 0; j < 8; ++j) {
+        const float2 x = *reinterpret_cast<const float2*>(li + 8 * j + 2 * t);
+        lv[2 * j] = x.x * kLog2e;
+        lv[2 * j + 1] = x.y * kLog2e;
       }
+      auto terms = [&](auto masked) {
+#pragma unroll
+        for (int j = 0; j < 8; ++j) {
+#pragma unroll
+          for (int e = 0; e < 4; ++e) {
+            const float pm = pb[4 * j + e];
+            const float s2 = si[4 * j + e] * p.iscale_log2;
+            const float ds = fast_exp2(s2 - lv[2 * j + (e & 1)]) - pm;
+            pb[4 * j + e] = !(pm < kMinNormal) ? pm * (fast_log2(pm) - s2) : 0.f;  // NaN P: a NaN row
+            if constexpr (decltype(masked)::value) {
+              si[4 * j + e] = visible(e, j) ? ds : 0.f;
+            } else {
+              si[4 * j + e] = ds;
+            }
+          }
+        }
+      };
+      if (full) terms(std::false_type{}); else terms(std::true_type{});
     }
     // KL per query: the thread's two keys, the warp's 16 (lanes of equal t), then the 8 warps in shared
     // memory.
@@ -361,6 +460,7 @@ __global__ void __launch_bounds__(dense_kl::kThreads, 1)
       for (int kk = 0; kk < 4; ++kk) WgmmaRS<T, Di, true>::run(dk, pa[kk], QiT::desc_mn(qi_addr, kk), true);
       wgmma_commit();
       wgmma_wait<0>();
+      fence_regs(dk);
     }
     if (lane == 0) mbar_arrive(empty_a + b);  // this warp's reads of the Q_idx slot are done
     __syncthreads();  // sDs and sKl complete
@@ -394,6 +494,7 @@ __global__ void __launch_bounds__(dense_kl::kThreads, 1)
       for (int i = 0; i < kSteps; ++i) WgmmaRS<T, 64, true>::run(dq, a[i], KiT::desc_mn(b_addr, kk0 + i), i > 0);
       wgmma_commit();
       wgmma_wait<0>();
+      fence_regs(dq);
       const int col0 = Di == 128 ? 64 * wg : 0;
       const int qrow = wq * 16 + g + ((t & 1) ? 8 : 0);
       const bool ok = row0 + qrow < len;
@@ -408,6 +509,7 @@ __global__ void __launch_bounds__(dense_kl::kThreads, 1)
         }
       }
     }
+    qt = qt_next, r = r_next;
   }
   sm80::cp_async_wait<0>();
 
@@ -466,7 +568,8 @@ cudaError_t launch_dense_kl(const DenseKlParams& p, cudaStream_t stream) {
   if (err == cudaSuccess) err = make_row_map<T>(p.q_idx, Di, p.hi, p.total_tokens, p.qi_stride_h, p.qi_stride_t, &qi_map);
   if (err != cudaSuccess) return err;
   const int smem = dense_kl::Smem<D, Di>::bytes(G, slots) + 1024;
-  auto kernel = dense_kl_kernel<T, D, Di>;
+  // G = 4 (e.g. 16 query heads over 4 index heads) pipelines its heads; other G run the general kernel.
+  auto kernel = G == 4 ? dense_kl_kernel<T, D, Di, 4> : dense_kl_kernel<T, D, Di, 0>;
   err = cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, smem);
   if (err != cudaSuccess) return err;
   const dim3 grid(unsigned(p.num_tiles) * unsigned(p.max_chunks), p.hki);
