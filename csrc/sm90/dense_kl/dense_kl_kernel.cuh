@@ -320,15 +320,19 @@ __global__ void __launch_bounds__(dense_kl::kThreads, 1)
     float pb[32];
 #pragma unroll
     for (int i = 0; i < 32; ++i) pb[i] = 0.f;
-    auto head_terms = [&](const float (&sc)[32], int hh) {
+    // This thread's 16 queries' -(lse_h log2 e + log2 G) of head hh (hh = G: lse_idx log2 e), read before
+    // the wgmma wait that precedes their use (the wait's memory clobber would keep them after it).
+    auto load_lv = [&](int hh, float (&lv)[16]) {
       const float* lh = lse_b + hh * kRows;
-      float lv[16];  // this thread's 16 queries: -(lse log2 e + log2 G)
+      const bool idx = hh == G;
 #pragma unroll
       for (int j = 0; j < 8; ++j) {
         const float2 x = *reinterpret_cast<const float2*>(lh + 8 * j + 2 * t);
-        lv[2 * j] = fmaf(x.x, -kLog2e, nlog2g);
-        lv[2 * j + 1] = fmaf(x.y, -kLog2e, nlog2g);
+        lv[2 * j] = idx ? x.x * kLog2e : fmaf(x.x, -kLog2e, nlog2g);
+        lv[2 * j + 1] = idx ? x.y * kLog2e : fmaf(x.y, -kLog2e, nlog2g);
       }
+    };
+    auto head_terms = [&](const float (&sc)[32], const float (&lv)[16]) {
       if (full) {
 #pragma unroll
         for (int j = 0; j < 8; ++j) {
@@ -350,6 +354,7 @@ __global__ void __launch_bounds__(dense_kl::kThreads, 1)
       if (++c_slot == slots) c_slot = 0, c_phase ^= 1;
     };
     float si[32];
+    float lv[16];  // after the heads: lse_idx log2 e
     if constexpr (kG > 0) {
       float sc[2][32];
       mbar_wait(full_q + c_slot, c_phase);
@@ -364,12 +369,14 @@ __global__ void __launch_bounds__(dense_kl::kThreads, 1)
         } else {
           issue_ss<T, KiT, QiT, Di / 16>(si, ki_d0, qi_d0);
         }
+        load_lv(hh, lv);
         wgmma_wait<1>();  // head hh's S^T is done, the next GEMM runs under its exponentials
         fence_regs(sc[hh & 1]);
         if (lane == 0) mbar_arrive(empty_q + slot);  // this warp is done with the slot
         if (tid == 0) issue_q();
-        head_terms(sc[hh & 1], hh);
+        head_terms(sc[hh & 1], lv);
       }
+      load_lv(G, lv);
       wgmma_wait<0>();
       fence_regs(si);
     } else {
@@ -380,26 +387,20 @@ __global__ void __launch_bounds__(dense_kl::kThreads, 1)
         float sc[32];
         mbar_wait(full_q + c_slot, c_phase);
         issue_ss<T, KT, QT, D / 16>(sc, k_d0, QT::desc(smem_addr(sQ + c_slot * kRows * D), 0));
+        load_lv(hh, lv);
         wgmma_wait<0>();
         fence_regs(sc);
         if (lane == 0) mbar_arrive(empty_q + c_slot);
         next_slot();
         if (tid == 0) issue_q();
-        head_terms(sc, hh);
+        head_terms(sc, lv);
       }
+      load_lv(G, lv);
     }
 
     // Pidx, dS^T (into si) and the KL terms (into pb). Masked keys have pb = 0 (no KL term); their dS is
     // zeroed here.
     {
-      const float* li = lse_b + G * kRows;
-      float lv[16];  // this thread's 16 queries: lse_idx log2 e
-#pragma unroll
-      for (int j = 0; j < 8; ++j) {
-        const float2 x = *reinterpret_cast<const float2*>(li + 8 * j + 2 * t);
-        lv[2 * j] = x.x * kLog2e;
-        lv[2 * j + 1] = x.y * kLog2e;
-      }
       auto terms = [&](auto masked) {
 #pragma unroll
         for (int j = 0; j < 8; ++j) {
@@ -420,18 +421,20 @@ __global__ void __launch_bounds__(dense_kl::kThreads, 1)
       if (full) terms(std::false_type{}); else terms(std::true_type{});
     }
     // KL per query: the thread's two keys, the warp's 16 (lanes of equal t), then the 8 warps in shared
-    // memory.
+    // memory (after the dK_idx GEMM is issued: the shuffles run under it).
+    auto kl_partials = [&]() {
 #pragma unroll
-    for (int j = 0; j < 8; ++j) {
+      for (int j = 0; j < 8; ++j) {
 #pragma unroll
-      for (int e = 0; e < 2; ++e) {
-        float v = pb[4 * j + e] + pb[4 * j + e + 2];
-        v += __shfl_xor_sync(0xffffffffu, v, 4);
-        v += __shfl_xor_sync(0xffffffffu, v, 8);
-        v += __shfl_xor_sync(0xffffffffu, v, 16);
-        if (g == 0) sKl[warp * kRows + 8 * j + 2 * t + e] = v;
+        for (int e = 0; e < 2; ++e) {
+          float v = pb[4 * j + e] + pb[4 * j + e + 2];
+          v += __shfl_xor_sync(0xffffffffu, v, 4);
+          v += __shfl_xor_sync(0xffffffffu, v, 8);
+          v += __shfl_xor_sync(0xffffffffu, v, 16);
+          if (g == 0) sKl[warp * kRows + 8 * j + 2 * t + e] = v;
+        }
       }
-    }
+    };
 
     if (grad) {  // CTA-uniform
       // dS^T as the A operand (input dtype): n-tiles 2 kk, 2 kk + 1 are queries [16 kk, +16).
@@ -459,8 +462,11 @@ __global__ void __launch_bounds__(dense_kl::kThreads, 1)
 #pragma unroll
       for (int kk = 0; kk < 4; ++kk) WgmmaRS<T, Di, true>::run(dk, pa[kk], QiT::desc_mn(qi_addr, kk), true);
       wgmma_commit();
+      kl_partials();
       wgmma_wait<0>();
       fence_regs(dk);
+    } else {
+      kl_partials();
     }
     if (lane == 0) mbar_arrive(empty_a + b);  // this warp's reads of the Q_idx slot are done
     __syncthreads();  // sDs and sKl complete
@@ -496,17 +502,16 @@ __global__ void __launch_bounds__(dense_kl::kThreads, 1)
       wgmma_wait<0>();
       fence_regs(dq);
       const int col0 = Di == 128 ? 64 * wg : 0;
-      const int qrow = wq * 16 + g + ((t & 1) ? 8 : 0);
-      const bool ok = row0 + qrow < len;
-      float* dst = p.dq_idx + (int64_t(base + row0 + (ok ? qrow : 0)) * p.hi + r) * Di + col0 + 2 * (t & ~1);
+      // Straight from the accumulator layout (rows wq 16 + g and + 8, column pairs 8 j + 2 t): 8-byte reds,
+      // no shuffles (the same 32-byte sectors per warp as 16-byte reds after a quad exchange).
+      const int qrow = wq * 16 + g;
+      const bool ok0 = row0 + qrow < len, ok1 = row0 + qrow + 8 < len;
+      float* dst0 = p.dq_idx + (int64_t(base + row0 + qrow) * p.hi + r) * Di + col0 + 2 * t;
+      float* dst1 = dst0 + int64_t(8) * p.hi * Di;
 #pragma unroll
       for (int j = 0; j < 8; ++j) {
-        const float c4[4] = {dq[4 * j], dq[4 * j + 1], dq[4 * j + 2], dq[4 * j + 3]};
-        const float4 v = sm80::quad_rows4(c4, t);
-        if (ok) {
-          sm80::atomic_add4(dst + 8 * j, make_float4(v.x * p.grad_scale, v.y * p.grad_scale, v.z * p.grad_scale,
-                                                     v.w * p.grad_scale));
-        }
+        if (ok0) sm80::atomic_add2(dst0 + 8 * j, dq[4 * j] * p.grad_scale, dq[4 * j + 1] * p.grad_scale);
+        if (ok1) sm80::atomic_add2(dst1 + 8 * j, dq[4 * j + 2] * p.grad_scale, dq[4 * j + 3] * p.grad_scale);
       }
     }
     qt = qt_next, r = r_next;
