@@ -11,7 +11,9 @@ LOG=${1:?usage: scripts/ab_patch.sh LOGDIR PATCH [bench args...]}
 PATCH=${2:?usage: scripts/ab_patch.sh LOGDIR PATCH [bench args...]}
 shift 2
 here=$(cd "$(dirname "$0")" && pwd)
-MSA_PYTEST_ARGS="${MSA_AB_A_TESTS:-tests/test_errors.py}" bash "$here/gpu_check.sh" "$LOG/a" "$@" > /dev/null 2>&1
+# MSA_AB_A_ARGS: bench args for A alone (e.g. fewer N than B's final run); default: the same as B's.
+if [ -n "${MSA_AB_A_ARGS:-}" ]; then a_args=($MSA_AB_A_ARGS); else a_args=("$@"); fi
+MSA_PYTEST_ARGS="${MSA_AB_A_TESTS:-tests/test_errors.py}" bash "$here/gpu_check.sh" "$LOG/a" "${a_args[@]}" > /dev/null 2>&1
 profile() { [ -n "${MSA_AB_PROFILE:-}" ] && ${PYTHON:-python3} "$here/profile_msa.py" $MSA_AB_PROFILE > "$1/profile.txt" 2>&1; }
 profile "$LOG/a"
 echo "A: $(tr '\n' ' ' < "$LOG/a/summary.txt")"
