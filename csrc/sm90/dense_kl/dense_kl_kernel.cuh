@@ -3,27 +3,35 @@
 // Key-major, as a flash backward: a CTA holds one 128-key tile of K and K_idx (two consumer warpgroups,
 // 64 keys each) and walks a chunk of 64-row query tiles, for every index group r of its index-key head.
 // Per (query tile, group), transposed (keys as the MMA's M):
-//   S_idx^T = K_idx Q_idx^T              m64n64, K = Di   (A: K_idx by ldmatrix, B: Q_idx K-major)
-//   S_h^T   = K Q_h^T, h in the group    m64n64, K = D    (A: K by ldmatrix,     B: Q_h K-major)
+//   S_idx^T = K_idx Q_idx^T              m64n64, K = Di   (A: K_idx, B: Q_idx, both K-major by descriptor)
+//   S_h^T   = K Q_h^T, h in the group    m64n64, K = D    (A: K,     B: Q_h,   both K-major by descriptor)
 //   Pbar = mean_h exp2(S_h * c - lse_h),  Pidx = exp2(S_idx * ci - lse_idx)      (masked: key <= query)
 //   KL partial per query = sum over the tile's keys of Pbar (log2 Pbar - S_idx * ci)   (log2 units)
 //   dS^T = Pidx - Pbar
 //   dK_idx += dS^T Q_idx                 m64nDi, K = 64   (A: dS^T from registers, B: Q_idx MN-major)
 //   dQ_idx  = dS K_idx                   m64n64, K = 128  (A: dS by ldmatrix.trans of dS^T in shared
-//                                                          memory, B: K_idx MN-major), red.v4 to global
+//                                                          memory, B: K_idx MN-major), 8-byte reds
 // dK_idx stays in registers over the CTA's whole walk (one red.v4 flush at the end); the KL partials
-// are summed in fixed point (int64 atomics: the KL value does not depend on the order). FLOPs per
-// (query tile, group): 128 x 64 x (2 D G + 6 Di); useful (causal pairs only): N (N + 1) / 2 x (2 D G + 6 Di)
-// per group and sequence.
+// are summed in fixed point (int64 atomics: the KL value does not depend on the order; a non-finite
+// partial flags the row, whose KL is then NaN). FLOPs per (query tile, group): 128 x 64 x (2 D G + 6 Di);
+// useful (causal pairs only): N (N + 1) / 2 x (2 D G + 6 Di) per group and sequence.
 //
-// Loads (v2): Q and Q_idx tiles by TMA (boxes of 64 columns x 1 head x 64 rows, 128-byte swizzle: the
+// Heads: with G = kG at compile time (kG = 4, the common 16 / 4 layout) head h + 1's S^T (after the last
+// head, S_idx^T) is issued before head h's exponentials, so the tensor cores run under them (two
+// accumulators); kG = 0 (any other G) runs S_idx^T first and one head at a time. Full tiles (below the
+// diagonal, inside the sequence) take an unmasked path. Per-step and per-head positions are counters,
+// never integer divisions.
+//
+// Loads: Q and Q_idx tiles by TMA (boxes of 64 columns x 1 head x 64 rows, 128-byte swizzle: the
 // KMajorSw128 panels), issued by thread 0 into rings with a "full" mbarrier per slot (the TMA bytes) and
-// an "empty" one (one arrival per warp once its wgmma read the slot): no CTA barrier per head, so the two
-// warpgroups drift apart. Q load n (step n / G, head n % G) lands in slot n % slots; thread 0 issues load
-// n + slots - 1 once load n is consumed (its slot held load n - 1). lse / lse_idx of step s + 1 are
-// cp.async'd by every thread during step s into the other of two buffers; an mbarrier of 256 async
-// arrivals says they landed. K and K_idx: cp.async at the start and when the kv head changes (a CTA
-// barrier then). One CTA barrier per step: dS^T and the KL partials (double buffered) before dQ_idx.
+// an "empty" one (one arrival per warp once its wgmma read the slot): no CTA barrier per head. Q loads go
+// in (step, head) order through `slots` slots (5 where the shared memory allows, else 4 or 3); `prefetch`
+// of them are in flight ahead of the one being read, and thread 0 issues load n + prefetch once load n is
+// consumed (its slot held load n + prefetch - slots: the other warpgroup may lag by slots - prefetch
+// heads before thread 0 waits for it). lse / lse_idx of step s + 1 are cp.async'd by every thread during
+// step s into the other of two buffers; an mbarrier of 256 async arrivals says they landed. K and K_idx:
+// cp.async at the start and when the kv head changes (a CTA barrier then). One CTA barrier per step: dS^T
+// and the KL partials (double buffered) before dQ_idx.
 #pragma once
 #include <cuda.h>  // CUtensorMap (types only: the encoder is reached through the runtime)
 #include <cudaTypedefs.h>
