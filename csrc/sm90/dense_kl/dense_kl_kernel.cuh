@@ -33,8 +33,6 @@
 // cp.async at the start and when the kv head changes (a CTA barrier then). One CTA barrier per step: dS^T
 // and the KL partials (double buffered) before dQ_idx.
 #pragma once
-#include <cuda.h>  // CUtensorMap (types only: the encoder is reached through the runtime)
-#include <cudaTypedefs.h>
 #include <cuda_bf16.h>
 #include <cuda_fp16.h>
 #include <cuda_runtime.h>
@@ -43,6 +41,7 @@
 #include <type_traits>
 
 #include "common/mma_sm80.h"
+#include "common/tma_map.h"
 #include "common/wgmma_sm90.h"
 #include "params.h"
 #include "sm90/dense_kl/dense_kl.h"
@@ -542,31 +541,6 @@ __global__ void __launch_bounds__(dense_kl::kThreads, 1)
   }
 }
 
-// The TMA descriptor of a (T, H, W) tensor (strides in elements): boxes of 64 columns x 1 head x 64 rows,
-// 128-byte swizzle (the KMajorSw128 panel layout), zeros out of bounds.
-template <typename T>
-cudaError_t make_row_map(const void* ptr, int w, int heads, int tokens, int64_t stride_h, int64_t stride_t,
-                         CUtensorMap* map) {
-  static PFN_cuTensorMapEncodeTiled_v12000 encode = nullptr;
-  if (encode == nullptr) {
-    cudaDriverEntryPointQueryResult found{};
-    void* fn = nullptr;
-    const cudaError_t err = cudaGetDriverEntryPointByVersion("cuTensorMapEncodeTiled", &fn, 12000, cudaEnableDefault,
-                                                             &found);
-    if (err != cudaSuccess || found != cudaDriverEntryPointSuccess || fn == nullptr) return cudaErrorNotSupported;
-    encode = reinterpret_cast<PFN_cuTensorMapEncodeTiled_v12000>(fn);
-  }
-  const cuuint64_t dims[3] = {cuuint64_t(w), cuuint64_t(heads), cuuint64_t(tokens)};
-  const cuuint64_t strides[2] = {cuuint64_t(stride_h) * sizeof(T), cuuint64_t(stride_t) * sizeof(T)};
-  const cuuint32_t box[3] = {64, 1, cuuint32_t(dense_kl::kRows)};
-  const cuuint32_t elem_strides[3] = {1, 1, 1};
-  const CUresult r = encode(map, std::is_same_v<T, __half> ? CU_TENSOR_MAP_DATA_TYPE_FLOAT16 : CU_TENSOR_MAP_DATA_TYPE_BFLOAT16,
-                            3, const_cast<void*>(ptr), dims, strides, box, elem_strides, CU_TENSOR_MAP_INTERLEAVE_NONE,
-                            CU_TENSOR_MAP_SWIZZLE_128B, CU_TENSOR_MAP_L2_PROMOTION_L2_256B,
-                            CU_TENSOR_MAP_FLOAT_OOB_FILL_NONE);
-  return r == CUDA_SUCCESS ? cudaSuccess : cudaErrorNotSupported;
-}
-
 template <typename T, int D, int Di>
 cudaError_t launch_dense_kl(const DenseKlParams& p, cudaStream_t stream) {
   const int G = p.hq / p.hi;
@@ -577,8 +551,10 @@ cudaError_t launch_dense_kl(const DenseKlParams& p, cudaStream_t stream) {
   const int slots = dense_kl::q_slots<D, Di>(G, limit);
   if (slots == 0) return cudaErrorInvalidConfiguration;
   CUtensorMap q_map, qi_map;
-  err = make_row_map<T>(p.q, D, p.hq, p.total_tokens, p.q_stride_h, p.q_stride_t, &q_map);
-  if (err == cudaSuccess) err = make_row_map<T>(p.q_idx, Di, p.hi, p.total_tokens, p.qi_stride_h, p.qi_stride_t, &qi_map);
+  err = make_rows_map<T>(p.q, D, p.hq, p.total_tokens, p.q_stride_h, p.q_stride_t, dense_kl::kRows, &q_map);
+  if (err == cudaSuccess) {
+    err = make_rows_map<T>(p.q_idx, Di, p.hi, p.total_tokens, p.qi_stride_h, p.qi_stride_t, dense_kl::kRows, &qi_map);
+  }
   if (err != cudaSuccess) return err;
   const int smem = dense_kl::Smem<D, Di>::bytes(G, slots) + 1024;
   // G = 4 (e.g. 16 query heads over 4 index heads) pipelines its heads; other G run the general kernel.

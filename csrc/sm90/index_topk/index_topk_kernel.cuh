@@ -21,6 +21,7 @@
 
 #include "common/mma_sm80.h"
 #include "common/index_topk_tile.cuh"
+#include "common/tma_map.h"
 #include "common/top_list.cuh"
 #include "common/wgmma_sm90.h"
 #include "params.h"
@@ -186,24 +187,8 @@ __global__ void __launch_bounds__(IndexTopkShape::kThreads, 1)
 // x 128 tokens, 128-byte swizzle (the KMajorSw128 panel layout), zeros out of bounds.
 template <typename T, int D>
 cudaError_t make_k_map(const IndexTopkParams& p, CUtensorMap* map) {
-  static PFN_cuTensorMapEncodeTiled_v12000 encode = nullptr;
-  if (encode == nullptr) {
-    cudaDriverEntryPointQueryResult found{};
-    void* fn = nullptr;
-    const cudaError_t err = cudaGetDriverEntryPointByVersion("cuTensorMapEncodeTiled", &fn, 12000, cudaEnableDefault,
-                                                             &found);
-    if (err != cudaSuccess || found != cudaDriverEntryPointSuccess || fn == nullptr) return cudaErrorNotSupported;
-    encode = reinterpret_cast<PFN_cuTensorMapEncodeTiled_v12000>(fn);
-  }
-  const cuuint64_t dims[3] = {cuuint64_t(D), cuuint64_t(p.num_key_heads), cuuint64_t(p.total_tokens)};
-  const cuuint64_t strides[2] = {cuuint64_t(p.k_stride_h) * sizeof(T), cuuint64_t(p.k_stride_t) * sizeof(T)};
-  const cuuint32_t box[3] = {64, 1, cuuint32_t(IndexTopkShape::kKeys)};
-  const cuuint32_t elem_strides[3] = {1, 1, 1};
-  const CUresult r = encode(map, std::is_same_v<T, __half> ? CU_TENSOR_MAP_DATA_TYPE_FLOAT16 : CU_TENSOR_MAP_DATA_TYPE_BFLOAT16,
-                            3, const_cast<void*>(p.k_idx), dims, strides, box, elem_strides,
-                            CU_TENSOR_MAP_INTERLEAVE_NONE, CU_TENSOR_MAP_SWIZZLE_128B,
-                            CU_TENSOR_MAP_L2_PROMOTION_L2_256B, CU_TENSOR_MAP_FLOAT_OOB_FILL_NONE);
-  return r == CUDA_SUCCESS ? cudaSuccess : cudaErrorNotSupported;
+  return make_rows_map<T>(p.k_idx, D, p.num_key_heads, p.total_tokens, p.k_stride_h, p.k_stride_t,
+                          IndexTopkShape::kKeys, map);
 }
 
 // cudaErrorNotSupported (before any launch) when the TMA descriptor cannot describe k_idx (e.g. a zero
