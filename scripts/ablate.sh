@@ -4,8 +4,8 @@
 # Builds the tree as it is (e0) and, per argument, the tree with `sed -i SED FILE` applied (the other
 # edits undone), and runs scripts/profile_msa.py for each (N from ABLATE_N, default "32768 131072").
 # The edited builds compute wrong results on purpose: never test or store them as anything but
-# timings. Example (the backward's dq atomics):
-#   scripts/ablate.sh $OUT/abl 'no_dq_atomics|csrc/sm80/sparse_bwd/sparse_bwd_kernel.cuh|s/if (tr >= 0)$/if (false)/'
+# timings. Example (the backward's non-deterministic dq atomics, in both backward kernels):
+#   scripts/ablate.sh $OUT/abl 'no_dq_atomics|csrc/sm80/sparse_bwd/sparse_bwd_kernel.cuh|s/^            else atomic_add4(p.dq_accum + o + n \* 8, x);/            else if (false) atomic_add4(p.dq_accum + o + n * 8, x);/'
 set -uo pipefail
 OUT=${1:?usage: scripts/ablate.sh OUTDIR 'NAME|FILE|SED' ...}
 shift

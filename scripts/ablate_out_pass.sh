@@ -8,7 +8,7 @@
 #   no_out_store   only the output partials' 16-byte stores (O staged in shared memory, then global)
 #   no_kl_terms    the KL terms and the dsi tile (the reduce-scatter of P over the unit's heads stays)
 #   no_dsi_dq      the tile's dsi copy to global memory and dq_idx (mma.sync + atomics)
-#   no_dq_atomics  only dq_idx's atomics
+#   no_dq_atomics  only dq_idx's atomics (the non-deterministic ones the bench runs)
 #   no_idx_logits  the index logits (both passes: they share the code)
 F=csrc/sm80/sparse_fwd/sparse_fwd_kernel.cuh
 exec "$(dirname "$0")/ablate.sh" "${1:?usage: scripts/ablate_out_pass.sh OUTDIR}" \
@@ -16,5 +16,5 @@ exec "$(dirname "$0")/ablate.sh" "${1:?usage: scripts/ablate_out_pass.sh OUTDIR}
   "no_out_store|$F|s/^              if (u < nu)\$/              if (false)/" \
   "no_kl_terms|$F|s/^              if ((n \& (Gu - 1)) == 0) {\$/              if (false) {/" \
   "no_dsi_dq|$F|s/^      if (p.dsi_part != nullptr) {\$/      if (false) {/" \
-  "no_dq_atomics|$F|s/if (uq < nu) atomic_add4(/if (false) atomic_add4(/" \
+  "no_dq_atomics|$F|s/^              else atomic_add4(p.dqi_accum + o + n \* 8, x);/              else if (false) atomic_add4(p.dqi_accum + o + n * 8, x);/" \
   "no_idx_logits|$F|s/if (index \&\& j == 0) {  \/\/ CTA-uniform/if (false) {  \/\/ CTA-uniform/"
