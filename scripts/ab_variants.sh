@@ -1,34 +1,54 @@
 #!/usr/bin/env bash
-# Several patches A/B'd in one GPU call, each against the same A (the tree as it is), one at a time:
-#   scripts/ab_variants.sh LOGDIR PATCH [PATCH ...] [-- bench args, e.g. --n 8192 32768]
-# A: build + the tests in MSA_AB_A_TESTS (default tests/test_errors.py) + benchmark. Then per patch: apply,
-# rebuild (incremental), the tests in MSA_AB_B_TESTS (default tests -m gpu), benchmark, revert. A patch that
-# does not apply is reported and skipped. Logs land in LOGDIR/a, LOGDIR/<patch name>, packed as LOGDIR.tgz
-# (only a few files come back from a device call). scripts/ab_patch.sh is the one-patch form.
+# A/B of kernel changes in one GPU call: the tree as it is (A) against each variant, one at a time:
+#   scripts/ab_variants.sh LOGDIR VARIANT [VARIANT ...] [-- bench args, e.g. --n 8192 32768]
+# A VARIANT is a patch, or several comma-separated ones applied in order (PATCH1,PATCH2).
+# A: build + the tests in MSA_AB_A_TESTS (default tests/test_errors.py) + benchmark (args: MSA_AB_A_ARGS if
+# set, e.g. fewer N than the variants' final run, else the bench args). Then per variant: apply, rebuild, the
+# tests in MSA_AB_B_TESTS (default tests -m gpu), benchmark, revert. A variant whose patches do not apply is
+# reported and skipped. MSA_AB_PROFILE=N adds a per-kernel profile (scripts/profile_msa.py N) of each side
+# (profile.txt). Logs (scripts/gpu_check.sh each) land in LOGDIR/a and LOGDIR/<variant name> and come back
+# packed as LOGDIR.tgz (only a few files return from a device call). scripts/ab_patch.sh: one variant.
 set -uo pipefail
-LOG=${1:?usage: scripts/ab_variants.sh LOGDIR PATCH [PATCH ...] [-- bench args]}
+LOG=${1:?usage: scripts/ab_variants.sh LOGDIR VARIANT [VARIANT ...] [-- bench args]}
 shift
-patches=()
-while [ $# -gt 0 ] && [ "$1" != "--" ]; do patches+=("$1"); shift; done
+variants=()
+while [ $# -gt 0 ] && [ "$1" != "--" ]; do variants+=("$1"); shift; done
 [ $# -gt 0 ] && shift  # the --
-[ ${#patches[@]} -gt 0 ] || { echo "no patch given"; exit 2; }
+[ ${#variants[@]} -gt 0 ] || { echo "no patch given"; exit 2; }
 here=$(cd "$(dirname "$0")" && pwd)
 base=$(cat .msa_commit 2>/dev/null || echo unknown)
-MSA_PYTEST_ARGS="${MSA_AB_A_TESTS:-tests/test_errors.py}" bash "$here/gpu_check.sh" "$LOG/a" "$@" > /dev/null 2>&1
-echo "a: $(tr '\n' ' ' < "$LOG/a/summary.txt")"
+profile() { [ -n "${MSA_AB_PROFILE:-}" ] && ${PYTHON:-python3} "$here/profile_msa.py" $MSA_AB_PROFILE > "$1/profile.txt" 2>&1; }
+summary() { echo "$1: $(tr '\n' ' ' < "$LOG/$1/summary.txt" 2> /dev/null)"; }
+# Undoes the current variant's applied patches, last first.
+revert() { for ((i = ${#applied[@]} - 1; i >= 0; i--)); do patch -p1 -R --no-backup-if-mismatch < "${applied[i]}" > /dev/null 2>&1; done; }
+
+if [ -n "${MSA_AB_A_ARGS:-}" ]; then a_args=($MSA_AB_A_ARGS); else a_args=("$@"); fi
+MSA_PYTEST_ARGS="${MSA_AB_A_TESTS:-tests/test_errors.py}" bash "$here/gpu_check.sh" "$LOG/a" "${a_args[@]}" > /dev/null 2>&1
+profile "$LOG/a"
+summary a
 rc=0
-for pf in "${patches[@]}"; do
-  name=$(basename "$pf" .patch)
-  if ! patch -p1 --dry-run --forward < "$pf" > "$LOG/patch-$name.txt" 2>&1; then
-    echo "$name: does not apply"; cat "$LOG/patch-$name.txt"
+for v in "${variants[@]}"; do
+  IFS=, read -r -a patches <<< "$v"
+  name=""
+  for pf in "${patches[@]}"; do name="$name${name:+-}$(basename "$pf" .patch)"; done
+  applied=()
+  ok=1
+  for pf in "${patches[@]}"; do
+    if ! patch -p1 --dry-run --forward < "$pf" >> "$LOG/patch-$name.txt" 2>&1; then
+      echo "$name: $pf does not apply"; cat "$LOG/patch-$name.txt"; ok=0; break
+    fi
+    patch -p1 --forward --no-backup-if-mismatch < "$pf" > /dev/null 2>&1
+    applied+=("$pf")
+  done
+  if [ $ok = 1 ]; then
+    MSA_COMMIT="$base-$name" MSA_PYTEST_ARGS="${MSA_AB_B_TESTS:-tests -m gpu}" \
+      bash "$here/gpu_check.sh" "$LOG/$name" "$@" > /dev/null 2>&1 || rc=1
+    profile "$LOG/$name"
+    summary "$name"
+  else
     rc=2
-    continue
   fi
-  patch -p1 --forward --no-backup-if-mismatch < "$pf" > /dev/null 2>&1
-  MSA_COMMIT="$base-$name" MSA_PYTEST_ARGS="${MSA_AB_B_TESTS:-tests -m gpu}" \
-    bash "$here/gpu_check.sh" "$LOG/$name" "$@" > /dev/null 2>&1 || rc=1
-  echo "$name: $(tr '\n' ' ' < "$LOG/$name/summary.txt" 2> /dev/null)"
-  patch -p1 -R --no-backup-if-mismatch < "$pf" > /dev/null 2>&1
+  revert
 done
 for d in "$LOG"/*/; do
   side=$(basename "$d")
