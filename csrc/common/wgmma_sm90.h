@@ -83,8 +83,12 @@ struct KMajorSw128 {
   // Descriptor of the R x 16 slice of k-step ks (elements 16 ks .. 16 ks + 15) of the tile at `base`:
   // start address advanced within the panel by 32 bytes per k-step (the swizzle applies to the final
   // address), stride between 8-row atoms 1024 bytes, leading offset unused (1), layout 128B swizzle.
+  // Bytes from the tile's start to k-step ks's 16 columns: 64-column panels, 32 bytes per k-step in one.
+  __device__ __forceinline__ static constexpr uint32_t kstep_bytes(int ks) {
+    return uint32_t((ks / 4) * kPanelElems * 2 + (ks % 4) * 32);
+  }
   __device__ __forceinline__ static uint64_t desc(uint32_t base_smem_addr, int ks) {
-    const uint32_t addr = base_smem_addr + (ks / 4) * kPanelElems * 2 + (ks % 4) * 32;
+    const uint32_t addr = base_smem_addr + kstep_bytes(ks);
     uint64_t d = 0;
     d |= uint64_t((addr & 0x3FFFF) >> 4);  // start address, bits 0-13
     d |= uint64_t(1) << 16;                // leading byte offset (unused with a swizzle)

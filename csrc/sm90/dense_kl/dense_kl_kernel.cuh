@@ -112,10 +112,11 @@ __device__ __forceinline__ void load_tile(void* dst, const void* src, int64_t st
 }
 
 // A k-step's descriptor from the tile's k-step 0 descriptor: the start address (bits 0-13, in 16-byte
-// units) advanced as KMajorSw128::desc does; addresses stay below 256 KB, so the field never carries.
+// units) advanced by KMajorSw128::kstep_bytes, as desc does; addresses stay below 256 KB, so the field
+// never carries.
 template <typename Tile>
 __device__ __forceinline__ uint64_t desc_step(uint64_t d0, int ks) {
-  return d0 + uint64_t(((ks / 4) * Tile::kPanelElems * 2 + (ks % 4) * 32) >> 4);
+  return d0 + uint64_t(Tile::kstep_bytes(ks) >> 4);
 }
 
 // acc (64 x 64) = A B^T over kSteps k-steps, both operands by descriptor, issued and committed as one
