@@ -28,6 +28,27 @@ def _assert_style(name, got, exact, lowp, dtype, unit):
     assert err <= bound, f"{name}: max error {err:.3g} > 2 * {base:.3g} + {ATOL[dtype]:g} * {scale:.3g}"
 
 
+def _check_rows(x, tokens, args, dtype, out, dq, dq_idx, lse, lse_idx, kl_rows):
+    """out, dq, dq_idx, lse, lse_idx and the KL row terms of the sampled tokens (every index group) against
+    the exact per-row computation; args = (indices or None for warmup, cu_seqlens, block size, scale,
+    index scale, kl_coef), as row_oracle.row_terms takes them."""
+    Hq, Hkv, Hi, Hki = HEADS
+    kl_coef = args[-1]
+    rows_t = tokens.repeat_interleave(Hi)
+    rows_r = torch.arange(Hi, device=tokens.device).repeat(len(tokens))
+    exact = in_chunks(lambda t, r: row_terms(x, t, r, *args, torch.float64), rows_t, rows_r)
+    lowp = in_chunks(lambda t, r: row_terms(x, t, r, *args, dtype), rows_t, rows_r)
+    G = Hq // Hi
+    heads = rows_r[:, None] * G + torch.arange(G, device=tokens.device)
+    _assert_style("out", out[rows_t[:, None], heads], exact["out"], lowp["out"], dtype, 1.0)
+    _assert_style("dq", dq[rows_t[:, None], heads], exact["dq"], lowp["dq"], dtype, 1.0)
+    _assert_style("dq_idx", dq_idx[rows_t, rows_r], exact["dq_idx"], lowp["dq_idx"], dtype, abs(kl_coef))
+    assert_lse_close("lse", lse[heads, rows_t[:, None]], exact["lse"])
+    assert_lse_close("lse_idx", lse_idx[rows_r, rows_t], exact["lse_idx"])
+    kl_err = (kl_rows[rows_r, rows_t].double() - exact["kl_row"]).abs()
+    assert (kl_err <= 1e-3 * exact["kl_row"].abs() + 1e-5).all(), f"KL row terms: max error {kl_err.max():.3g}"
+
+
 def _inputs(T, dtype, seed):
     """Packed q, k, v, q_idx, k_idx and an upstream dout, random normal on the GPU."""
     Hq, Hkv, Hi, Hki = HEADS
@@ -67,21 +88,8 @@ def test_long_sequence_sampled_rows(B, N, dtype):
     tokens = _sample_tokens(cu, T, seed=N + B)
     check_selection(idx, tokens, x["q_idx"], x["k_idx"], cu, TOPK, BS, iscale)
 
-    rows_t = tokens.repeat_interleave(Hi)
-    rows_r = torch.arange(Hi, device=dev).repeat(len(tokens))
     args = (idx, cu, BS, scale, iscale, kl_coef)
-    exact = in_chunks(lambda t, r: row_terms(x, t, r, *args, torch.float64), rows_t, rows_r)
-    lowp = in_chunks(lambda t, r: row_terms(x, t, r, *args, dtype), rows_t, rows_r)
-    G = Hq // Hi
-    heads = rows_r[:, None] * G + torch.arange(G, device=dev)
-    _assert_style("out", out[rows_t[:, None], heads], exact["out"], lowp["out"], dtype, 1.0)
-    _assert_style("dq", dq[rows_t[:, None], heads], exact["dq"], lowp["dq"], dtype, 1.0)
-    _assert_style("dq_idx", dq_idx[rows_t, rows_r], exact["dq_idx"], lowp["dq_idx"], dtype, abs(kl_coef))
-    assert_lse_close("lse", lse[heads, rows_t[:, None]], exact["lse"])
-    assert_lse_close("lse_idx", lse_idx[rows_r, rows_t], exact["lse_idx"])
-    got_kl = kl_rows[rows_r, rows_t].double()
-    kl_err = (got_kl - exact["kl_row"]).abs()
-    assert (kl_err <= 1e-3 * exact["kl_row"].abs() + 1e-5).all(), f"KL row terms: max error {kl_err.max():.3g}"
+    _check_rows(x, tokens, args, dtype, out, dq, dq_idx, lse, lse_idx, kl_rows)
 
     # kv blocks of the last sequence: one in the middle (selected by ~5K rows at 1M) and the last.
     s0 = T - N
@@ -169,20 +177,8 @@ def test_warmup_long_sequence_sampled_rows(dtype, monkeypatch):
     kl_coef = dkl.item() / (T * Hi)
     g = torch.Generator(device="cpu").manual_seed(3)
     tokens = torch.unique(torch.cat([torch.arange(T - 8, T), torch.randint(0, T, (8,), generator=g)])).cuda()
-    rows_t = tokens.repeat_interleave(Hi)
-    rows_r = torch.arange(Hi, device="cuda").repeat(len(tokens))
     args = (None, cu, BS, scale, iscale, kl_coef)
-    exact = in_chunks(lambda t, r: row_terms(x, t, r, *args, torch.float64), rows_t, rows_r)
-    lowp = in_chunks(lambda t, r: row_terms(x, t, r, *args, dtype), rows_t, rows_r)
-    G = Hq // Hi
-    heads = rows_r[:, None] * G + torch.arange(G, device="cuda")
-    _assert_style("out", out[rows_t[:, None], heads], exact["out"], lowp["out"], dtype, 1.0)
-    _assert_style("dq", dq[rows_t[:, None], heads], exact["dq"], lowp["dq"], dtype, 1.0)
-    _assert_style("dq_idx", dq_idx[rows_t, rows_r], exact["dq_idx"], lowp["dq_idx"], dtype, abs(kl_coef))
-    assert_lse_close("lse", lse[heads, rows_t[:, None]], exact["lse"])
-    assert_lse_close("lse_idx", lse_idx[rows_r, rows_t], exact["lse_idx"])
-    kl_err = (kl_rows[rows_r, rows_t].double() - exact["kl_row"]).abs()
-    assert (kl_err <= 1e-3 * exact["kl_row"].abs() + 1e-5).all(), f"KL row terms: max error {kl_err.max():.3g}"
+    _check_rows(x, tokens, args, dtype, out, dq, dq_idx, lse, lse_idx, kl_rows)
     # dk_idx of the last kv block, from every row that sees it (the block's own tokens, every group).
     blk0 = T - BS
     sel_t = torch.arange(blk0, T, device="cuda").repeat_interleave(Hi)
