@@ -4,7 +4,8 @@
 # Builds the tree as it is (e0) and, per argument, the tree with `sed -i SED FILE` applied (the other
 # edits undone), and runs scripts/profile_msa.py for each (N from ABLATE_N, default "32768 131072").
 # The edited builds compute wrong results on purpose: never test or store them as anything but
-# timings. Example (the backward's non-deterministic dq atomics, in both backward kernels):
+# timings. ABLATE_GREP: the kernels to show (a grep -E alternation; default the sparse ones); the
+# environment reaches scripts/profile_msa.py (MSA_PROFILE_WARMUP=1 profiles the warmup step). Example (the backward's non-deterministic dq atomics, in both backward kernels):
 #   scripts/ablate.sh $OUT/abl 'no_dq_atomics|csrc/sm80/sparse_bwd/sparse_bwd_kernel.cuh|s/^            else atomic_add4(p.dq_accum + o + n \* 8, x);/            else if (false) atomic_add4(p.dq_accum + o + n * 8, x);/'
 set -uo pipefail
 OUT=${1:?usage: scripts/ablate.sh OUTDIR 'NAME|FILE|SED' ...}
@@ -19,7 +20,8 @@ run() {
     > "$OUT/build_$1.log" 2>&1 || { echo "build $1 failed"; tail -n 5 "$OUT/build_$1.log"; return 1; }
   python3 scripts/profile_msa.py ${ABLATE_N:-32768 131072} > "$OUT/prof_$1.txt" 2>&1
   echo "== $1"
-  grep -E "^## N|sparse_fwd_kernel|sparse_bwd_kernel|index_topk|Self CUDA time total" "$OUT/prof_$1.txt" | cut -c1-60,150-180
+  grep -E "^## N|${ABLATE_GREP:-sparse_fwd_kernel|sparse_bwd_kernel|index_topk}|Self CUDA time total" "$OUT/prof_$1.txt" \
+    | cut -c1-60,150-180
   rm -f "$OUT/build_$1.log"
 }
 run e0

@@ -1,7 +1,7 @@
 """Where the GPU sits idle during one msa_attention forward + backward (bench configuration):
 python scripts/trace_gaps.py [N ...]. From a torch.profiler trace (CPU and CUDA activity): the wall
 time of the call, the summed kernel time, and the largest gaps between consecutive kernels with the
-CPU-side ops that ran during each gap (what the GPU was waiting for)."""
+CPU-side ops that ran during each gap (what the GPU was waiting for). MSA_PROFILE_WARMUP=1: warmup=True."""
 import os
 import sys
 
@@ -14,14 +14,15 @@ from msa import bench  # noqa: E402
 def main():
     ns = [int(a) for a in sys.argv[1:]] or [32768]
     acts = [torch.profiler.ProfilerActivity.CPU, torch.profiler.ProfilerActivity.CUDA]
+    step = bench.msa_fwd_bwd_warmup if os.environ.get("MSA_PROFILE_WARMUP") == "1" else bench.msa_fwd_bwd
     for n in ns:
         x = bench.make_inputs(n, torch.device("cuda"), torch.bfloat16, seed=0)
         for _ in range(2):
-            bench.msa_fwd_bwd(*x)
+            step(*x)
         torch.cuda.synchronize()
         with torch.profiler.profile(activities=acts) as prof:
             with torch.profiler.record_function("msa_fwd_bwd"):
-                bench.msa_fwd_bwd(*x)
+                step(*x)
             torch.cuda.synchronize()
         events = prof.events()
         gpu = sorted((e.time_range.start, e.time_range.end, e.name) for e in events
