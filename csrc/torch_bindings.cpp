@@ -49,9 +49,10 @@ STABLE_TORCH_LIBRARY(msa, m) {
   // index branch's lse_idx. aten's attention schemas change between torch releases, and the flash
   // backward's determinism is PyTorch's global flag, which the stable ABI cannot set. uniform: every
   // sequence holds T / (number of sequences) tokens (the batched layout, or one packed sequence), which
-  // the cuDNN kernels need; lse is (H, T) in either case.
+  // the cuDNN kernels need; lse is (H, T) in either case. lse_only: the caller reads lse alone (the index
+  // branch), and out may hold fewer columns than v (cuDNN runs with a narrow V, the same lse).
   m.def("_dense_fwd(Tensor q, Tensor k, Tensor v, Tensor cu_seqlens, SymInt max_seqlen, float softmax_scale, "
-        "bool uniform=False, bool deterministic=False) -> (Tensor out, Tensor lse)");
+        "bool uniform=False, bool deterministic=False, bool lse_only=False) -> (Tensor out, Tensor lse)");
   m.def("_dense_bwd(Tensor dout, Tensor q, Tensor k, Tensor v, Tensor out, Tensor lse, Tensor cu_seqlens, "
         "SymInt max_seqlen, float softmax_scale, bool deterministic, bool uniform=False) -> "
         "(Tensor dq, Tensor dk, Tensor dv)");

@@ -169,3 +169,21 @@ def test_nonfinite_input_gives_nonfinite_kl(value, which, warmup, kernel_choice)
     again_out, again_kl = msa.msa_attention(*x, warmup=warmup)
     torch.testing.assert_close(again_out, clean_out)
     torch.testing.assert_close(again_kl, clean_kl)
+
+
+@pytest.mark.parametrize("di", [64, 128])
+@pytest.mark.parametrize("deterministic", [False, True])
+def test_dense_fwd_lse_only_same_lse(di, deterministic, backends):
+    """The index branch's lse_idx comes from msa::_dense_fwd with lse_only=True: cuDNN runs on V's first
+    columns (flash, under deterministic=True, on all of V); the lse is bitwise that of the full call."""
+    g = torch.Generator(device="cuda").manual_seed(7)
+    T, hi = 1536, 4
+    qi = torch.randn(T, hi, di, device="cuda", dtype=torch.bfloat16, generator=g)
+    ki = torch.randn(T, 1, di, device="cuda", dtype=torch.bfloat16, generator=g)
+    cu = torch.tensor([0, 768, T], dtype=torch.int32, device="cuda")
+    full_out, full = ops._dense_fwd(qi, ki, ki, cu, 768, di ** -0.5, True, deterministic)
+    out, lse = ops._dense_fwd(qi, ki, ki, cu, 768, di ** -0.5, True, deterministic, True)
+    assert backends == (["flash"] * 2 if deterministic else ["cudnn"] * 2)
+    assert torch.equal(lse, full)
+    assert out.shape == (T, hi, di if deterministic else 16)
+    assert full_out.shape == (T, hi, di)

@@ -313,12 +313,13 @@ using torch::stable::detail::from;
 
 // Dense causal attention over packed sequences with PyTorch's flash kernel (GQA native): out and the
 // lse (Hq, T) that the KL pass and the backward need. Through msa::_dense_fwd (msa/_ops.py), which
-// calls aten::_flash_attention_forward by keyword: that schema grows between torch releases.
+// calls aten::_flash_attention_forward by keyword: that schema grows between torch releases. lse_only:
+// out is not read (it may come back narrower than v).
 std::tuple<Tensor, Tensor> dense_attention_forward(const Tensor& q, const Tensor& k, const Tensor& v,
                                                    const Tensor& cu_seqlens, int64_t max_seqlen, double scale,
-                                                   bool uniform, bool deterministic) {
-  std::array<StableIValue, 8> st{from(q),           from(k),     from(v),       from(cu_seqlens),
-                                 from(max_seqlen), from(scale), from(uniform), from(deterministic)};
+                                                   bool uniform, bool deterministic, bool lse_only = false) {
+  std::array<StableIValue, 9> st{from(q),           from(k),     from(v),       from(cu_seqlens),      from(max_seqlen),
+                                 from(scale),       from(uniform), from(deterministic), from(lse_only)};
   detail::call_op("msa::_dense_fwd", "", st);
   return {torch::stable::detail::to<Tensor>(st[0]), torch::stable::detail::to<Tensor>(st[1])};
 }
@@ -350,13 +351,13 @@ msa_fwd_cuda(const Tensor& q, const Tensor& k, const Tensor& v, const Tensor& q_
     const DeviceGuard guard(q.get_device_index());
     indices = return_indices ? select_blocks_cuda(q_idx, k_idx, seqs, max_seqlen, topk, block_size, index_scale)
                              : empty({q_idx.size(1), q.size(0), 0}, kInt, q);
-    // lse_idx from the same dense kernel on the index branch (its output unused): faster than our stats
-    // pass over every block. seqs.uniform: equal sequence lengths, which the cuDNN kernels need
+    // lse_idx from the same dense kernel on the index branch (its output unused, lse_only): faster than
+    // our stats pass over every block. seqs.uniform: equal sequence lengths, which the cuDNN kernels need
     // (msa/_ops.py).
     auto [out, lse] =
         dense_attention_forward(q, k, v, seqs.cu, max_seqlen, softmax_scale, seqs.uniform, deterministic);
     const Tensor lse_idx = std::get<1>(dense_attention_forward(q_idx, k_idx, k_idx, seqs.cu, max_seqlen, index_scale,
-                                                               seqs.uniform, deterministic));
+                                                               seqs.uniform, deterministic, /*lse_only=*/true));
     if (dense_kl_applies(k, q_idx, deterministic)) {
       r = dense_kl_cuda(q, k, q_idx, k_idx, seqs, max_seqlen, softmax_scale, index_scale, index_grad, lse, lse_idx);
     } else {
