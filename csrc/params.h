@@ -318,6 +318,10 @@ struct DenseKlParams {
   float scale_log2;    // softmax_scale * log2(e)
   float iscale_log2;   // index_scale * log2(e)
   float grad_scale;    // index_scale / (T * Hi): d kl / d S_idx = (Pidx - P) / rows, times d S_idx / d q_idx
+  // 1 (with the gradient): clusters of two CTAs on adjacent key tiles of one sequence walk the same query
+  // tiles and add their dQ_idx partials on chip before the reds (half the red bytes); tile_offsets and
+  // num_tiles then count pairs of key tiles (256 keys), grid.x = 2 * num_tiles * max_chunks.
+  int pair;
 };
 
 }  // namespace msa
