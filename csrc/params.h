@@ -302,7 +302,7 @@ struct DenseKlParams {
   int64_t q_stride_t, q_stride_h, k_stride_t, k_stride_h;  // in elements
   int64_t qi_stride_t, qi_stride_h, ki_stride_t, ki_stride_h;
   const int32_t* cu_seqlens;    // (S + 1)
-  const int32_t* tile_offsets;  // (S + 1): first 128-key tile of each sequence (launch_block_offsets)
+  const int32_t* tile_offsets;  // (S + 1): first 128-key tile (pair: pair of tiles) of each sequence (launch_block_offsets)
   const float* lse;             // (Hq, T) natural log
   const float* lse_idx;         // (Hi, T) natural log
   float* dq_idx;                // (T, Hi, Di) fp32, accumulated (zeroed by the caller); nullable: no grad
