@@ -25,10 +25,11 @@ __device__ __forceinline__ void st_async_v4(uint32_t remote_addr, float4 v, uint
                ::"r"(remote_addr), "f"(v.x), "f"(v.y), "f"(v.z), "f"(v.w), "r"(remote_bar) : "memory");
 }
 
-// One arrival on a partner CTA's mbarrier (address from cluster_map), releasing this thread's earlier
-// memory accesses at cluster scope.
+// One arrival on a partner CTA's mbarrier (address from cluster_map), relaxed: no memory ordering (a
+// .release arrival compiles to MEMBAR.ALL.GPU, which waits for this thread's reds in flight). For
+// "buffer read" signals whose reads were consumed (their values used) before the arrival.
 __device__ __forceinline__ void mbar_arrive_remote(uint32_t remote_bar) {
-  asm volatile("mbarrier.arrive.release.cluster.shared::cluster.b64 _, [%0];\n" ::"r"(remote_bar) : "memory");
+  asm volatile("mbarrier.arrive.relaxed.cluster.shared::cluster.b64 _, [%0];\n" ::"r"(remote_bar) : "memory");
 }
 
 // mbar_wait for a barrier that other CTAs of the cluster arrive on: acquire at cluster scope.

@@ -545,7 +545,7 @@ __global__ void __launch_bounds__(dense_kl::kThreads, 1)
         owner = (wq >> 1) == rank;
         const uint32_t xo = smem_addr(smem + L::x(G, slots)) + (wg * 2 + (wq & 1)) * 4096 + lane * 16;
         if (!owner) {
-          mbar_wait_cluster(smem_addr(x_empty), (s & 1) ^ 1);  // the partner read step s - 1's rows
+          mbar_wait(x_empty, (s & 1) ^ 1);  // the partner read step s - 1's rows
           const uint32_t peer = uint32_t(rank ^ 1);
           const uint32_t rx = cluster_map(xo, peer), rbar = cluster_map(smem_addr(x_full), peer);
 #pragma unroll
@@ -553,7 +553,7 @@ __global__ void __launch_bounds__(dense_kl::kThreads, 1)
             st_async_v4(rx + j * 512, make_float4(dq[4 * j], dq[4 * j + 1], dq[4 * j + 2], dq[4 * j + 3]), rbar);
           }
         } else {
-          mbar_wait_cluster(smem_addr(x_full), s & 1);  // the partner's st.async rows landed
+          mbar_wait(x_full, s & 1);  // the partner's st.async rows landed (complete_tx, as TMA)
           if (tid == (rank ? 64 : 0) && s + 1 < steps) mbar_arrive_expect_tx(x_full, kXBytes);  // step s + 1's
 #pragma unroll
           for (int j = 0; j < 8; ++j) {
