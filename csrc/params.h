@@ -302,7 +302,7 @@ struct DenseKlParams {
   int64_t q_stride_t, q_stride_h, k_stride_t, k_stride_h;  // in elements
   int64_t qi_stride_t, qi_stride_h, ki_stride_t, ki_stride_h;
   const int32_t* cu_seqlens;    // (S + 1)
-  const int32_t* tile_offsets;  // (S + 1): first 128-key tile (pair: pair of tiles) of each sequence (launch_block_offsets)
+  const int32_t* tile_offsets;  // (S + 1): first 128-key tile of each sequence (launch_block_offsets)
   const float* lse;             // (Hq, T) natural log
   const float* lse_idx;         // (Hi, T) natural log
   float* dq_idx;                // (T, Hi, Di) fp32, accumulated (zeroed by the caller); nullable: no grad
@@ -318,10 +318,6 @@ struct DenseKlParams {
   float scale_log2;    // softmax_scale * log2(e)
   float iscale_log2;   // index_scale * log2(e)
   float grad_scale;    // index_scale / (T * Hi): d kl / d S_idx = (Pidx - P) / rows, times d S_idx / d q_idx
-  // 1 (with the gradient): clusters of two CTAs on adjacent key tiles of one sequence walk the same query
-  // tiles and add their dQ_idx partials on chip before the reds (half the red bytes); tile_offsets and
-  // num_tiles then count pairs of key tiles (256 keys), grid.x = 2 * num_tiles * max_chunks.
-  int pair;
 };
 
 }  // namespace msa

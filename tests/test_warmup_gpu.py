@@ -81,13 +81,8 @@ def test_warmup_batched(case, dtype, layout, backend, backends, monkeypatch):
     assert set(backends) == {"cudnn" if cudnn else "flash"}, backends
 
 
-@pytest.mark.parametrize("pairs", ["on", "off"])
 @pytest.mark.parametrize("heads", [(8, 2, 4, 1), (8, 4, 2, 1), (12, 4, 4, 1)])
-def test_warmup_varlen(heads, pairs, backends, monkeypatch):
-    """Sequences of 900, 1, 129, 0 and 1500 tokens: odd key-tile counts (a CTA pair with one tile), a
-    sequence of one tile and an empty one, with the dense KL pass's CTA pairs and without."""
-    if pairs == "off":
-        monkeypatch.setenv("MSA_DENSE_KL_PAIR", "0")
+def test_warmup_varlen(heads, backends):
     q, k, v, qi, ki, cu, mx = make_packed([900, 1, 129, 0, 1500], heads, 128, 64, dtype=torch.bfloat16,
                                           device="cuda", seed=sum(heads))
     _check(q, k, v, qi, ki, cu, mx, 16, 128, seed=3)
@@ -134,14 +129,9 @@ def test_warmup_sparse_kl_pass(case, monkeypatch):
     _check(*flat, cu, N, 16, bs, seed=case, batched=True)
 
 
-@pytest.mark.parametrize("pairs", ["on", "off"])
 @pytest.mark.parametrize("N", [8192, 20000])
-def test_warmup_long(N, pairs, monkeypatch):
-    """The dense KL pass over many key tiles and query chunks (several CTAs per key tile column); with its
-    CTA pairs (the default with the gradient; 20000 tokens are 157 key tiles, so the last pair has one tile)
-    and without (MSA_DENSE_KL_PAIR=0)."""
-    if pairs == "off":
-        monkeypatch.setenv("MSA_DENSE_KL_PAIR", "0")
+def test_warmup_long(N):
+    """The dense KL pass over many key tiles and query chunks (several CTAs per key tile column)."""
     x = make_inputs(1, N, (16, 2, 4, 1), 128, 128, dtype=torch.bfloat16, device="cuda", seed=N)
     flat = [t.reshape(N, *t.shape[2:]) for t in x]
     cu = torch.tensor([0, N], dtype=torch.int32, device="cuda")

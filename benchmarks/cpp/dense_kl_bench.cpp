@@ -28,14 +28,12 @@ using namespace msa::bench;
 
 int main(int argc, char** argv) {
   Options opt;
-  bool grad = true, no_pair = false;
+  bool grad = true;
   int chunk_override = 0;
   std::string only;
   const std::vector<Knob> knobs = {
       {"--no-grad", nullptr, "no index gradients (msa_fwd with index_grad=False: dq_idx / dk_idx null)",
        [&](const char*) { grad = false; }},
-      {"--no-pair", nullptr, "one CTA per key tile (MSA_DENSE_KL_PAIR=0): no CTA pairs adding dQ_idx on chip",
-       [&](const char*) { no_pair = true; }},
       {"--chunk", "C", "64-row query tiles per CTA (default max(4, ceil(N / 64) / 32); MSA_DENSE_KL_CHUNK)",
        [&](const char* v) { chunk_override = std::max(1, std::atoi(v)); }},
       {"--only", "kl|total", "time one row only", [&](const char* v) { only = v; }},
@@ -48,7 +46,7 @@ int main(int argc, char** argv) {
                 "tile offsets, kernel, finish). tflops: the causal pairs' (2 D G + 6 Di) per index group.",
                 opt, knobs);
 #ifndef MSA_WITH_SM90
-  (void)grad, (void)no_pair, (void)chunk_override;
+  (void)grad, (void)chunk_override;
   std::fprintf(stderr, "msa_bench_dense_kl: this build has no sm_90a kernels (MSA_CUDA_ARCHS without 90a): "
                        "nothing to time\n");
   return 0;
@@ -67,9 +65,7 @@ int main(int argc, char** argv) {
       return 1;
     }
     const int64_t T = pb.tokens, S = pb.b;
-    const bool pair = grad && !no_pair;  // as csrc/api/dense_kl.cpp decides
-    const int tile_keys = pair ? 256 : 128;
-    const int smem = sm90::dense_kl_smem_bytes(pb.d, pb.di, pb.g, pair);
+    const int smem = sm90::dense_kl_smem_bytes(pb.d, pb.di, pb.g);
     if (smem > pb.smem_optin) {
       std::fprintf(stderr, "the dense KL pass needs %d bytes of shared memory per block; the GPU offers %lld\n", smem,
                    (long long)pb.smem_optin);
@@ -108,7 +104,7 @@ int main(int argc, char** argv) {
     Buf kl_fixed(sizeof(unsigned long long) * pb.hi * T), kl_rows(sizeof(float) * pb.hi * T);
     Buf kl_bad(sizeof(unsigned int) * pb.hi * T);
     Buf tile_offsets(sizeof(int32_t) * (S + 1));
-    BENCH_CHECK(launch_block_offsets(pb.cu.as<int32_t>(), tile_offsets.as<int32_t>(), int(S), tile_keys, s));
+    BENCH_CHECK(launch_block_offsets(pb.cu.as<int32_t>(), tile_offsets.as<int32_t>(), int(S), 128, s));
 
     // Params as csrc/api/dense_kl.cpp fills them (contiguous inputs; max_seqlen = N).
     std::vector<DenseKlParams> ps(n_sets);
@@ -139,8 +135,7 @@ int main(int argc, char** argv) {
       p.kl_bad = kl_bad.as<unsigned int>();
       p.total_tokens = int(T);
       p.num_seqs = int(S);
-      p.num_tiles = int(T / tile_keys + S);
-      p.pair = pair ? 1 : 0;
+      p.num_tiles = int(T / 128 + S);
       p.chunk_tiles = chunk_tiles;
       p.max_chunks = int((n_qt + chunk_tiles - 1) / chunk_tiles);
       p.hq = pb.hq;
@@ -151,14 +146,14 @@ int main(int argc, char** argv) {
       p.iscale_log2 = float(double(pb.index_scale) * 1.4426950408889634);
       p.grad_scale = float(double(pb.index_scale) / double(T * pb.hi));
     }
-    if (int64_t(ps[0].num_tiles) * ps[0].max_chunks * (pair ? 2 : 1) >= (int64_t(1) << 31) || pb.hki > 65535) {
+    if (int64_t(ps[0].num_tiles) * ps[0].max_chunks >= (int64_t(1) << 31) || pb.hki > 65535) {
       std::fprintf(stderr, "msa_bench_dense_kl: too many query tiles for the dense KL grid, T = %lld\n", (long long)T);
       return 1;
     }
     BENCH_CHECK(cudaStreamSynchronize(s));
     std::fprintf(stderr, "# dense kl N=%lld: %d set(s), grid %d x %d x %d, %d query tiles per CTA, %d B smem%s\n",
                  (long long)n, n_sets, ps[0].num_tiles, ps[0].max_chunks, pb.hki, chunk_tiles, smem,
-                 grad ? (pair ? ", CTA pairs" : "") : ", no grad");
+                 grad ? "" : ", no grad");
 
     auto zero = [&](int) {
       kl_fixed.zero(s);
@@ -174,8 +169,7 @@ int main(int argc, char** argv) {
     };
     const double pairs = double(pb.b) * double(n) * double(n + 1) / 2.0;
     const double F = pairs * pb.hi * (2.0 * pb.d * pb.g + (grad ? 6.0 : 2.0) * pb.di);
-    const std::string shape = pb.shape + " chunk=" + std::to_string(chunk_tiles) + (grad ? " grad" : " nograd") +
-                              (pair ? " pair" : "");
+    const std::string shape = pb.shape + " chunk=" + std::to_string(chunk_tiles) + (grad ? " grad" : " nograd");
     auto want = [&](const char* r) { return only.empty() || only == r; };
     if (want("kl")) {
       const double ms = time_ms(opt, s, n_sets, kernel, zero);
@@ -184,7 +178,7 @@ int main(int argc, char** argv) {
     if (want("total")) {
       const double ms = time_ms(opt, s, n_sets, [&](int i) {
         zero(i);
-        BENCH_CHECK(launch_block_offsets(pb.cu.as<int32_t>(), tile_offsets.as<int32_t>(), int(S), tile_keys, s));
+        BENCH_CHECK(launch_block_offsets(pb.cu.as<int32_t>(), tile_offsets.as<int32_t>(), int(S), 128, s));
         kernel(i);
         BENCH_CHECK(sm90::launch_dense_kl_finish(ps[i].kl_fixed, ps[i].kl_bad, ps[i].lse_idx, kl_rows.as<float>(),
                                                  int64_t(pb.hi) * T, s));

@@ -41,18 +41,13 @@ SparseForward dense_kl_cuda(const Tensor& q_in, const Tensor& k_in, const Tensor
     res.kl_dk_idx = zeros({T, Hki, Di}, kFloat, q);
   }
   if (T == 0) return res;
-  // With the gradient, CTA pairs on adjacent key tiles add their dQ_idx partials on chip (half the red
-  // bytes; csrc/sm90/dense_kl/dense_kl_kernel.cuh). MSA_DENSE_KL_PAIR=0: one CTA per key tile (A/B runs).
-  const bool pair = index_grad && !env_is("MSA_DENSE_KL_PAIR", "0");
-  const int smem = sm90::dense_kl_smem_bytes(int(D), int(Di), int(Hq / Hi), pair);
+  const int smem = sm90::dense_kl_smem_bytes(int(D), int(Di), int(Hq / Hi));
   check_smem(q_in, smem, "the dense KL pass");
   const Tensor kl_fixed = zeros({Hi, T}, kLong, q);
   const Tensor kl_bad = zeros({Hi, T}, kInt, q);
-  const Tensor tile_offsets = empty({S + 1}, kInt, q);  // first key tile (pair: pair of tiles) of each sequence
-  const int tile_keys = pair ? 256 : 128;
-  MSA_LAUNCH_CHECK(
-      launch_block_offsets(ptr<int32_t>(seqs.cu), ptr<int32_t>(tile_offsets), int(S), tile_keys, stream),
-      "msa_fwd (dense KL tiles)");
+  const Tensor tile_offsets = empty({S + 1}, kInt, q);
+  MSA_LAUNCH_CHECK(launch_block_offsets(ptr<int32_t>(seqs.cu), ptr<int32_t>(tile_offsets), int(S), 128, stream),
+                   "msa_fwd (dense KL tiles)");
 
   DenseKlParams p{};
   p.q = q.data_ptr();
@@ -77,13 +72,12 @@ SparseForward dense_kl_cuda(const Tensor& q_in, const Tensor& k_in, const Tensor
   p.kl_bad = reinterpret_cast<unsigned int*>(ptr<int32_t>(kl_bad));
   p.total_tokens = int(T);
   p.num_seqs = int(S);
-  p.num_tiles = int(T / tile_keys + S);
-  p.pair = pair ? 1 : 0;
+  p.num_tiles = int(T / 128 + S);
   // Query tiles per CTA: ~32 chunks per key tile's column, at least 4 (the dK_idx flush is per CTA).
   const int64_t n_qt = (std::min<int64_t>(max_seqlen, T) + 63) / 64;
   p.chunk_tiles = int(env_positive("MSA_DENSE_KL_CHUNK", std::max<int64_t>(4, n_qt / 32)));
   p.max_chunks = int((n_qt + p.chunk_tiles - 1) / p.chunk_tiles);
-  MSA_CHECK(int64_t(p.num_tiles) * p.max_chunks * (pair ? 2 : 1) < (int64_t(1) << 31) && Hki <= 65535,
+  MSA_CHECK(int64_t(p.num_tiles) * p.max_chunks < (int64_t(1) << 31) && Hki <= 65535,
             "q: too many query tiles for the dense KL grid, T = ", T);
   p.hq = int(Hq);
   p.hkv = int(Hkv);

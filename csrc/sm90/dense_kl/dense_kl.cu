@@ -15,11 +15,9 @@ __global__ void dense_kl_finish_kernel(const unsigned long long* kl_fixed, const
 
 }  // namespace
 
-int dense_kl_smem_bytes(int d, int di, int g, bool pair) {
+int dense_kl_smem_bytes(int d, int di, int g) {
   // The smallest configuration (3 Q slots): the launch takes more slots where they fit.
-  auto pick = [&](auto dd, auto dii) {
-    return dense_kl::Smem<decltype(dd)::value, decltype(dii)::value>::bytes(g, 3, pair);
-  };
+  auto pick = [&](auto dd, auto dii) { return dense_kl::Smem<decltype(dd)::value, decltype(dii)::value>::bytes(g, 3); };
   using D64 = std::integral_constant<int, 64>;
   using D128 = std::integral_constant<int, 128>;
   const int b = d == 64 ? (di == 64 ? pick(D64{}, D64{}) : pick(D64{}, D128{}))

@@ -15,8 +15,7 @@ cudaError_t launch_dense_kl(const DenseKlParams& p, cudaStream_t stream);
 // kl_rows (Hi, T) = ln 2 * kl_fixed * 2^-32 + lse_idx (NaN where kl_bad: a non-finite partial sum).
 cudaError_t launch_dense_kl_finish(const unsigned long long* kl_fixed, const unsigned int* kl_bad, const float* lse_idx,
                                    float* kl_rows, int64_t n, cudaStream_t stream);
-// Dynamic shared memory of launch_dense_kl for G query heads per index group (pair: p.pair, with the
-// exchange buffer of the CTA pairs).
-int dense_kl_smem_bytes(int d, int di, int g, bool pair);
+// Dynamic shared memory of launch_dense_kl for G query heads per index group.
+int dense_kl_smem_bytes(int d, int di, int g);
 
 }  // namespace msa::sm90

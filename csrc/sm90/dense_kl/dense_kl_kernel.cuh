@@ -32,15 +32,6 @@
 // step s into the other of two buffers; an mbarrier of 256 async arrivals says they landed. K and K_idx:
 // cp.async at the start and when the kv head changes (a CTA barrier then). One CTA barrier per step: dS^T
 // and the KL partials (double buffered) before dQ_idx.
-//
-// Pairs (p.pair, with the gradient): a cluster of two CTAs holds two adjacent key tiles of a sequence
-// (256 keys) and walks the same query tiles (from the first tile's diagonal: the second CTA's first two
-// tiles are masked out), so each dQ_idx row gets one red per 256 keys instead of per 128, halving the red
-// bytes that bound the kernel (s14 ablation: the reds were 22% of it). CTA rank c adds rows [32 c, +32) of
-// each step's 64: the warps that hold the other 32 rows send them (st.async, 16 KB a step) into the
-// partner's exchange buffer, completing on its x_full mbarrier; the partner's owning warps wait there, add,
-// red, and release the buffer by a remote arrival on the sender's x_empty. A rank-1 tile past the end of
-// its sequence (an odd tile count) computes masked steps only, so the two CTAs always run the same steps.
 #pragma once
 #include <cuda_bf16.h>
 #include <cuda_fp16.h>
@@ -49,7 +40,6 @@
 #include <cstdint>
 #include <type_traits>
 
-#include "common/cluster_sm90.h"
 #include "common/mma_sm80.h"
 #include "common/tma_map.h"
 #include "common/wgmma_sm90.h"
@@ -74,7 +64,6 @@ constexpr int kThreads = 256;
 constexpr float kLog2e = 1.4426950408889634f;
 constexpr float kLn2 = 0.6931471805599453f;
 constexpr float kMinNormal = 1.17549435e-38f;
-constexpr int kXBytes = 4 * 32 * 8 * 16;  // pairs: the exchange buffer, 4 sending warps x 32 lanes x 8 float4
 
 template <int D, int Di>
 struct Smem {
@@ -88,19 +77,17 @@ struct Smem {
   static constexpr int qi = ki + kKeys * Di * 2;               // 2 slots
   static constexpr int ds = qi + 2 * kRows * Di * 2;            // 2 buffers
   static constexpr int kl = ds + 2 * kKeys * kRows * 2;         // 2 buffers x 8 warps x 64 queries, fp32
-  static constexpr int bars = kl + 2 * 8 * kRows * 4;  // 2 x kMaxSlots (Q) + 2 x 2 (Q_idx) + 2 (lse) + 2 (pairs)
+  static constexpr int bars = kl + 2 * 8 * kRows * 4;           // 2 x kMaxSlots (Q) + 2 x 2 (Q_idx) + 2 (lse)
   static constexpr int q = bars + 1024;                         // the Q slots, 1024-byte aligned
   static constexpr int lse_bytes(int g) { return 2 * (g + 1) * kRows * 4; }  // 2 buffers x (G lse + lse_idx)
-  // After the Q slots and the lse buffers: the pairs' exchange buffer.
-  static constexpr int x(int g, int slots) { return q + slots * kRows * D * 2 + lse_bytes(g); }
-  static constexpr int bytes(int g, int slots, bool pair) { return x(g, slots) + (pair ? kXBytes : 0); }
+  static constexpr int bytes(int g, int slots) { return q + slots * kRows * D * 2 + lse_bytes(g); }
 };
 
 // The most Q slots (<= kMaxSlots, >= 3) whose shared memory fits `limit` bytes (0: none fits).
 template <int D, int Di>
-inline int q_slots(int g, bool pair, int limit) {
+inline int q_slots(int g, int limit) {
   for (int s = kMaxSlots; s >= 3; --s)
-    if (Smem<D, Di>::bytes(g, s, pair) + 1024 <= limit) return s;
+    if (Smem<D, Di>::bytes(g, s) + 1024 <= limit) return s;
   return 0;
 }
 
@@ -182,21 +169,14 @@ __global__ void __launch_bounds__(dense_kl::kThreads, 1)
   uint64_t* full_a = empty_q + kMaxSlots;
   uint64_t* empty_a = full_a + 2;
   uint64_t* lse_full = empty_a + 2;
-  uint64_t* x_full = lse_full + 2;  // pairs: the partner's 16 KB of dQ_idx rows landed in sX
-  uint64_t* x_empty = x_full + 1;   // pairs: the partner's owning warps read their sX (4 remote arrivals)
   float* sLse0 = reinterpret_cast<float*>(smem + L::q + slots * kRows * D * 2);
 
   const int tid = threadIdx.x, lane = tid % 32, warp = tid / 32, wg = warp / 4, wq = warp % 4;
   const int g = lane / 4, t = lane % 4;
 
   // This CTA's (key tile, query chunk): chunks of one key tile are consecutive CTAs, so the CTAs that
-  // run at the same time add into disjoint dQ_idx rows (same-address atomics serialise in L2). Pairs: a
-  // "tile" of tile_offsets is two key tiles, the cluster's CTAs (rank = blockIdx.x & 1) one each; both
-  // return here or neither (the tests below do not depend on the rank).
-  const bool pair = p.pair != 0;
-  const int rank = pair ? int(blockIdx.x & 1) : 0;
-  const int unit = pair ? int(blockIdx.x >> 1) : int(blockIdx.x);
-  const int tile = unit / p.max_chunks, chunk = unit % p.max_chunks;
+  // run at the same time add into disjoint dQ_idx rows (same-address atomics serialise in L2).
+  const int tile = blockIdx.x / p.max_chunks, chunk = blockIdx.x % p.max_chunks;
   if (tile >= p.tile_offsets[p.num_seqs]) return;
   int lo = 0, hi = p.num_seqs - 1;
   while (lo < hi) {
@@ -204,10 +184,9 @@ __global__ void __launch_bounds__(dense_kl::kThreads, 1)
     if (p.tile_offsets[mid] <= tile) lo = mid; else hi = mid - 1;
   }
   const int base = p.cu_seqlens[lo], len = p.cu_seqlens[lo + 1] - base;
-  const int kfirst = (tile - p.tile_offsets[lo]) * kKeys * (pair ? 2 : 1);  // the (pair's first) tile's key 0
-  const int k0 = kfirst + rank * kKeys;
+  const int k0 = (tile - p.tile_offsets[lo]) * kKeys;
   const int n_qt = (len + kRows - 1) / kRows;
-  const int qt_begin = kfirst / kRows + chunk * p.chunk_tiles;
+  const int qt_begin = k0 / kRows + chunk * p.chunk_tiles;
   if (qt_begin >= n_qt) return;
   const int nqt = min(p.chunk_tiles, n_qt - qt_begin);
   const int hk = blockIdx.y;
@@ -233,14 +212,9 @@ __global__ void __launch_bounds__(dense_kl::kThreads, 1)
       mbar_init(empty_a + i, 8);
       mbar_init(lse_full + i, kThreads);
     }
-    mbar_init(x_full, 1);
-    mbar_init(x_empty, 4);
     mbar_fence_init();
   }
-  // Pairs: the partner's barriers are initialised before any remote access (a cluster barrier is also
-  // a CTA barrier).
-  if (pair) cluster_sync(); else __syncthreads();
-  if (pair && tid == 0) mbar_arrive_expect_tx(x_full, kXBytes);  // step 0's rows from the partner
+  __syncthreads();
   // Thread 0's Q loads, in (step, head) order: the next one's slot, the parity of that slot's use, and
   // its (query tile, group, head). Counters, not divisions: this runs once per head.
   int pq_n = 0, pq_slot = 0, pq_phase = 0, pq_qt = 0, pq_r = r0, pq_h = 0;
@@ -536,40 +510,10 @@ __global__ void __launch_bounds__(dense_kl::kThreads, 1)
       wgmma_wait<0>();
       fence_regs(dq);
       const int col0 = Di == 128 ? 64 * wg : 0;
-      // Pairs: warps 2 c, 2 c + 1 of each warpgroup hold rows [32 c, +32), which rank c adds. The others
-      // send theirs to the partner, in the accumulator layout: the partner's warp of the same (wg, wq)
-      // holds the same rows and reads the same offsets (float4 j of lane l at (j * 32 + l) * 16 of the
-      // warp's 4 KB: conflict-free).
-      bool owner = true;
-      if (pair) {
-        owner = (wq >> 1) == rank;
-        const uint32_t xo = smem_addr(smem + L::x(G, slots)) + (wg * 2 + (wq & 1)) * 4096 + lane * 16;
-        if (!owner) {
-          mbar_wait(x_empty, (s & 1) ^ 1);  // the partner read step s - 1's rows
-          const uint32_t peer = uint32_t(rank ^ 1);
-          const uint32_t rx = cluster_map(xo, peer), rbar = cluster_map(smem_addr(x_full), peer);
-#pragma unroll
-          for (int j = 0; j < 8; ++j) {
-            st_async_v4(rx + j * 512, make_float4(dq[4 * j], dq[4 * j + 1], dq[4 * j + 2], dq[4 * j + 3]), rbar);
-          }
-        } else {
-          mbar_wait(x_full, s & 1);  // the partner's st.async rows landed (complete_tx, as TMA)
-          if (tid == (rank ? 64 : 0) && s + 1 < steps) mbar_arrive_expect_tx(x_full, kXBytes);  // step s + 1's
-#pragma unroll
-          for (int j = 0; j < 8; ++j) {
-            float4 v;
-            asm volatile("ld.shared.v4.f32 {%0, %1, %2, %3}, [%4];\n"
-                         : "=f"(v.x), "=f"(v.y), "=f"(v.z), "=f"(v.w) : "r"(xo + j * 512) : "memory");
-            dq[4 * j] += v.x, dq[4 * j + 1] += v.y, dq[4 * j + 2] += v.z, dq[4 * j + 3] += v.w;
-          }
-          __syncwarp();
-          if (lane == 0) mbar_arrive_remote(cluster_map(smem_addr(x_empty), uint32_t(rank ^ 1)));
-        }
-      }
       // Straight from the accumulator layout (rows wq 16 + g and + 8, column pairs 8 j + 2 t): 8-byte reds,
       // no shuffles (the same 32-byte sectors per warp as 16-byte reds after a quad exchange).
       const int qrow = wq * 16 + g;
-      const bool ok0 = owner && row0 + qrow < len, ok1 = owner && row0 + qrow + 8 < len;
+      const bool ok0 = row0 + qrow < len, ok1 = row0 + qrow + 8 < len;
       float* dst0 = p.dq_idx + (int64_t(base + row0 + qrow) * p.hi + r) * Di + col0 + 2 * t;
       float* dst1 = dst0 + int64_t(8) * p.hi * Di;
 #pragma unroll
@@ -581,8 +525,6 @@ __global__ void __launch_bounds__(dense_kl::kThreads, 1)
     qt = qt_next, r = r_next;
   }
   sm80::cp_async_wait<0>();
-  // Pairs: no CTA leaves while its partner may still arrive on its barriers or store into it.
-  if (pair) cluster_sync();
 
   if (grad) {  // dK_idx: rows = this warpgroup's keys, Di columns
     const int krow = key_row + ((t & 1) ? 8 : 0);
@@ -607,9 +549,7 @@ cudaError_t launch_dense_kl(const DenseKlParams& p, cudaStream_t stream) {
   cudaError_t err = cudaGetDevice(&device);
   if (err == cudaSuccess) err = cudaDeviceGetAttribute(&limit, cudaDevAttrMaxSharedMemoryPerBlockOptin, device);
   if (err != cudaSuccess) return err;
-  const bool pair = p.pair != 0;
-  if (pair && p.dq_idx == nullptr) return cudaErrorInvalidValue;  // pairs exist for the dQ_idx reds
-  const int slots = dense_kl::q_slots<D, Di>(G, pair, limit);
+  const int slots = dense_kl::q_slots<D, Di>(G, limit);
   if (slots == 0) return cudaErrorInvalidConfiguration;
   CUtensorMap q_map, qi_map;
   err = make_rows_map<T>(p.q, D, p.hq, p.total_tokens, p.q_stride_h, p.q_stride_t, dense_kl::kRows, &q_map);
@@ -617,25 +557,13 @@ cudaError_t launch_dense_kl(const DenseKlParams& p, cudaStream_t stream) {
     err = make_rows_map<T>(p.q_idx, Di, p.hi, p.total_tokens, p.qi_stride_h, p.qi_stride_t, dense_kl::kRows, &qi_map);
   }
   if (err != cudaSuccess) return err;
-  const int smem = dense_kl::Smem<D, Di>::bytes(G, slots, pair) + 1024;
+  const int smem = dense_kl::Smem<D, Di>::bytes(G, slots) + 1024;
   // G = 4 (e.g. 16 query heads over 4 index heads) pipelines its heads; other G run the general kernel.
   auto kernel = G == 4 ? dense_kl_kernel<T, D, Di, 4> : dense_kl_kernel<T, D, Di, 0>;
   err = cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, smem);
   if (err != cudaSuccess) return err;
-  cudaLaunchConfig_t cfg = {};
-  cfg.gridDim = dim3(unsigned(p.num_tiles) * unsigned(p.max_chunks) * (pair ? 2u : 1u), p.hki);
-  cfg.blockDim = dim3(dense_kl::kThreads);
-  cfg.dynamicSmemBytes = size_t(smem);
-  cfg.stream = stream;
-  cudaLaunchAttribute cluster[1];
-  cluster[0].id = cudaLaunchAttributeClusterDimension;
-  cluster[0].val.clusterDim.x = 2;
-  cluster[0].val.clusterDim.y = 1;
-  cluster[0].val.clusterDim.z = 1;
-  cfg.attrs = cluster;
-  cfg.numAttrs = pair ? 1 : 0;
-  err = cudaLaunchKernelEx(&cfg, kernel, p, q_map, qi_map, slots);
-  if (err != cudaSuccess) return err;
+  const dim3 grid(unsigned(p.num_tiles) * unsigned(p.max_chunks), p.hki);
+  kernel<<<grid, dense_kl::kThreads, smem, stream>>>(p, q_map, qi_map, slots);
   return cudaGetLastError();
 }
 
