@@ -5,7 +5,9 @@
 # edits undone), and runs scripts/profile_msa.py for each (N from ABLATE_N, default "32768 131072").
 # The edited builds compute wrong results on purpose: never test or store them as anything but
 # timings. ABLATE_GREP: the kernels to show (a grep -E alternation; default the sparse ones); the
-# environment reaches scripts/profile_msa.py (MSA_PROFILE_WARMUP=1 profiles the warmup step). Example (the backward's non-deterministic dq atomics, in both backward kernels):
+# environment reaches scripts/profile_msa.py (MSA_PROFILE_WARMUP=1 profiles the warmup step); ABLATE_CMD runs
+# one more command per build (below); ABLATE_ONLY (a regex of names, e.g. 'no_dq_reds|no_grad') runs only those
+# variants after e0. Example (the backward's non-deterministic dq atomics, in both backward kernels):
 #   scripts/ablate.sh $OUT/abl 'no_dq_atomics|csrc/sm80/sparse_bwd/sparse_bwd_kernel.cuh|s/^            else atomic_add4(p.dq_accum + o + n \* 8, x);/            else if (false) atomic_add4(p.dq_accum + o + n * 8, x);/'
 set -uo pipefail
 OUT=${1:?usage: scripts/ablate.sh OUTDIR 'NAME|FILE|SED' ...}
@@ -23,10 +25,14 @@ run() {
   grep -E "^## N|${ABLATE_GREP:-sparse_fwd_kernel|sparse_bwd_kernel|index_topk}|Self CUDA time total" "$OUT/prof_$1.txt" \
     | cut -c1-60,150-180
   rm -f "$OUT/build_$1.log"
+  # ABLATE_CMD: one more command per build, given the variant's log folder (e.g. an ncu source-counter run:
+  # ABLATE_CMD='scripts/ncu_hotspots.sh' with its kernel regex and N in ABLATE_CMD_ARGS).
+  if [ -n "${ABLATE_CMD:-}" ]; then $ABLATE_CMD "$OUT/cmd_$1" ${ABLATE_CMD_ARGS:-} > "$OUT/cmd_$1.txt" 2>&1; fi
 }
 run e0
 for spec in "$@"; do
   IFS='|' read -r name file expr <<< "$spec"
+  [[ -n "${ABLATE_ONLY:-}" && ! "$name" =~ ^(${ABLATE_ONLY})$ ]] && continue  # ABLATE_ONLY: names to run (regex)
   cp "$file" "$OUT/.orig"
   sed -i "$expr" "$file"
   if cmp -s "$file" "$OUT/.orig"; then echo "== $name: the sed changed nothing in $file"; continue; fi
