@@ -62,6 +62,75 @@ struct SparseBwdShape {
 constexpr float kLog2eB = 1.4426950408889634f;
 static_assert(SparseBwdShape::kKeys == kBwdKeys, "sparse_bwd.h sizes the deterministic partials");
 
+// The row phase's pieces that both portable kernels (the default and the small-smem one) share. A warp's
+// slab: rows row0 = 16 rw + g and row1 = row0 + 8 of the tile, keys [kbase, +32); lane (g = lane / 4, tq =
+// lane % 4) holds columns kbase + 8 n + 2 tq, + 1 (n < 4) of both rows. sP and sdS are KTile tiles.
+
+// S = Q K^T and dP = dO V^T of the slab on mma.sync: rows [16 rw, +16) of sQ / sdO and rows [kbase, +32) of
+// sK / sV, each tile's element (row, 16-byte chunk) at qoff / koff.
+template <typename T, int D, typename QOff, typename KOff>
+__device__ __forceinline__ void s_dp_slab_mma(float (&s)[4][4], float (&dp)[4][4], const T* sQ, const T* sdO,
+                                              const T* sK, const T* sV, QOff qoff, KOff koff, int rw, int kbase,
+                                              int lane) {
+  zero_acc(s);
+  zero_acc(dp);
+#pragma unroll 2
+  for (int ks = 0; ks < D / 16; ++ks) {
+    uint32_t aq[4], ad[4];
+    ldmatrix_x4(aq, sQ + qoff(rw * 16 + lane % 16, ks * 2 + lane / 16));
+    ldmatrix_x4(ad, sdO + qoff(rw * 16 + lane % 16, ks * 2 + lane / 16));
+#pragma unroll
+    for (int np = 0; np < 2; ++np) {
+      const int krow = kbase + np * 16 + (lane % 8) + (lane / 16) * 8;
+      uint32_t b[4];
+      ldmatrix_x4(b, sK + koff(krow, ks * 2 + (lane / 8) % 2));
+      MmaOp<T>::run(s[2 * np], aq, b[0], b[1]);
+      MmaOp<T>::run(s[2 * np + 1], aq, b[2], b[3]);
+      ldmatrix_x4(b, sV + koff(krow, ks * 2 + (lane / 8) % 2));
+      MmaOp<T>::run(dp[2 * np], ad, b[0], b[1]);
+      MmaOp<T>::run(dp[2 * np + 1], ad, b[2], b[3]);
+    }
+  }
+}
+
+// P = exp2(S scale_log2 - e) and dS = P (dP - d) of the slab into sP and sdS in the input dtype (e0 / d0:
+// row0's lse log2 e and delta, e1 / d1 row1's); kMasked: a column past the row's last visible key (lim0 /
+// lim1, -1 for padding rows) gets 0.
+template <typename T, typename KTile, bool kMasked>
+__device__ __forceinline__ void p_ds_slab(const float (&s)[4][4], const float (&dp)[4][4], float scale_log2,
+                                          float e0, float e1, float d0, float d1, int row0, int row1, int kbase,
+                                          int tq, int lim0, int lim1, T* sP, T* sdS) {
+#pragma unroll
+  for (int n = 0; n < 4; ++n) {
+    const int col = kbase + n * 8 + 2 * tq;
+    const float p00 = !kMasked || col <= lim0 ? fast_exp2(fmaf(s[n][0], scale_log2, -e0)) : 0.f;
+    const float p01 = !kMasked || col + 1 <= lim0 ? fast_exp2(fmaf(s[n][1], scale_log2, -e0)) : 0.f;
+    const float p10 = !kMasked || col <= lim1 ? fast_exp2(fmaf(s[n][2], scale_log2, -e1)) : 0.f;
+    const float p11 = !kMasked || col + 1 <= lim1 ? fast_exp2(fmaf(s[n][3], scale_log2, -e1)) : 0.f;
+    const int c8 = col / 8;
+    *reinterpret_cast<uint32_t*>(sP + KTile::offset(row0, c8) + 2 * tq) = pack2<T>(p00, p01);
+    *reinterpret_cast<uint32_t*>(sP + KTile::offset(row1, c8) + 2 * tq) = pack2<T>(p10, p11);
+    *reinterpret_cast<uint32_t*>(sdS + KTile::offset(row0, c8) + 2 * tq) =
+        pack2<T>(p00 * (dp[n][0] - d0), p01 * (dp[n][1] - d0));
+    *reinterpret_cast<uint32_t*>(sdS + KTile::offset(row1, c8) + 2 * tq) =
+        pack2<T>(p10 * (dp[n][2] - d1), p11 * (dp[n][3] - d1));
+  }
+}
+
+// block_size 64: the slab's sP and sdS set to 0 (keys that do not exist), so that dQ (and the wgmma key
+// phase) runs over a fixed 128 keys.
+template <typename T, typename KTile>
+__device__ __forceinline__ void zero_p_ds_slab(T* sP, T* sdS, int row0, int row1, int kbase, int tq) {
+#pragma unroll
+  for (int n = 0; n < 4; ++n) {
+    const int c8 = (kbase + n * 8) / 8;
+    *reinterpret_cast<uint32_t*>(sdS + KTile::offset(row0, c8) + 2 * tq) = 0u;
+    *reinterpret_cast<uint32_t*>(sdS + KTile::offset(row1, c8) + 2 * tq) = 0u;
+    *reinterpret_cast<uint32_t*>(sP + KTile::offset(row0, c8) + 2 * tq) = 0u;
+    *reinterpret_cast<uint32_t*>(sP + KTile::offset(row1, c8) + 2 * tq) = 0u;
+  }
+}
+
 // kDet: the deterministic mode (params.h): dQ by exact hi / lo sums, dK / dV stored as item partials. A
 // template parameter: the branch would cost the default kernel registers (252 -> 255 and a spill).
 template <typename T, int D, bool kWgmma, bool kDet>
@@ -215,16 +284,8 @@ __global__ void __launch_bounds__(SparseBwdShape::kThreads, 1) sparse_bwd_kernel
 #pragma unroll 1
       for (int kq = 0; kq < 2; ++kq) {
         const int kbase = half * 64 + kq * 32;
-        // block_size 64: zeros, so that dQ (and the wgmma key phase) runs over a fixed 128 keys.
         if (kbase >= p.block_size) {
-#pragma unroll
-          for (int n = 0; n < 4; ++n) {
-            const int c8 = (kbase + n * 8) / 8;
-            *reinterpret_cast<uint32_t*>(sdS + KTile::offset(row0, c8) + 2 * tq) = 0u;
-            *reinterpret_cast<uint32_t*>(sdS + KTile::offset(row1, c8) + 2 * tq) = 0u;
-            *reinterpret_cast<uint32_t*>(sP + KTile::offset(row0, c8) + 2 * tq) = 0u;
-            *reinterpret_cast<uint32_t*>(sP + KTile::offset(row1, c8) + 2 * tq) = 0u;
-          }
+          zero_p_ds_slab<T, KTile>(sP, sdS, row0, row1, kbase, tq);
           continue;
         }
         float s[4][4], dp[4][4];
@@ -245,51 +306,16 @@ __global__ void __launch_bounds__(SparseBwdShape::kThreads, 1) sparse_bwd_kernel
           sm90::wgmma_commit();
           sm90::wgmma_wait<0>();
         } else {
-#pragma unroll
-          for (int n = 0; n < 4; ++n)
-#pragma unroll
-            for (int e = 0; e < 4; ++e) s[n][e] = dp[n][e] = 0.f;
-#pragma unroll 2
-          for (int ks = 0; ks < D / 16; ++ks) {
-            uint32_t aq[4], ad[4];
-            ldmatrix_x4(aq, sQb + qoff(rw * 16 + lane % 16, ks * 2 + lane / 16));
-            ldmatrix_x4(ad, sdOb + qoff(rw * 16 + lane % 16, ks * 2 + lane / 16));
-#pragma unroll
-            for (int np = 0; np < 2; ++np) {
-              const int krow = kbase + np * 16 + (lane % 8) + (lane / 16) * 8;
-              uint32_t b[4];
-              ldmatrix_x4(b, sK + koff(krow, ks * 2 + (lane / 8) % 2));
-              MmaOp<T>::run(s[2 * np], aq, b[0], b[1]);
-              MmaOp<T>::run(s[2 * np + 1], aq, b[2], b[3]);
-              ldmatrix_x4(b, sV + koff(krow, ks * 2 + (lane / 8) % 2));
-              MmaOp<T>::run(dp[2 * np], ad, b[0], b[1]);
-              MmaOp<T>::run(dp[2 * np + 1], ad, b[2], b[3]);
-            }
-          }
+          s_dp_slab_mma<T, D>(s, dp, sQb, sdOb, sK, sV, qoff, koff, rw, kbase, lane);
         }
         const float e0 = sLseb[row0] * kLog2eB, e1 = sLseb[row1] * kLog2eB;
         const float d0 = sDeltab[row0], d1 = sDeltab[row1];
-        // P and dS of the warp's 16 x 32 slab; kMasked = false when every row sees every key.
-        auto epilogue = [&](auto masked) {
-          constexpr bool kMasked = decltype(masked)::value;
-#pragma unroll
-          for (int n = 0; n < 4; ++n) {
-            const int col = kbase + n * 8 + 2 * tq;
-            const float p00 = !kMasked || col <= lim0 ? fast_exp2(fmaf(s[n][0], p.scale_log2, -e0)) : 0.f;
-            const float p01 = !kMasked || col + 1 <= lim0 ? fast_exp2(fmaf(s[n][1], p.scale_log2, -e0)) : 0.f;
-            const float p10 = !kMasked || col <= lim1 ? fast_exp2(fmaf(s[n][2], p.scale_log2, -e1)) : 0.f;
-            const float p11 = !kMasked || col + 1 <= lim1 ? fast_exp2(fmaf(s[n][3], p.scale_log2, -e1)) : 0.f;
-            const int c8 = col / 8;
-            *reinterpret_cast<uint32_t*>(sP + KTile::offset(row0, c8) + 2 * tq) = pack2<T>(p00, p01);
-            *reinterpret_cast<uint32_t*>(sP + KTile::offset(row1, c8) + 2 * tq) = pack2<T>(p10, p11);
-            *reinterpret_cast<uint32_t*>(sdS + KTile::offset(row0, c8) + 2 * tq) =
-                pack2<T>(p00 * (dp[n][0] - d0), p01 * (dp[n][1] - d0));
-            *reinterpret_cast<uint32_t*>(sdS + KTile::offset(row1, c8) + 2 * tq) =
-                pack2<T>(p10 * (dp[n][2] - d1), p11 * (dp[n][3] - d1));
-          }
-        };
-        if (full) epilogue(std::false_type{});
-        else epilogue(std::true_type{});
+        // P and dS of the warp's 16 x 32 slab; unmasked when every row sees every key.
+        if (full) {
+          p_ds_slab<T, KTile, false>(s, dp, p.scale_log2, e0, e1, d0, d1, row0, row1, kbase, tq, lim0, lim1, sP, sdS);
+        } else {
+          p_ds_slab<T, KTile, true>(s, dp, p.scale_log2, e0, e1, d0, d1, row0, row1, kbase, tq, lim0, lim1, sP, sdS);
+        }
       }
       __syncthreads();
 
@@ -578,59 +604,19 @@ __global__ void __launch_bounds__(SparseBwdSmallShape::kThreads, 1) sparse_bwd_s
       const bool full = blen == Sh::kKeys && sTokb[0] >= 0 && sTokb[0] - seq_start - key0 >= Sh::kKeys - 1;
       const int kbase = kq * 32;
       if (kbase >= p.block_size) {
-        // block_size 64: zeros, so that dQ runs over a fixed 128 keys.
-#pragma unroll
-        for (int n = 0; n < 4; ++n) {
-          const int c8 = (kbase + n * 8) / 8;
-          *reinterpret_cast<uint32_t*>(sdS + KTile::offset(row0, c8) + 2 * tq) = 0u;
-          *reinterpret_cast<uint32_t*>(sdS + KTile::offset(row1, c8) + 2 * tq) = 0u;
-          *reinterpret_cast<uint32_t*>(sP + KTile::offset(row0, c8) + 2 * tq) = 0u;
-          *reinterpret_cast<uint32_t*>(sP + KTile::offset(row1, c8) + 2 * tq) = 0u;
-        }
+        zero_p_ds_slab<T, KTile>(sP, sdS, row0, row1, kbase, tq);
       } else {
         float s[4][4], dp[4][4];
-        zero_acc(s);
-        zero_acc(dp);
-#pragma unroll 2
-        for (int ks = 0; ks < D / 16; ++ks) {
-          uint32_t aq[4], ad[4];
-          ldmatrix_x4(aq, sQ + Tile::offset(rw * 16 + lane % 16, ks * 2 + lane / 16));
-          ldmatrix_x4(ad, sdO + Tile::offset(rw * 16 + lane % 16, ks * 2 + lane / 16));
-#pragma unroll
-          for (int np = 0; np < 2; ++np) {
-            const int krow = kbase + np * 16 + (lane % 8) + (lane / 16) * 8;
-            uint32_t b[4];
-            ldmatrix_x4(b, sK + Tile::offset(krow, ks * 2 + (lane / 8) % 2));
-            MmaOp<T>::run(s[2 * np], aq, b[0], b[1]);
-            MmaOp<T>::run(s[2 * np + 1], aq, b[2], b[3]);
-            ldmatrix_x4(b, sV + Tile::offset(krow, ks * 2 + (lane / 8) % 2));
-            MmaOp<T>::run(dp[2 * np], ad, b[0], b[1]);
-            MmaOp<T>::run(dp[2 * np + 1], ad, b[2], b[3]);
-          }
-        }
+        auto off = [](int row, int c) { return Tile::offset(row, c); };
+        s_dp_slab_mma<T, D>(s, dp, sQ, sdO, sK, sV, off, off, rw, kbase, lane);
         const float e0 = sLse[row0] * kLog2eB, e1 = sLse[row1] * kLog2eB;
         const float d0 = sDelta[row0], d1 = sDelta[row1];
-        // P and dS of the warp's 16 x 32 slab; kMasked = false when every row sees every key.
-        auto epilogue = [&](auto masked) {
-          constexpr bool kMasked = decltype(masked)::value;
-#pragma unroll
-          for (int n = 0; n < 4; ++n) {
-            const int col = kbase + n * 8 + 2 * tq;
-            const float p00 = !kMasked || col <= lim0 ? fast_exp2(fmaf(s[n][0], p.scale_log2, -e0)) : 0.f;
-            const float p01 = !kMasked || col + 1 <= lim0 ? fast_exp2(fmaf(s[n][1], p.scale_log2, -e0)) : 0.f;
-            const float p10 = !kMasked || col <= lim1 ? fast_exp2(fmaf(s[n][2], p.scale_log2, -e1)) : 0.f;
-            const float p11 = !kMasked || col + 1 <= lim1 ? fast_exp2(fmaf(s[n][3], p.scale_log2, -e1)) : 0.f;
-            const int c8 = col / 8;
-            *reinterpret_cast<uint32_t*>(sP + KTile::offset(row0, c8) + 2 * tq) = pack2<T>(p00, p01);
-            *reinterpret_cast<uint32_t*>(sP + KTile::offset(row1, c8) + 2 * tq) = pack2<T>(p10, p11);
-            *reinterpret_cast<uint32_t*>(sdS + KTile::offset(row0, c8) + 2 * tq) =
-                pack2<T>(p00 * (dp[n][0] - d0), p01 * (dp[n][1] - d0));
-            *reinterpret_cast<uint32_t*>(sdS + KTile::offset(row1, c8) + 2 * tq) =
-                pack2<T>(p10 * (dp[n][2] - d1), p11 * (dp[n][3] - d1));
-          }
-        };
-        if (full) epilogue(std::false_type{});
-        else epilogue(std::true_type{});
+        // P and dS of the warp's 16 x 32 slab; unmasked when every row sees every key.
+        if (full) {
+          p_ds_slab<T, KTile, false>(s, dp, p.scale_log2, e0, e1, d0, d1, row0, row1, kbase, tq, lim0, lim1, sP, sdS);
+        } else {
+          p_ds_slab<T, KTile, true>(s, dp, p.scale_log2, e0, e1, d0, d1, row0, row1, kbase, tq, lim0, lim1, sP, sdS);
+        }
       }
       __syncthreads();  // P and dS of the tile
 
