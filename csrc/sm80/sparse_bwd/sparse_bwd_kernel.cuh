@@ -131,6 +131,34 @@ __device__ __forceinline__ void zero_p_ds_slab(T* sP, T* sdS, int row0, int row1
   }
 }
 
+// Key phase on mma.sync: dV += P^T dO and dK += dS^T Q for the warp's keys [16 warp, +16) over the tile's
+// kTileRows rows, by transposed ldmatrix reads of the [row][key] tiles sP / sdS (KTile) and the [row][d]
+// tiles sdO / sQ (Tile).
+template <typename T, int D, int kTileRows, typename KTile, typename Tile>
+__device__ __forceinline__ void key_phase_mma(float (&dk)[D / 8][4], float (&dv)[D / 8][4], const T* sP, const T* sdS,
+                                              const T* sdO, const T* sQ, int warp, int lane) {
+#pragma unroll 1
+  for (int kr = 0; kr < kTileRows / 16; ++kr) {  // 16 rows per MMA k-step
+    uint32_t ap[4], as[4];
+    // A = P^T (m = keys, k = rows) from the [row][key] tile: transposed 8x8 loads.
+    const int arow = kr * 16 + (lane % 8) + ((lane / 16) * 8);
+    const int acol = warp * 2 + (lane / 8) % 2;
+    ldmatrix_x4_trans(ap, sP + KTile::offset(arow, acol));
+    ldmatrix_x4_trans(as, sdS + KTile::offset(arow, acol));
+#pragma unroll
+    for (int dpair = 0; dpair < D / 16; ++dpair) {
+      uint32_t b[4];
+      const int brow = kr * 16 + (lane % 8) + ((lane / 8) % 2) * 8;
+      ldmatrix_x4_trans(b, sdO + Tile::offset(brow, dpair * 2 + lane / 16));
+      MmaOp<T>::run(dv[2 * dpair], ap, b[0], b[1]);
+      MmaOp<T>::run(dv[2 * dpair + 1], ap, b[2], b[3]);
+      ldmatrix_x4_trans(b, sQ + Tile::offset(brow, dpair * 2 + lane / 16));
+      MmaOp<T>::run(dk[2 * dpair], as, b[0], b[1]);
+      MmaOp<T>::run(dk[2 * dpair + 1], as, b[2], b[3]);
+    }
+  }
+}
+
 // kDet: the deterministic mode (params.h): dQ by exact hi / lo sums, dK / dV stored as item partials. A
 // template parameter: the branch would cost the default kernel registers (252 -> 255 and a spill).
 template <typename T, int D, bool kWgmma, bool kDet>
@@ -382,28 +410,7 @@ __global__ void __launch_bounds__(SparseBwdShape::kThreads, 1) sparse_bwd_kernel
         sm90::wgmma_wait<0>();
       } else {
         // Key phase: keys [16 warp, +16): dV += P^T dO, dK += dS^T Q over the tile's rows.
-        if (warp * 16 < p.block_size) {
-#pragma unroll 1
-          for (int kr = 0; kr < Sh::kRows / 16; ++kr) {  // 16 rows per MMA k-step
-            uint32_t ap[4], as[4];
-            // A = P^T (m = keys, k = rows) from the [row][key] tile: transposed 8x8 loads.
-            const int arow = kr * 16 + (lane % 8) + ((lane / 16) * 8);
-            const int acol = warp * 2 + (lane / 8) % 2;
-            ldmatrix_x4_trans(ap, sP + KTile::offset(arow, acol));
-            ldmatrix_x4_trans(as, sdS + KTile::offset(arow, acol));
-#pragma unroll
-            for (int dpair = 0; dpair < D / 16; ++dpair) {
-              uint32_t b[4];
-              const int brow = kr * 16 + (lane % 8) + ((lane / 8) % 2) * 8;
-              ldmatrix_x4_trans(b, sdOb + Tile::offset(brow, dpair * 2 + lane / 16));
-              MmaOp<T>::run(dv[2 * dpair], ap, b[0], b[1]);
-              MmaOp<T>::run(dv[2 * dpair + 1], ap, b[2], b[3]);
-              ldmatrix_x4_trans(b, sQb + Tile::offset(brow, dpair * 2 + lane / 16));
-              MmaOp<T>::run(dk[2 * dpair], as, b[0], b[1]);
-              MmaOp<T>::run(dk[2 * dpair + 1], as, b[2], b[3]);
-            }
-          }
-        }
+        if (warp * 16 < p.block_size) key_phase_mma<T, D, Sh::kRows, KTile, Tile>(dk, dv, sP, sdS, sdOb, sQb, warp, lane);
         // dQ, warp: D columns [D/2 half, +D/2) in steps of D/4 (registers).
         constexpr int kQuarter = D / 4;
 #pragma unroll 1
@@ -621,28 +628,7 @@ __global__ void __launch_bounds__(SparseBwdSmallShape::kThreads, 1) sparse_bwd_s
       __syncthreads();  // P and dS of the tile
 
       // Key phase: keys [16 warp, +16): dV += P^T dO, dK += dS^T Q over the tile's rows.
-      if (warp * 16 < p.block_size) {
-#pragma unroll 1
-        for (int kr = 0; kr < kR / 16; ++kr) {  // 16 rows per MMA k-step
-          uint32_t ap[4], as[4];
-          // A = P^T (m = keys, k = rows) from the [row][key] tile: transposed 8x8 loads.
-          const int arow = kr * 16 + (lane % 8) + ((lane / 16) * 8);
-          const int acol = warp * 2 + (lane / 8) % 2;
-          ldmatrix_x4_trans(ap, sP + KTile::offset(arow, acol));
-          ldmatrix_x4_trans(as, sdS + KTile::offset(arow, acol));
-#pragma unroll
-          for (int dpair = 0; dpair < D / 16; ++dpair) {
-            uint32_t b[4];
-            const int brow = kr * 16 + (lane % 8) + ((lane / 8) % 2) * 8;
-            ldmatrix_x4_trans(b, sdO + Tile::offset(brow, dpair * 2 + lane / 16));
-            MmaOp<T>::run(dv[2 * dpair], ap, b[0], b[1]);
-            MmaOp<T>::run(dv[2 * dpair + 1], ap, b[2], b[3]);
-            ldmatrix_x4_trans(b, sQ + Tile::offset(brow, dpair * 2 + lane / 16));
-            MmaOp<T>::run(dk[2 * dpair], as, b[0], b[1]);
-            MmaOp<T>::run(dk[2 * dpair + 1], as, b[2], b[3]);
-          }
-        }
-      }
+      if (warp * 16 < p.block_size) key_phase_mma<T, D, kR, KTile, Tile>(dk, dv, sP, sdS, sdO, sQ, warp, lane);
       __syncthreads();  // Q, dO, lse and delta are free: the next tile's rows come in during dQ
       if (tile + 1 < n_tiles) fetch(buf ^ 1);
       cp_async_commit();
