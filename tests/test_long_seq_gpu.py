@@ -69,7 +69,7 @@ def _sample_tokens(cu, T, n_end=64, n_rand=96, seed=0):
                                        (1, 1048576, torch.bfloat16)])
 def test_long_sequence_sampled_rows(B, N, dtype):
     T = B * N
-    Hq, Hkv, Hi, Hki = HEADS
+    Hi = HEADS[2]  # index groups: the KL rows are T * Hi
     dev = "cuda"
     x = _inputs(T, dtype, seed=N + B)
     cu = torch.arange(0, T + 1, N, dtype=torch.int32, device=dev)
@@ -163,7 +163,7 @@ def test_warmup_long_sequence_sampled_rows(dtype, monkeypatch):
     monkeypatch.setattr(row_oracle, "attended", _dense_attended)
     monkeypatch.setattr(row_oracle, "CHUNK", 32)  # rows of 131072 keys each: (32, L, D) float64 = 4.3 GB
     N = T = 131072
-    Hq, Hkv, Hi, Hki = HEADS
+    Hi = HEADS[2]  # index groups: the KL rows are T * Hi
     x = _inputs(T, dtype, seed=7)
     cu = torch.tensor([0, T], dtype=torch.int32, device="cuda")
     scale, iscale = 1 / math.sqrt(D), 1 / math.sqrt(Di)
