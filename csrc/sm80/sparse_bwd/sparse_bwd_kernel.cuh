@@ -95,11 +95,11 @@ __device__ __forceinline__ void s_dp_slab_mma(float (&s)[4][4], float (&dp)[4][4
 
 // P = exp2(S scale_log2 - e) and dS = P (dP - d) of the slab into sP and sdS in the input dtype (e0 / d0:
 // row0's lse log2 e and delta, e1 / d1 row1's); kMasked: a column past the row's last visible key (lim0 /
-// lim1, -1 for padding rows) gets 0.
+// lim1, -1 for padding rows) gets 0. Called through p_ds_slab.
 template <typename T, typename KTile, bool kMasked>
-__device__ __forceinline__ void p_ds_slab(const float (&s)[4][4], const float (&dp)[4][4], float scale_log2,
-                                          float e0, float e1, float d0, float d1, int row0, int row1, int kbase,
-                                          int tq, int lim0, int lim1, T* sP, T* sdS) {
+__device__ __forceinline__ void p_ds_slab_masked(const float (&s)[4][4], const float (&dp)[4][4], float scale_log2,
+                                                 float e0, float e1, float d0, float d1, int row0, int row1,
+                                                 int kbase, int tq, int lim0, int lim1, T* sP, T* sdS) {
 #pragma unroll
   for (int n = 0; n < 4; ++n) {
     const int col = kbase + n * 8 + 2 * tq;
@@ -114,6 +114,18 @@ __device__ __forceinline__ void p_ds_slab(const float (&s)[4][4], const float (&
         pack2<T>(p00 * (dp[n][0] - d0), p01 * (dp[n][1] - d0));
     *reinterpret_cast<uint32_t*>(sdS + KTile::offset(row1, c8) + 2 * tq) =
         pack2<T>(p10 * (dp[n][2] - d1), p11 * (dp[n][3] - d1));
+  }
+}
+
+// The same, unmasked when every row of the tile sees every key (full: two copies, most tiles are full).
+template <typename T, typename KTile>
+__device__ __forceinline__ void p_ds_slab(bool full, const float (&s)[4][4], const float (&dp)[4][4], float scale_log2,
+                                          float e0, float e1, float d0, float d1, int row0, int row1, int kbase,
+                                          int tq, int lim0, int lim1, T* sP, T* sdS) {
+  if (full) {
+    p_ds_slab_masked<T, KTile, false>(s, dp, scale_log2, e0, e1, d0, d1, row0, row1, kbase, tq, lim0, lim1, sP, sdS);
+  } else {
+    p_ds_slab_masked<T, KTile, true>(s, dp, scale_log2, e0, e1, d0, d1, row0, row1, kbase, tq, lim0, lim1, sP, sdS);
   }
 }
 
@@ -338,12 +350,8 @@ __global__ void __launch_bounds__(SparseBwdShape::kThreads, 1) sparse_bwd_kernel
         }
         const float e0 = sLseb[row0] * kLog2eB, e1 = sLseb[row1] * kLog2eB;
         const float d0 = sDeltab[row0], d1 = sDeltab[row1];
-        // P and dS of the warp's 16 x 32 slab; unmasked when every row sees every key.
-        if (full) {
-          p_ds_slab<T, KTile, false>(s, dp, p.scale_log2, e0, e1, d0, d1, row0, row1, kbase, tq, lim0, lim1, sP, sdS);
-        } else {
-          p_ds_slab<T, KTile, true>(s, dp, p.scale_log2, e0, e1, d0, d1, row0, row1, kbase, tq, lim0, lim1, sP, sdS);
-        }
+        // P and dS of the warp's 16 x 32 slab.
+        p_ds_slab<T, KTile>(full, s, dp, p.scale_log2, e0, e1, d0, d1, row0, row1, kbase, tq, lim0, lim1, sP, sdS);
       }
       __syncthreads();
 
@@ -618,12 +626,8 @@ __global__ void __launch_bounds__(SparseBwdSmallShape::kThreads, 1) sparse_bwd_s
         s_dp_slab_mma<T, D>(s, dp, sQ, sdO, sK, sV, off, off, rw, kbase, lane);
         const float e0 = sLse[row0] * kLog2eB, e1 = sLse[row1] * kLog2eB;
         const float d0 = sDelta[row0], d1 = sDelta[row1];
-        // P and dS of the warp's 16 x 32 slab; unmasked when every row sees every key.
-        if (full) {
-          p_ds_slab<T, KTile, false>(s, dp, p.scale_log2, e0, e1, d0, d1, row0, row1, kbase, tq, lim0, lim1, sP, sdS);
-        } else {
-          p_ds_slab<T, KTile, true>(s, dp, p.scale_log2, e0, e1, d0, d1, row0, row1, kbase, tq, lim0, lim1, sP, sdS);
-        }
+        // P and dS of the warp's 16 x 32 slab.
+        p_ds_slab<T, KTile>(full, s, dp, p.scale_log2, e0, e1, d0, d1, row0, row1, kbase, tq, lim0, lim1, sP, sdS);
       }
       __syncthreads();  // P and dS of the tile
 
