@@ -10,7 +10,7 @@ __global__ void dense_kl_finish_kernel(const unsigned long long* kl_fixed, const
   if (i >= n) return;
   const double sum = double(static_cast<long long>(kl_fixed[i])) * 0x1p-32;
   // In double: the two terms nearly cancel when the index scores are large.
-  kl_rows[i] = kl_bad[i] ? __int_as_float(0x7fc00000) : float(sum * 0.6931471805599453 + double(lse_idx[i]));
+  kl_rows[i] = kl_bad[i] ? __int_as_float(0x7fc00000) : float(sum * dense_kl::kLn2 + double(lse_idx[i]));
 }
 
 }  // namespace

@@ -62,7 +62,7 @@ constexpr int kRows = 64;    // query rows per step
 constexpr int kMaxSlots = 5;  // Q ring: 5 slots where the shared memory allows, else 4 or 3
 constexpr int kThreads = 256;
 constexpr float kLog2e = 1.4426950408889634f;
-constexpr float kLn2 = 0.6931471805599453f;
+constexpr double kLn2 = 0.6931471805599453;  // the finish (in double)
 constexpr float kMinNormal = 1.17549435e-38f;
 
 template <int D, int Di>
