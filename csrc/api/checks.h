@@ -73,4 +73,14 @@ inline void check_qkv_cuda(const Tensor& q, const Tensor& k, const Tensor& v) {
   MSA_CHECK(q.stride(2) == 1 && k.stride(2) == 1 && v.stride(2) == 1, "q, k, v: expected a contiguous last dim");
 }
 
+// Hi index groups (`what` names their source: indices, q_idx) over Hq query heads and Hkv kv heads, as the
+// CUDA kernels take them: Hi divides Hq, one of Hi and Hkv divides the other, and at most 64 query heads
+// per (index group, kv head).
+inline void check_group_heads(const char* what, int64_t Hq, int64_t Hkv, int64_t Hi) {
+  MSA_CHECK(Hi >= 1 && Hq % Hi == 0 && (Hi % Hkv == 0 || Hkv % Hi == 0), what, ": expected Hi dividing Hq = ", Hq,
+            " with Hi and Hkv = ", Hkv, " dividing one another, got Hi = ", Hi);
+  const int64_t G = Hq / Hi, J = Hkv > Hi ? Hkv / Hi : 1;
+  MSA_CHECK(G / J <= 64, "q: at most 64 query heads per (index group, kv head) on CUDA, got ", G / J);
+}
+
 }  // namespace msa::api

@@ -42,10 +42,8 @@ std::tuple<Tensor, Tensor, Tensor> sparse_backward_cuda(const Tensor& dout_in, c
   check_cuda_int32(indices, "indices", 3);
   MSA_CHECK(same_device(indices, q_in), "indices: expected device ", dev(q_in));
   const int64_t Hi = indices.size(0);
-  MSA_CHECK(indices.size(1) == T && Hq % Hi == 0 && (Hi % Hkv == 0 || Hkv % Hi == 0),
-                    "indices: expected (Hi, ", T, ", topk) with Hi dividing Hq = ", Hq, ", got ", shape(indices));
-  MSA_CHECK((Hq / Hi) / (Hkv > Hi ? Hkv / Hi : 1) <= 64,
-                    "q: at most 64 query heads per (index group, kv head) on CUDA");
+  MSA_CHECK(indices.size(1) == T, "indices: expected (Hi, ", T, ", topk), got ", shape(indices));
+  check_group_heads("indices", Hq, Hkv, Hi);
 
   const DeviceGuard guard(q_in.get_device_index());
   const bool small = small_smem_bwd_config(q_in, D);

@@ -58,11 +58,8 @@ void check_index_cuda(const Tensor& q, const Tensor& k, const Tensor& qi, const 
             "q_idx, k_idx: expected (T, Hi, Di), (T, Hki, Di), got ", shape(qi), ", ", shape(ki));
   const int64_t Hi = qi.size(1), Hki = ki.size(1), Di = qi.size(2);
   MSA_CHECK(Di == 64 || Di == 128, "q_idx: expected head dim 64 or 128, got ", Di);
-  MSA_CHECK(Hi >= 1 && Hq % Hi == 0 && (Hi % Hkv == 0 || Hkv % Hi == 0), "q_idx: expected Hi dividing Hq = ", Hq,
-            " with Hi and Hkv = ", Hkv, " dividing one another, got Hi = ", Hi);
+  check_group_heads("q_idx", Hq, Hkv, Hi);
   MSA_CHECK(Hki >= 1 && Hi % Hki == 0, "k_idx: expected Hki dividing Hi = ", Hi, ", got ", Hki);
-  const int64_t G = Hq / Hi, J = Hkv > Hi ? Hkv / Hi : 1;
-  MSA_CHECK(G / J <= 64, "q: at most 64 query heads per (index group, kv head) on CUDA, got ", G / J);
 }
 
 }  // namespace
@@ -86,10 +83,8 @@ SparseForward sparse_forward_cuda(const Tensor& q_in, const Tensor& k_in, const 
   const int64_t topk = dense ? std::max<int64_t>(1, (max_seqlen + block_size - 1) / block_size) : indices.size(2);
   MSA_CHECK(indices.size(1) == T && (dense || (topk >= 1 && topk <= 32)), "indices: expected (Hi, ", T,
                     ", 1..32), got ", shape(indices));
-  MSA_CHECK(Hi >= 1 && Hq % Hi == 0 && (Hi % Hkv == 0 || Hkv % Hi == 0), "indices: expected Hi dividing Hq = ",
-                    Hq, " with Hi and Hkv = ", Hkv, " dividing one another, got Hi = ", Hi);
+  check_group_heads("indices", Hq, Hkv, Hi);
   const int64_t G = Hq / Hi, J = Hkv > Hi ? Hkv / Hi : 1;
-  MSA_CHECK(G / J <= 64, "q: at most 64 query heads per (index group, kv head) on CUDA, got ", G / J);
   const bool index = q_idx_in.has_value();
   int64_t Di = 0, Hki = 0;
   if (index) {  // the rest of the index inputs: checked by msa_fwd_cuda (check_index_cuda) before any launch
