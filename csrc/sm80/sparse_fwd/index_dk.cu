@@ -67,14 +67,25 @@ __global__ void __launch_bounds__(kDkThreads, kDet ? 1 : 2) index_dk_kernel(Inde
     const int n_tiles = (u_end - u_begin + kDkUnits - 1) / kDkUnits;
 
     // Tile t's dsi rows and q_idx rows into buffer b: thread = (units tid / 16 + 16 i, 16-byte chunk
-    // tid % 16).
-    auto fetch = [&](int t, int b) {
-      const int c = tid % 16;
+    // tid % 16). The q_idx gather needs each unit's entry (entries[]: its token): entries() loads tile
+    // t's into registers one fetch ahead, so that load's latency passes under a tile's MMAs instead of
+    // holding the thread before its copies (the division waits for the fetch).
+    constexpr int kPer = kDkUnits / (kDkThreads / 16);  // units per thread and tile
+    auto entries = [&](int t, int (&ent)[kPer]) {
 #pragma unroll
-      for (int u = tid / 16; u < kDkUnits; u += kDkThreads / 16) {
+      for (int i = 0; i < kPer; ++i) {
+        const int ue = u_begin + t * kDkUnits + tid / 16 + i * (kDkThreads / 16);
+        ent[i] = ue < u_end ? w.entries[ue] : 0;  // ue < u_end: t < n_tiles
+      }
+    };
+    auto fetch = [&](int t, int b, auto entry) {  // entry(i, ue): unit ue's entry (the thread's i-th unit)
+      const int c = tid % 16;
+#pragma unroll(kDet ? 1 : kPer)
+      for (int i = 0; i < kPer; ++i) {
+        const int u = tid / 16 + i * (kDkThreads / 16);
         const int ue = u_begin + t * kDkUnits + u;
         const bool ok = ue < u_end;
-        const int64_t tok = ok ? (w.entries[ue] / p.topk) % p.total_tokens : 0;
+        const int64_t tok = ok ? (entry(i, ue) / p.topk) % p.total_tokens : 0;
         cp_async_16(&sDs[b][KTile::offset(u, c)], DS + (ok ? int64_t(ue) * kDkKeys + c * 8 : 0), ok);
         const bool qok = ok && c < di_chunks;
         cp_async_16(&sQi[b][QTile::offset(u, c)],
@@ -85,17 +96,29 @@ __global__ void __launch_bounds__(kDkThreads, kDet ? 1 : 2) index_dk_kernel(Inde
     float acc[16][4];
     zero_acc(acc);
 
+    // fetch_next(t, b): tile t into buffer b; ent holds tile t's entries before, tile t + 1's after.
+    // (kDet loads them in place: its 254 registers spilled the look-ahead.)
+    int ent[kPer];
+    auto fetch_next = [&](int t, int b) {
+      if constexpr (kDet) {
+        fetch(t, b, [&](int, int ue) { return w.entries[ue]; });
+      } else {
+        fetch(t, b, [&](int i, int) { return ent[i]; });
+        entries(t + 1, ent);
+      }
+    };
+    if constexpr (!kDet) entries(0, ent);
     __syncthreads();  // the previous segment is done with every buffer
 #pragma unroll
     for (int s = 0; s < kDkStages - 1; ++s) {
-      if (s < n_tiles) fetch(s, s);
+      if (s < n_tiles) fetch_next(s, s);
       cp_async_commit();
     }
     for (int t = 0; t < n_tiles; ++t) {
       cp_async_wait<kDkStages - 2>();  // tile t has landed (this thread's copies)
       __syncthreads();                 // ... every thread's; and tile t - 1's buffer is free
       const int f = t + kDkStages - 1;
-      if (f < n_tiles) fetch(f, f % kDkStages);
+      if (f < n_tiles) fetch_next(f, f % kDkStages);
       cp_async_commit();
       const T* ds = sDs[t % kDkStages];
       const T* qi = sQi[t % kDkStages];
