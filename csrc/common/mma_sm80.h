@@ -11,6 +11,10 @@
 
 namespace msa::sm80 {
 
+// log2(e) and ln(2) in float: exp(x) = exp2(x log2 e), ln(x) = log2(x) ln 2 (ex2 / lg2.approx).
+constexpr float kLog2e = 1.4426950408889634f;
+constexpr float kLn2 = 0.6931471805599453f;
+
 __device__ __forceinline__ uint32_t smem_addr(const void* p) {
   return static_cast<uint32_t>(__cvta_generic_to_shared(p));
 }

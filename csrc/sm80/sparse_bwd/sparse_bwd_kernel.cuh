@@ -59,7 +59,6 @@ struct SparseBwdShape {
   };
 };
 
-constexpr float kLog2eB = 1.4426950408889634f;
 static_assert(SparseBwdShape::kKeys == kBwdKeys, "sparse_bwd.h sizes the deterministic partials");
 
 // The row phase's pieces that both portable kernels (the default and the small-smem one) share. A warp's
@@ -348,7 +347,7 @@ __global__ void __launch_bounds__(SparseBwdShape::kThreads, 1) sparse_bwd_kernel
         } else {
           s_dp_slab_mma<T, D>(s, dp, sQb, sdOb, sK, sV, qoff, koff, rw, kbase, lane);
         }
-        const float e0 = sLseb[row0] * kLog2eB, e1 = sLseb[row1] * kLog2eB;
+        const float e0 = sLseb[row0] * kLog2e, e1 = sLseb[row1] * kLog2e;
         const float d0 = sDeltab[row0], d1 = sDeltab[row1];
         // P and dS of the warp's 16 x 32 slab.
         p_ds_slab<T, KTile>(full, s, dp, p.scale_log2, e0, e1, d0, d1, row0, row1, kbase, tq, lim0, lim1, sP, sdS);
@@ -624,7 +623,7 @@ __global__ void __launch_bounds__(SparseBwdSmallShape::kThreads, 1) sparse_bwd_s
         float s[4][4], dp[4][4];
         auto off = [](int row, int c) { return Tile::offset(row, c); };
         s_dp_slab_mma<T, D>(s, dp, sQ, sdO, sK, sV, off, off, rw, kbase, lane);
-        const float e0 = sLse[row0] * kLog2eB, e1 = sLse[row1] * kLog2eB;
+        const float e0 = sLse[row0] * kLog2e, e1 = sLse[row1] * kLog2e;
         const float d0 = sDelta[row0], d1 = sDelta[row1];
         // P and dS of the warp's 16 x 32 slab.
         p_ds_slab<T, KTile>(full, s, dp, p.scale_log2, e0, e1, d0, d1, row0, row1, kbase, tq, lim0, lim1, sP, sdS);

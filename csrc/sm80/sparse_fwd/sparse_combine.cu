@@ -19,7 +19,7 @@ __device__ __forceinline__ float combine_lse(const float2* st, int64_t first, in
     const float2 x = st[first + s * stride];
     if (x.y != 0.f) l += x.y * exp2f(x.x - m);
   }
-  return l == 0.f ? -__builtin_huge_valf() : (m + log2f(l)) * 0.6931471805599453f;
+  return l == 0.f ? -__builtin_huge_valf() : (m + log2f(l)) * kLn2;
 }
 
 // One thread per (head, token) of the chunk, then per (index head, token).

@@ -100,8 +100,6 @@ struct SparseFwdShape {
   };
 };
 
-constexpr float kLog2e = 1.4426950408889634f;
-constexpr float kLn2 = 0.6931471805599453f;
 constexpr float kFwdNegInf = -__builtin_huge_valf();
 // Smallest normal float. The KL terms take pm * log2(pm) only from here on: lg2.approx.ftz reads a
 // subnormal pm as 0 (-inf), and pm = (sum of the heads' P) / G is subnormal when the sum is below

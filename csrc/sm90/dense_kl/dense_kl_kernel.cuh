@@ -53,6 +53,7 @@ using sm80::cp_async_16;
 using sm80::cp_async_4;
 using sm80::fast_exp2;
 using sm80::fast_log2;
+using sm80::kLog2e;
 using sm80::ldmatrix_x4_trans;
 using sm80::pack2;
 using sm80::smem_addr;
@@ -61,7 +62,6 @@ constexpr int kKeys = 128;   // keys per CTA (two warpgroups of 64)
 constexpr int kRows = 64;    // query rows per step
 constexpr int kMaxSlots = 5;  // Q ring: 5 slots where the shared memory allows, else 4 or 3
 constexpr int kThreads = 256;
-constexpr float kLog2e = 1.4426950408889634f;
 constexpr double kLn2 = 0.6931471805599453;  // the finish (in double)
 constexpr float kMinNormal = 1.17549435e-38f;
 
