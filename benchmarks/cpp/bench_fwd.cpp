@@ -53,7 +53,7 @@ std::vector<Knob> fwd_knobs(FwdConfig& cfg, bool passes) {
        }},
       {"--units-per-item", "U", "units per forward work item, 1..512 (default 512; MSA_FWD_UNITS_PER_ITEM)",
        [&cfg](const char* v) { cfg.units_per_item = std::max(1, std::min(sm80::kFwdMaxItemUnits, std::atoi(v))); }},
-      {"--budget-mib", "M", "per-entry partials per query chunk, MiB (default 1024; MSA_PARTIAL_BUDGET)",
+      {"--budget-mib", "M", "per-entry partials per query chunk, MiB (default the op's: 1024, more at long N in msa-grad mode; MSA_PARTIAL_BUDGET)",
        [&cfg](const char* v) { cfg.budget = std::max<int64_t>(1, std::atoll(v)) << 20; }},
       {"--no-item-order", nullptr, "work items in key order, not largest first (MSA_ITEM_ORDER=0)",
        [&cfg](const char*) { cfg.item_order = false; }},
@@ -75,7 +75,7 @@ FwdBench::FwdBench(const Problem& pb_, const FwdConfig& cfg_, int n_sets, uint64
   grad = cfg.mode == FwdMode::kMsaGrad;
   // Chunk and reverse index sizes: csrc/api/sparse_fwd.cpp (through csrc/common/workspace.h).
   const int64_t per_token = fwd_bytes_per_token(Hi, K, G, pb.d, pb.elem, false, grad, false, pb.di, cfg.units_per_item);
-  chunk = fwd_chunk_tokens(T, per_token, cfg.budget);
+  chunk = fwd_chunk_tokens(T, per_token, cfg.budget_for(T, pb.hq, pb.d));
   ri = reverse_index_sizes(Hi, T, K, pb.b, pb.block, Hi * chunk * K, cfg.units_per_item, cfg.item_order);
   keys = Buf(sizeof(int32_t) * 2 * ri.capacity);
   rows_in = Buf(sizeof(int32_t) * ri.capacity);

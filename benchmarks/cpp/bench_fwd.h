@@ -32,7 +32,11 @@ const char* mode_name(FwdMode m);
 struct FwdConfig {
   FwdMode mode = FwdMode::kMsaGrad;
   int units_per_item = kFwdUnitsPerItem;  // MSA_FWD_UNITS_PER_ITEM
-  int64_t budget = kFwdPartialBudget;     // MSA_PARTIAL_BUDGET
+  int64_t budget = 0;                     // MSA_PARTIAL_BUDGET; 0: the op's (fwd_partial_budget)
+  // The budget this run chunks by: the op's default for the problem unless --budget-mib set one.
+  int64_t budget_for(int64_t tokens, int hq, int d) const {
+    return budget > 0 ? budget : fwd_partial_budget(tokens, hq, d, mode == FwdMode::kMsaGrad);
+  }
   bool item_order = true;                 // MSA_ITEM_ORDER=0 turns it off
   bool fixed_gu = true;                   // MSA_FWD_FIXED_GU=0 turns it off
   bool rows64 = false;                    // MSA_FWD_ROWS=64

@@ -90,7 +90,7 @@ int main(int argc, char** argv) {
       const bool grad = fcfg.mode == FwdMode::kMsaGrad;
       const int64_t per_token =
           fwd_bytes_per_token(Hi, K, pb.g, pb.d, pb.elem, false, grad, false, pb.di, fcfg.units_per_item);
-      const int64_t chunk = fwd_chunk_tokens(T, per_token, fcfg.budget);
+      const int64_t chunk = fwd_chunk_tokens(T, per_token, fcfg.budget_for(T, pb.hq, pb.d));
       const ReverseIndexSizes rs =
           reverse_index_sizes(Hi, T, K, pb.b, pb.block, Hi * chunk * K, fcfg.units_per_item, fcfg.item_order);
       RevIndex ri(rs, pb);

@@ -15,13 +15,16 @@
 namespace msa::api {
 namespace {
 
-// Bytes of per-entry partials per chunk: kFwdPartialBudget (1 GiB, csrc/common/workspace.h). Each chunk
+// Bytes of per-entry partials per chunk: fwd_partial_budget (csrc/common/workspace.h: 1 GiB, more at long
+// N when training). Each chunk
 // pays fixed costs (a reverse-index build, five launches, and a partly filled item for every kv block its
 // tokens select, which loads that block again), so fewer chunks are faster: at N = 32K (bench
 // configuration, fwd+bwd) 6 chunks of 512 MiB took 18.8 ms, 3 of 1 GiB 18.0 ms, 2 of 2 GiB 17.9 ms; at
 // 128K 84.3 / 80.5 / 78.8 ms, where the backward sets the peak (benchmarks/NOTES_history.md s25).
 // MSA_PARTIAL_BUDGET (bytes) overrides the budget: tests use a small one to exercise many chunks.
-int64_t partial_budget() { return env_positive("MSA_PARTIAL_BUDGET", kFwdPartialBudget); }
+int64_t partial_budget(int64_t tokens, int64_t hq, int64_t d, bool training) {
+  return env_positive("MSA_PARTIAL_BUDGET", fwd_partial_budget(tokens, hq, d, training));
+}
 // Units per forward work item (one CTA: one kv block, loaded once, and up to this many of the units that
 // selected it): kFwdUnitsPerItem (512; 128 -> 512: fwd+bwd -0.3 ms at 32K, -1.0 at 128K, NOTES s30).
 // MSA_FWD_UNITS_PER_ITEM overrides it (1 .. sm80::kFwdMaxItemUnits, the kernel's table size).
@@ -132,7 +135,7 @@ SparseForward sparse_forward_cuda(const Tensor& q_in, const Tensor& k_in, const 
   // per_token does not depend on no_stats (idx_stats is then not allocated): the same chunks either way.
   const int64_t per_token =
       fwd_bytes_per_token(Hi, topk, G, D, q.element_size(), kl_only, grad, det, Di, units_per_item);
-  const int64_t chunk = fwd_chunk_tokens(T, per_token, partial_budget());
+  const int64_t chunk = fwd_chunk_tokens(T, per_token, partial_budget(T, Hq, D, grad));
   const int64_t entries = Hi * chunk * topk;
   const int64_t max_blocks = T / block_size + S;
   const int64_t num_keys = Hi * max_blocks;
