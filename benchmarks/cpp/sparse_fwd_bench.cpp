@@ -18,7 +18,7 @@ int main(int argc, char** argv) {
   knobs.push_back({"--only", "stats|out|dk|total", "time one row only", [&](const char* v) { only = v; }});
   parse_options(argc, argv,
                 "Sparse forward (KV-outer work items): stats pass, output pass, index_dk, and the op's whole\n"
-                "per-chunk sequence, over all query chunks of N (chunked as the op: 1 GiB of partials each).\n"
+                "per-chunk sequence, over all query chunks of N (chunked as the op: fwd_partial_budget's partials each).\n"
                 "Rows: fwd_stats_pass/<path>, fwd_out_pass/<path>, index_dk, fwd_total/<path>.",
                 opt, knobs);
   const cudaStream_t s = init_device();

@@ -1,7 +1,8 @@
 // msa::sparse_fwd and msa::msa_fwd on CUDA: checks, workspace, the per-chunk pipeline
 //   reverse index -> stats pass -> stats combine (lse, lse_idx) -> output pass -> out / KL combine.
-// Queries are processed in chunks of tokens so the per-entry partials stay within a fixed workspace
-// (kFwdPartialBudget), whatever N is: memory is O(N) overall and bounded per chunk.
+// Queries are processed in chunks of tokens so the per-entry partials stay within a budget
+// (fwd_partial_budget: 1 GiB, or with index gradients 8 T Hq D bytes where larger): memory is O(N)
+// overall and bounded per chunk.
 #include <algorithm>
 #include <tuple>
 

@@ -22,11 +22,13 @@ constexpr int kFwdUnitsPerItem = 512;                    // units per forward wo
 constexpr int64_t kBwdUnitsPerItem = 2048;               // tokens per backward work item
 static_assert(kFwdUnitsPerItem <= sm80::kFwdMaxItemUnits, "the kernel's unit tables hold kFwdMaxItemUnits");
 
-// The forward's partial budget: kFwdPartialBudget, or where a backward follows (training: the forward
-// computes the index gradients) at least 8 T Hq D bytes, twice the backward's fp32 dq accumulator: the
-// backward's own workspace reaches that anyway (1.99 GiB at 128K in the bench configuration, where
-// 8 T Hq D = 2 GiB), so fewer forward chunks cost no peak memory there (fwd+bwd 61.5 -> 59.9 ms at 128K,
-// workspace 1.99 GiB either way; benchmarks/NOTES.md s15). Shorter N keeps 1 GiB.
+// The forward's partial budget: kFwdPartialBudget, or where the forward computes the index gradients
+// (index_grad: training the indexer, so a backward follows) at least 8 T Hq D bytes, twice the
+// backward's fp32 dq accumulator. In the bench configuration (Hq = 16, Hkv = 2) the backward's measured
+// workspace is that large (1.99 GiB at 128K, where 8 T Hq D = 2 GiB), so fewer forward chunks cost no
+// peak memory there (fwd+bwd 61.5 -> 59.9 ms at 128K, workspace 1.99 GiB either way; benchmarks/NOTES.md
+// s15); this is measured, not a bound: a layout whose backward needs less can see a higher fwd+bwd peak.
+// Shorter N keeps 1 GiB.
 inline int64_t fwd_partial_budget(int64_t tokens, int64_t hq, int64_t d, bool training) {
   return training ? std::max(kFwdPartialBudget, tokens * hq * d * 8) : kFwdPartialBudget;
 }

@@ -97,8 +97,9 @@ __global__ void __launch_bounds__(kDkThreads, kDet ? 1 : 2) index_dk_kernel(Inde
     zero_acc(acc);
 
     // fetch_next(t, b): tile t into buffer b; ent holds tile t's entries before, tile t + 1's after.
-    // (kDet loads them in place: its 254 registers spilled the look-ahead.)
+    // kDet loads them in place and does not unroll fetch's loop: at its 254 registers either spilled.
     int ent[kPer];
+    if constexpr (!kDet) entries(0, ent);
     auto fetch_next = [&](int t, int b) {
       if constexpr (kDet) {
         fetch(t, b, [&](int, int ue) { return w.entries[ue]; });
@@ -107,7 +108,6 @@ __global__ void __launch_bounds__(kDkThreads, kDet ? 1 : 2) index_dk_kernel(Inde
         entries(t + 1, ent);
       }
     };
-    if constexpr (!kDet) entries(0, ent);
     __syncthreads();  // the previous segment is done with every buffer
 #pragma unroll
     for (int s = 0; s < kDkStages - 1; ++s) {
