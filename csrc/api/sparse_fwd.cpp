@@ -16,12 +16,12 @@
 namespace msa::api {
 namespace {
 
-// Bytes of per-entry partials per chunk: fwd_partial_budget (csrc/common/workspace.h: 1 GiB, more at long
-// N when training). Each chunk
-// pays fixed costs (a reverse-index build, five launches, and a partly filled item for every kv block its
-// tokens select, which loads that block again), so fewer chunks are faster: at N = 32K (bench
-// configuration, fwd+bwd) 6 chunks of 512 MiB took 18.8 ms, 3 of 1 GiB 18.0 ms, 2 of 2 GiB 17.9 ms; at
-// 128K 84.3 / 80.5 / 78.8 ms, where the backward sets the peak (benchmarks/NOTES_history.md s25).
+// Bytes of per-entry partials per chunk: fwd_partial_budget (csrc/common/workspace.h: 1 GiB, more at
+// long N with index gradients). Each chunk pays fixed costs (a reverse-index build, five launches, and a
+// partly filled item for every kv block its tokens select, which loads that block again), so fewer
+// chunks are faster: at N = 32K (bench configuration, fwd+bwd) 6 chunks of 512 MiB took 18.8 ms, 3 of
+// 1 GiB 18.0 ms, 2 of 2 GiB 17.9 ms; at 128K 84.3 / 80.5 / 78.8 ms, where the backward sets the peak
+// (benchmarks/NOTES_history.md s25).
 // MSA_PARTIAL_BUDGET (bytes) overrides the budget: tests use a small one to exercise many chunks.
 int64_t partial_budget(int64_t tokens, int64_t hq, int64_t d, bool training) {
   return env_positive("MSA_PARTIAL_BUDGET", fwd_partial_budget(tokens, hq, d, training));

@@ -71,10 +71,11 @@ __global__ void __launch_bounds__(kDkThreads, kDet ? 1 : 2) index_dk_kernel(Inde
     // t's into registers one fetch ahead, so that load's latency passes under a tile's MMAs instead of
     // holding the thread before its copies (the division waits for the fetch).
     constexpr int kPer = kDkUnits / (kDkThreads / 16);  // units per thread and tile
+    auto unit = [&](int i) { return tid / 16 + i * (kDkThreads / 16); };  // the thread's i-th unit of a tile
     auto entries = [&](int t, int (&ent)[kPer]) {
 #pragma unroll
       for (int i = 0; i < kPer; ++i) {
-        const int ue = u_begin + t * kDkUnits + tid / 16 + i * (kDkThreads / 16);
+        const int ue = u_begin + t * kDkUnits + unit(i);
         ent[i] = ue < u_end ? w.entries[ue] : 0;  // ue < u_end: t < n_tiles
       }
     };
@@ -82,7 +83,7 @@ __global__ void __launch_bounds__(kDkThreads, kDet ? 1 : 2) index_dk_kernel(Inde
       const int c = tid % 16;
 #pragma unroll(kDet ? 1 : kPer)
       for (int i = 0; i < kPer; ++i) {
-        const int u = tid / 16 + i * (kDkThreads / 16);
+        const int u = unit(i);
         const int ue = u_begin + t * kDkUnits + u;
         const bool ok = ue < u_end;
         const int64_t tok = ok ? (entry(i, ue) / p.topk) % p.total_tokens : 0;
