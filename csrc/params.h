@@ -137,6 +137,9 @@ struct SparseFwdParams {
   const float4* dqi_grid;
   int out_rows;            // rows per tile of the portable output pass: 128, or 64 (less shared memory)
   int fixed_gu;            // sm_90a output pass: 4 = the kernel compiled for Gu = 4 (J = 1), 0 = any
+  // sm_90a output pass: the warp-specialized kernel (csrc/sm90/sparse_fwd/out_pass_ws.cuh) where it
+  // applies (fixed_gu = 4, the index branch, write_out); false keeps the general one.
+  bool out_ws;
   // Portable passes only (sm80::launch_sparse_fwd; the sm_90a launcher ignores it): the small-smem
   // configuration for GPUs with 99 KB of shared memory per block (sparse_smem_bytes(d, pass, 64, true);
   // out_rows is then ignored). Same work items, partials and combines.

@@ -16,7 +16,7 @@ KERNELS = {
     # Hopper (sm90a) kernels: CMakeLists.txt lists these files under MSA_SM90_SOURCES.
     "index_topk_sm90": (["sm90/index_topk/index_topk_kernel.cuh"],
                         [("launch_index_topk", "const IndexTopkParams&")], (64, 128), "sm90"),
-    "sparse_fwd_sm90": (["sm80/sparse_fwd/sparse_fwd_kernel.cuh"],
+    "sparse_fwd_sm90": (["sm90/sparse_fwd/sparse_fwd.cuh"],
                         [("launch_sparse_fwd", "const SparseFwdParams&, bool")], (64, 128), "sm90"),
     "sparse_bwd_sm90": (["sm80/sparse_bwd/sparse_bwd_kernel.cuh"],
                         [("launch_sparse_bwd", "const SparseBwdParams&")], (64, 128), "sm90"),

@@ -62,6 +62,8 @@ std::vector<Knob> fwd_knobs(FwdConfig& cfg, bool passes) {
   knobs.insert(knobs.end(), {
       {"--no-fixed-gu", nullptr, "sm_90a output pass: the general kernel, not the Gu = 4 one (MSA_FWD_FIXED_GU=0)",
        [&cfg](const char*) { cfg.fixed_gu = false; }},
+      {"--no-ws", nullptr, "sm_90a output pass: not the warp-specialized kernel (MSA_FWD_WS=0)",
+       [&cfg](const char*) { cfg.out_ws = false; }},
       {"--fwd-rows", "64|128", "portable output pass: rows per tile (default: the device's; MSA_FWD_ROWS)",
        [&cfg](const char* v) { cfg.rows64 = std::atoi(v) == 64; }},
   });
@@ -200,6 +202,7 @@ SparseFwdParams FwdBench::fwd_params(int set, int c) const {
   fp.out_rows = cfg.rows64 ? 64 : pb.out_rows;
   fp.small_smem = pb.small_smem;
   fp.fixed_gu = cfg.fixed_gu ? fwd_fixed_gu(pb.g, pb.j) : 0;
+  fp.out_ws = cfg.out_ws;
   fp.stats = st.stats.as<float2>() + base * pb.g;
   fp.idx_stats = index ? st.idx_stats.as<float2>() + base : nullptr;
   fp.lse = st.lse.as<float>();

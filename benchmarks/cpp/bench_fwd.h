@@ -39,9 +39,11 @@ struct FwdConfig {
   }
   bool item_order = true;                 // MSA_ITEM_ORDER=0 turns it off
   bool fixed_gu = true;                   // MSA_FWD_FIXED_GU=0 turns it off
+  bool out_ws = true;                     // MSA_FWD_WS=0 turns it off
   bool rows64 = false;                    // MSA_FWD_ROWS=64
 };
-// --mode, --units-per-item, --budget-mib, --no-item-order; with `passes` also --no-fixed-gu, --fwd-rows.
+// --mode, --units-per-item, --budget-mib, --no-item-order; with `passes` also --no-fixed-gu, --no-ws,
+// --fwd-rows.
 std::vector<Knob> fwd_knobs(FwdConfig& cfg, bool passes = true);
 
 struct FwdChunk {

@@ -50,8 +50,10 @@ int main(int argc, char** argv) {
             for (int c = 0; c < fb.num_chunks(); ++c) fb.out_pass(i, c);
           },
           [&](int i) { fb.zero_grads(i); });
-      print_row("fwd_out_pass" + path + (pb.sm90 && cfg.fixed_gu && fwd_fixed_gu(pb.g, pb.j) ? "-gu4" : ""), shape,
-                ms, F, 0);
+      const bool gu4 = pb.sm90 && cfg.fixed_gu && fwd_fixed_gu(pb.g, pb.j);
+      // -ws: the warp-specialized pass (Gu = 4 with the index branch; sparse mode has none).
+      const bool ws = gu4 && cfg.out_ws && cfg.mode != FwdMode::kSparse;
+      print_row("fwd_out_pass" + path + (ws ? "-ws" : gu4 ? "-gu4" : ""), shape, ms, F, 0);
     }
     if (fb.grad && want("dk")) {
       const double ms = time_ms(

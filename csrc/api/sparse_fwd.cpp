@@ -201,6 +201,9 @@ SparseForward sparse_forward_cuda(const Tensor& q_in, const Tensor& k_in, const 
   // The sm_90a output pass compiled for Gu = 4 heads per unit (fewer registers, compile-time KL loops)
   // where it applies; MSA_FWD_FIXED_GU=0 keeps the general kernel (tests compare the two).
   fp.fixed_gu = env_is("MSA_FWD_FIXED_GU", "0") ? 0 : fwd_fixed_gu(G, J);
+  // The warp-specialized output pass where it applies (Gu = 4 with the index branch); MSA_FWD_WS=0 keeps
+  // the general sm_90a pass (tests and A/B runs compare the two).
+  fp.out_ws = !env_is("MSA_FWD_WS", "0");
   fp.stats = reinterpret_cast<float2*>(ptr<float>(stats));
   fp.idx_stats = index && !no_stats ? reinterpret_cast<float2*>(ptr<float>(idx_stats)) : nullptr;
   fp.lse = ptr<float>(res.lse);

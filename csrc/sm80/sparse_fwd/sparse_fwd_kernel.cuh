@@ -986,17 +986,3 @@ cudaError_t launch_sparse_fwd(const SparseFwdParams& p, bool out_pass, cudaStrea
 }
 
 }  // namespace msa::sm80
-
-namespace msa::sm90 {
-// The stats and output passes with their Q K^T on wgmma (sm_90a builds only).
-// Both passes with Gu = 4 heads per unit (the bench configuration) fixed at compile time when the host
-// asks for it (SparseFwdParams::fixed_gu: J = 1, G = 4).
-template <typename T, int D>
-cudaError_t launch_sparse_fwd(const SparseFwdParams& p, bool out_pass, cudaStream_t stream) {
-  if (!out_pass)
-    return p.fixed_gu == 4 ? sm80::launch_sparse_fwd_pass<T, D, false, true, 128, 4>(p, stream)
-                           : sm80::launch_sparse_fwd_pass<T, D, false, true>(p, stream);
-  return p.fixed_gu == 4 ? sm80::launch_sparse_fwd_pass<T, D, true, true, 128, 4>(p, stream)
-                         : sm80::launch_sparse_fwd_pass<T, D, true, true>(p, stream);
-}
-}  // namespace msa::sm90

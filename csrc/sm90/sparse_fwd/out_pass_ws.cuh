@@ -1,0 +1,463 @@
+// The sparse forward's output pass on Hopper, warp-specialized (issue 17 item 1), for the layout with
+// Gu = 4 query heads per unit and J = 1 (G = Hq / Hi = 4, Hkv <= Hi: the bench configuration) with the
+// index branch and the main output. Same work items, inputs and partials as the general pass
+// (sm80/sparse_fwd/sparse_fwd_kernel.cuh, its top comment has the math); other layouts run that one.
+//
+// A CTA takes one work item (a kv block of one index group and up to 512 of the units that selected it)
+// with 3 warpgroups:
+//  - warpgroup 0, the producer (setmaxnreg down to 40): gathers each tile's rows (16 units: Q of their 4
+//    heads, 64 rows; Q_idx; lse; lse_idx) by cp.async into a ring of kStages stages, each completing on
+//    its "full" mbarrier (cp.async.mbarrier.arrive.noinc, one arrival per producer thread), and reuses a
+//    stage once its consumer released it ("empty": one arrival per consumer thread).
+//  - warpgroups 1 and 2, the consumers (setmaxnreg up to 232): consumer c takes tiles c, c + 2, ... of
+//    the item, so the two run on their own (no CTA barrier after the prologue): one warpgroup's
+//    exponentials, KL terms and reds overlap the other's tensor-core work. Per tile, warp w of the group
+//    holds rows [16 w, +16) (units 4 w .. 4 w + 3, head = row % 4):
+//      S = Q K^T        wgmma m64n128 RS (Q by ldmatrix from the stage, K by descriptor), issued first;
+//      S_idx = Q_idx K_idx^T (16 units x 128 keys, warp w keys [32 w, +32)) on mma.sync while the
+//                       wgmma runs, into the group's S_idx tile (log2 domain);
+//      P = exp2(S c - lse), 0 past the visible keys; summed over the unit's 4 heads by a reduce-scatter
+//                       over lanes (a lane keeps a quarter of the unit sums);
+//      O = P V          wgmma m64nD RS (P from registers, V MN-major), staged in the warp's own Q rows of
+//                       the stage (dead after Q K^T) and stored as whole units in 16-byte chunks; then
+//                       the stage is released;
+//      KL terms per (unit, key) and dsi = Pidx - Pm into the group's dsi tile (one named barrier of the
+//                       group before them: S_idx), the unit's KL sum to kl_part;
+//      dq_idx += dsi K_idx (warp w: Di columns [32 w, +32), mma.sync) as 16-byte reds, and dsi to
+//                       dsi_part (a second named barrier: dsi complete).
+// K, V and K_idx of the block are loaded once by every thread before the roles split (cp.async, then
+// one proxy fence for the wgmma reads of K and V).
+#pragma once
+#include <cuda_runtime.h>
+
+#include <cstdint>
+
+#include "common/block_span.h"
+#include "common/det_sum.h"
+#include "common/mma_sm80.h"
+#include "common/wgmma_sm90.h"
+#include "params.h"
+#include "sm80/sparse_fwd/sparse_fwd.h"
+
+namespace msa::sm90::out_ws {
+
+using sm80::cp_async_16;
+using sm80::cp_async_4;
+using sm80::fast_exp2;
+using sm80::fast_log2;
+using sm80::kLn2;
+using sm80::kLog2e;
+using sm80::ldmatrix_x4;
+using sm80::MmaOp;
+using sm80::pack2;
+using sm80::smem_addr;
+using sm80::SwizzledTile;
+
+constexpr int kGu = 4;                 // query heads per unit
+constexpr int kKeys = 128;             // keys of a block (block_size 64 uses the first half)
+constexpr int kUnits = 16;             // units per tile: one consumer warpgroup's 64 rows
+constexpr int kRows = kUnits * kGu;    // 64
+constexpr int kDi = 128;               // index head dim in shared memory (Di = 64 zero-filled)
+constexpr int kStages = 4;             // the producer's ring: two tiles ahead per consumer
+constexpr int kThreads = 384;          // producer + two consumers
+constexpr int kSiS = kKeys + 8;        // floats per S_idx row: the 8 units of a fragment in distinct banks
+constexpr int kProducerRegs = 40, kConsumerRegs = 232;  // 40 * 128 + 232 * 256 <= 65536
+constexpr float kNegInf = -__builtin_huge_valf();
+constexpr float kMinNormal = 1.17549435e-38f;  // see sparse_fwd_kernel.cuh: pm * log2 pm from here on
+
+template <typename T, int D>
+struct Smem {  // byte offsets from the 1024-aligned base
+  using KT = KMajorSw128<kKeys, D>;     // K and V (V read MN-major)
+  using KiT = KMajorSw128<kKeys, kDi>;  // K_idx
+  static constexpr int k = 0;
+  static constexpr int v = k + kKeys * D * 2;
+  static constexpr int ki = v + kKeys * D * 2;
+  // One stage: Q (64 rows, SwizzledTile<D>; then O), Q_idx (16 units, SwizzledTile<kDi>), lse, lse_idx.
+  static constexpr int s_q = 0;
+  static constexpr int s_qi = s_q + kRows * D * 2;
+  static constexpr int s_lse = s_qi + kUnits * kDi * 2;
+  static constexpr int s_lse_idx = s_lse + kRows * 4;
+  static constexpr int stage_bytes = s_lse_idx + kUnits * 4;
+  static constexpr int stage0 = ki + kKeys * kDi * 2;
+  // Per consumer: S_idx (fp32, log2 domain) and dsi (SwizzledTile<kKeys>, input dtype).
+  static constexpr int c_si = 0;
+  static constexpr int c_dsi = c_si + kUnits * kSiS * 4;
+  static constexpr int cons_bytes = c_dsi + kUnits * kKeys * 2;
+  static constexpr int cons0 = stage0 + kStages * stage_bytes;
+  static constexpr int table = cons0 + 2 * cons_bytes;  // the item's units: local entry ids, tokens
+  static constexpr int bars = table + 2 * sm80::kFwdMaxItemUnits * 4;
+  static constexpr int bytes = bars + 2 * kStages * 8;
+  static_assert(stage_bytes % 16 == 0 && cons_bytes % 16 == 0, "16-byte aligned tiles");
+};
+
+template <int N>
+__device__ __forceinline__ void setmaxnreg_dec() { asm volatile("setmaxnreg.dec.sync.aligned.u32 %0;\n" ::"n"(N)); }
+template <int N>
+__device__ __forceinline__ void setmaxnreg_inc() { asm volatile("setmaxnreg.inc.sync.aligned.u32 %0;\n" ::"n"(N)); }
+// The 128 threads of consumer warpgroup `id - 1` (named barrier id 1 or 2; 0 is __syncthreads).
+__device__ __forceinline__ void group_sync(int id) { asm volatile("bar.sync %0, 128;\n" ::"r"(id) : "memory"); }
+__device__ __forceinline__ void cp_async_mbar_arrive(uint64_t* bar) {
+  asm volatile("cp.async.mbarrier.arrive.noinc.shared::cta.b64 [%0];\n" ::"r"(smem_addr(bar)) : "memory");
+}
+
+template <typename T, int D, bool kDsi>
+__global__ void __launch_bounds__(kThreads, 1) out_pass_ws_kernel(SparseFwdParams p) {
+  using L = Smem<T, D>;
+  using KT = typename L::KT;
+  using KiT = typename L::KiT;
+  using QTile = SwizzledTile<D>;
+  using QiTile = SwizzledTile<kDi>;
+  using PTile = SwizzledTile<kKeys>;
+  constexpr int kChunks = D / 8;
+  extern __shared__ __align__(128) unsigned char smem_raw[];
+  unsigned char* smem = smem_raw + ((1024 - (smem_addr(smem_raw) & 1023)) & 1023);
+  T* sK = reinterpret_cast<T*>(smem + L::k);
+  T* sV = reinterpret_cast<T*>(smem + L::v);
+  T* sKi = reinterpret_cast<T*>(smem + L::ki);
+  int* sEntryAll = reinterpret_cast<int*>(smem + L::table);
+  int* sTokAll = sEntryAll + sm80::kFwdMaxItemUnits;
+  uint64_t* full = reinterpret_cast<uint64_t*>(smem + L::bars);
+  uint64_t* empty = full + kStages;
+
+  const SparseWork& w = p.work;
+  const int item = w.item_order != nullptr ? w.item_order[blockIdx.x] : int(blockIdx.x);
+  if (item >= w.item_offsets[w.num_keys]) return;
+  const int2 it = w.items[item];
+  const int key = it.x;
+  const int u_begin = it.y;
+  const int u_end = min(u_begin + w.units_per_item, w.offsets[key + 1]);
+  const int r = key / w.max_blocks, gb = key % w.max_blocks;
+  const BlockSpan span = block_span(w.block_offsets, p.cu_seqlens, p.num_seqs, gb, p.block_size);
+  const int seq_start = span.seq_start, key0 = span.key0, blen = span.blen;
+  const int n_units = u_end - u_begin;
+  const int n_tiles = (n_units + kUnits - 1) / kUnits;
+  const int tid = threadIdx.x;
+  const T* Q = static_cast<const T*>(p.q);
+  const T* QI = static_cast<const T*>(p.q_idx);
+
+  // Prologue (every thread): the unit table, K, V, K_idx, the barriers.
+  for (int i = tid; i < n_units; i += kThreads) {
+    const int e = w.entries[u_begin + i];
+    const int t = (e / p.topk) % p.total_tokens;
+    sEntryAll[i] = (r * p.chunk_tokens + (t - p.chunk_begin)) * p.topk + e % p.topk;  // chunk-local entry
+    sTokAll[i] = t;
+  }
+  {
+    const int kvh = (r * kGu) / (p.hq / p.hkv);
+    const T* ks = static_cast<const T*>(p.k) + int64_t(seq_start + key0) * p.k_stride_t + int64_t(kvh) * p.k_stride_h;
+    const T* vs = static_cast<const T*>(p.v) + int64_t(seq_start + key0) * p.v_stride_t + int64_t(kvh) * p.v_stride_h;
+    for (int i = tid; i < kKeys * kChunks; i += kThreads) {
+      const int row = i / kChunks, c = i % kChunks;
+      const bool ok = row < blen;
+      const int rr = ok ? row : 0;
+      cp_async_16(sK + KT::offset(row, c), ks + int64_t(rr) * p.k_stride_t + c * 8, ok);
+      cp_async_16(sV + KT::offset(row, c), vs + int64_t(rr) * p.v_stride_t + c * 8, ok);
+    }
+    const int kih = r / (p.hi / p.hki);
+    const T* kis = static_cast<const T*>(p.k_idx) + int64_t(seq_start + key0) * p.ki_stride_t + int64_t(kih) * p.ki_stride_h;
+    const int di_chunks = p.di / 8;
+    for (int i = tid; i < kKeys * (kDi / 8); i += kThreads) {
+      const int row = i / (kDi / 8), c = i % (kDi / 8);
+      const bool ok = row < blen && c < di_chunks;
+      cp_async_16(sKi + KiT::offset(row, c), kis + (ok ? int64_t(row) * p.ki_stride_t + c * 8 : 0), ok);
+    }
+    sm80::cp_async_commit();
+  }
+  if (tid == 0) {
+    for (int s = 0; s < kStages; ++s) {
+      mbar_init(&full[s], 128);   // the producer's threads
+      mbar_init(&empty[s], 128);  // the consuming warpgroup's threads
+    }
+    mbar_fence_init();
+  }
+  sm80::cp_async_wait<0>();
+  fence_proxy_async_smem();  // K and V (cp.async, generic proxy) are read by wgmma (async proxy)
+  __syncthreads();
+
+  if (tid < 128) {
+    // Producer: tile t into stage t % kStages, once its consumer released the tile kStages before.
+    setmaxnreg_dec<kProducerRegs>();
+    const int c = tid % kChunks;
+    constexpr int kRowStep = 128 / kChunks;  // a multiple of kGu: one head per thread
+    static_assert(kRowStep % kGu == 0, "one head per producer thread");
+    const int h = r * kGu + (tid / kChunks) % kGu;
+    const T* qh = Q + int64_t(h) * p.q_stride_h + c * 8;
+    const int di_chunks = p.di / 8;
+    for (int t = 0; t < n_tiles; ++t) {
+      const int s = t % kStages;
+      if (t >= kStages) mbar_wait(&empty[s], ((t / kStages) - 1) & 1);
+      unsigned char* st = smem + L::stage0 + s * L::stage_bytes;
+      T* sQ = reinterpret_cast<T*>(st + L::s_q);
+      T* sQi = reinterpret_cast<T*>(st + L::s_qi);
+      const int ub = t * kUnits, nu = min(kUnits, n_units - ub);
+      const int* tok = sTokAll + ub;
+#pragma unroll 2
+      for (int row = tid / kChunks; row < kRows; row += kRowStep) {
+        const int u = row / kGu;
+        const bool ok = u < nu;
+        cp_async_16(sQ + QTile::offset(row, c), qh + int64_t(ok ? tok[u] : 0) * p.q_stride_t, ok);
+      }
+#pragma unroll
+      for (int i = tid; i < kUnits * (kDi / 8); i += 128) {
+        const int u = i / (kDi / 8), ci = i % (kDi / 8);
+        const bool ok = u < nu && ci < di_chunks;
+        cp_async_16(sQi + QiTile::offset(u, ci),
+                    QI + (ok ? int64_t(tok[u]) * p.qi_stride_t + int64_t(r) * p.qi_stride_h + ci * 8 : 0), ok);
+      }
+      if (tid < kRows) {
+        const int u = tid / kGu;
+        const bool ok = u < nu;
+        cp_async_4(st + L::s_lse + tid * 4,
+                   p.lse + (ok ? int64_t(r * kGu + tid % kGu) * p.total_tokens + tok[u] : 0), ok);
+      } else if (tid < kRows + kUnits) {
+        const int u = tid - kRows;
+        const bool ok = kDsi && u < nu;
+        cp_async_4(st + L::s_lse_idx + u * 4, ok ? p.lse_idx + int64_t(r) * p.total_tokens + tok[u] : p.lse, ok);
+      }
+      cp_async_mbar_arrive(&full[s]);
+    }
+    sm80::cp_async_wait<0>();
+    return;
+  }
+
+  // Consumers.
+  setmaxnreg_inc<kConsumerRegs>();
+  const int cw = tid / 128 - 1;  // consumer 0 or 1
+  const int ctid = tid % 128, wq = ctid / 32, lane = tid % 32, g = lane / 4, tq = lane % 4;
+  const int gi = g & (kGu - 1);  // the row's head in its unit
+  float* sSi = reinterpret_cast<float*>(smem + L::cons0 + cw * L::cons_bytes + L::c_si);
+  T* sDsi = reinterpret_cast<T*>(smem + L::cons0 + cw * L::cons_bytes + L::c_dsi);
+  const float iscale2 = p.index_scale * kLog2e;
+  const float inv_g = 1.f / float(kGu);
+  const uint32_t k_addr = smem_addr(sK), v_addr = smem_addr(sV);
+  const int row0 = wq * 16 + g, row1 = row0 + 8;
+  const int uu0 = row0 / kGu, uu1 = row1 / kGu;  // the rows' units in the tile
+  T* part = static_cast<T*>(p.out_part);
+  for (int t = cw; t < n_tiles; t += 2) {
+    const int s = t % kStages;
+    mbar_wait(&full[s], (t / kStages) & 1);
+    unsigned char* st = smem + L::stage0 + s * L::stage_bytes;
+    T* sQ = reinterpret_cast<T*>(st + L::s_q);
+    const T* sQi = reinterpret_cast<const T*>(st + L::s_qi);
+    const float* sLse = reinterpret_cast<const float*>(st + L::s_lse);
+    const float* sLseIdx = reinterpret_cast<const float*>(st + L::s_lse_idx);
+    const int ub = t * kUnits, nu = min(kUnits, n_units - ub);
+    const int* sEntry = sEntryAll + ub;
+    const int* sTok = sTokAll + ub;
+
+    // S = Q K^T: every A fragment loaded, then the wgmmas issued as one group (waited for below).
+    float sw[kKeys / 2];
+    {
+      uint32_t a[D / 16][4];
+#pragma unroll
+      for (int ks = 0; ks < D / 16; ++ks) ldmatrix_x4(a[ks], sQ + QTile::offset(wq * 16 + lane % 16, ks * 2 + lane / 16));
+      wgmma_fence();
+#pragma unroll
+      for (int ks = 0; ks < D / 16; ++ks) WgmmaRS<T, kKeys>::run(sw, a[ks], KT::desc(k_addr, ks), ks > 0);
+      wgmma_commit();
+      // S_idx under it: warp wq's 32 keys of the tile's 16 units (keys past blen and Di past di read
+      // zeros: no branch here, after the wgmma issue).
+      float ci[4][4];
+      sm80::zero_acc(ci);
+#pragma unroll
+      for (int ks = 0; ks < kDi / 16; ++ks) {
+        uint32_t fa[4];
+        ldmatrix_x4(fa, sQi + QiTile::offset(lane % 16, ks * 2 + lane / 16));
+#pragma unroll
+        for (int np = 0; np < 2; ++np) {
+          uint32_t b[4];
+          ldmatrix_x4(b, sKi + KiT::offset(wq * 32 + np * 16 + (lane % 8) + (lane / 16) * 8, ks * 2 + (lane / 8) % 2));
+          MmaOp<T>::run(ci[2 * np], fa, b[0], b[1]);
+          MmaOp<T>::run(ci[2 * np + 1], fa, b[2], b[3]);
+        }
+      }
+#pragma unroll
+      for (int n = 0; n < 4; ++n) {
+        const int col = wq * 32 + n * 8 + 2 * tq;
+        *reinterpret_cast<float2*>(sSi + g * kSiS + col) = make_float2(ci[n][0] * iscale2, ci[n][1] * iscale2);
+        *reinterpret_cast<float2*>(sSi + (g + 8) * kSiS + col) = make_float2(ci[n][2] * iscale2, ci[n][3] * iscale2);
+      }
+      wgmma_wait<0>();
+    }
+    float c[kKeys / 8][4];
+#pragma unroll
+    for (int n = 0; n < kKeys / 8; ++n)
+#pragma unroll
+      for (int e = 0; e < 4; ++e) c[n][e] = sw[4 * n + e];
+
+    const float e0 = sLse[row0] * kLog2e, e1 = sLse[row1] * kLog2e;
+    const float li0 = kDsi ? sLseIdx[uu0] * kLog2e : 0.f, li1 = kDsi ? sLseIdx[uu1] * kLog2e : 0.f;
+    // Last visible key (block-relative) of a unit, -1 past the tile's units.
+    auto key_limit = [&](int u) { return u < nu ? min(blen - 1, sTok[u] - seq_start - key0) : -1; };
+    const int lim0 = key_limit(uu0), lim1 = key_limit(uu1);
+    // Units are in token order: when the first sees the whole block, every unit does.
+    const bool full_tile = blen == kKeys && sTok[0] - seq_start - key0 >= kKeys - 1;
+    auto exp_tile = [&](auto masked) {
+      constexpr bool kMasked = decltype(masked)::value;
+#pragma unroll
+      for (int n = 0; n < kKeys / 8; ++n) {
+        const int col = n * 8 + 2 * tq;
+        c[n][0] = !kMasked || col <= lim0 ? fast_exp2(fmaf(c[n][0], p.scale_log2, -e0)) : 0.f;
+        c[n][1] = !kMasked || col + 1 <= lim0 ? fast_exp2(fmaf(c[n][1], p.scale_log2, -e0)) : 0.f;
+        c[n][2] = !kMasked || col <= lim1 ? fast_exp2(fmaf(c[n][2], p.scale_log2, -e1)) : 0.f;
+        c[n][3] = !kMasked || col + 1 <= lim1 ? fast_exp2(fmaf(c[n][3], p.scale_log2, -e1)) : 0.f;
+      }
+    };
+    if (full_tile) exp_tile(std::false_type{}); else exp_tile(std::true_type{});
+
+    // P in the input dtype as the A operand of P V: n-tiles 2 kk, 2 kk + 1 are the fragment of keys
+    // [16 kk, +16).
+    uint32_t pa[kKeys / 16][4];
+#pragma unroll
+    for (int kk = 0; kk < kKeys / 16; ++kk) {
+      pa[kk][0] = pack2<T>(c[2 * kk][0], c[2 * kk][1]);
+      pa[kk][1] = pack2<T>(c[2 * kk][2], c[2 * kk][3]);
+      pa[kk][2] = pack2<T>(c[2 * kk + 1][0], c[2 * kk + 1][1]);
+      pa[kk][3] = pack2<T>(c[2 * kk + 1][2], c[2 * kk + 1][3]);
+    }
+    // Sum of P over the unit's 4 heads (lane bits 2-3): at bit b a lane keeps one n-tile of each pair
+    // (n, n | b) and sends the other; afterwards slot n (n % 4 = 0) of lane gi holds n-tile n + gi.
+#pragma unroll
+    for (int b = 1; b < kGu; b <<= 1) {
+      const bool hi = (gi & b) != 0;
+#pragma unroll
+      for (int n = 0; n < kKeys / 8; ++n) {
+        if ((n & (2 * b - 1)) == 0) {
+#pragma unroll
+          for (int e = 0; e < 4; ++e) {
+            const float send = hi ? c[n][e] : c[n | b][e];
+            const float keep = hi ? c[n | b][e] : c[n][e];
+            c[n][e] = keep + __shfl_xor_sync(0xffffffffu, send, 4 * b);
+          }
+        }
+      }
+    }
+
+    // O = P V, one 64-column panel of V per group of wgmmas, staged in the warp's own Q rows (its Q K^T
+    // is done), then stored as whole units: a unit's 4 rows are 4 D contiguous outputs of part.
+    {
+      auto issue = [&](float(&ow)[32], int panel) {
+        wgmma_fence();
+#pragma unroll
+        for (int kk = 0; kk < kKeys / 16; ++kk)
+          WgmmaRS<T, 64, true>::run(ow, pa[kk], KT::desc_mn(v_addr + panel * KT::kPanelElems * 2, kk), kk > 0);
+        wgmma_commit();
+      };
+      auto stage = [&](const float(&ow)[32], int panel) {
+#pragma unroll
+        for (int n = 0; n < 8; ++n) {
+          *reinterpret_cast<uint32_t*>(sQ + QTile::offset(row0, panel * 8 + n) + 2 * tq) = pack2<T>(ow[4 * n], ow[4 * n + 1]);
+          *reinterpret_cast<uint32_t*>(sQ + QTile::offset(row1, panel * 8 + n) + 2 * tq) =
+              pack2<T>(ow[4 * n + 2], ow[4 * n + 3]);
+        }
+      };
+      if constexpr (D == 128) {
+        float ow0[32], ow1[32];
+        issue(ow0, 0);
+        issue(ow1, 1);
+        wgmma_wait<1>();
+        stage(ow0, 0);
+        wgmma_wait<0>();
+        stage(ow1, 1);
+      } else {
+        float ow[32];
+        issue(ow, 0);
+        wgmma_wait<0>();
+        stage(ow, 0);
+      }
+      __syncwarp();
+      constexpr int kUnitChunks = kGu * D / 8;
+      static_assert(kUnitChunks % 32 == 0, "a unit's chunks fill whole warp passes");
+#pragma unroll 4
+      for (int i = lane; i < 16 * (D / 8); i += 32) {
+        const int u = wq * (16 / kGu) + i / kUnitChunks, ch = i % kUnitChunks;
+        if (u < nu)
+          *reinterpret_cast<uint4*>(part + int64_t(sEntry[u]) * (kGu * D) + ch * 8) =
+              *reinterpret_cast<const uint4*>(sQ + QTile::offset(u * kGu + ch / (D / 8), ch % (D / 8)));
+      }
+    }
+    mbar_arrive(&empty[s]);  // this thread's reads of the stage are done (its values are in registers)
+
+    group_sync(1 + cw);  // S_idx of all the group's keys
+    // KL terms: lane gi holds the unit sums of n-tiles n + gi (n % 4 = 0) of rows g, g + 8.
+    float acc0 = 0.f, acc1 = 0.f;  // log2 domain: sum pm (log2 pm - si)
+#pragma unroll
+    for (int n = 0; n < kKeys / 8; n += kGu) {
+      const int col = (n + gi) * 8 + 2 * tq;
+#pragma unroll
+      for (int h = 0; h < 2; ++h) {
+        const int u = h ? uu1 : uu0;
+        const float2 si = *reinterpret_cast<const float2*>(sSi + u * kSiS + col);
+        const float pm0 = c[n][2 * h] * inv_g, pm1 = c[n][2 * h + 1] * inv_g;
+        // The selects matter: past block_size the S_idx columns are stale; a NaN P passes (the row's
+        // KL is NaN, as in the reference).
+        const float term = (!(pm0 < kMinNormal) ? pm0 * (fast_log2(pm0) - si.x) : 0.f) +
+                           (!(pm1 < kMinNormal) ? pm1 * (fast_log2(pm1) - si.y) : 0.f);
+        if (h) acc1 += term; else acc0 += term;
+        if constexpr (kDsi) {  // SPEC 4: Pidx - Pm, 0 past the visible keys
+          const int lim = h ? lim1 : lim0;
+          const float li = h ? li1 : li0;
+          const float d0 = col <= lim ? fast_exp2(si.x - li) - pm0 : 0.f;
+          const float d1 = col + 1 <= lim ? fast_exp2(si.y - li) - pm1 : 0.f;
+          *reinterpret_cast<uint32_t*>(sDsi + PTile::offset(u, col / 8) + col % 8) = pack2<T>(d0, d1);
+        }
+      }
+    }
+#pragma unroll
+    for (int off = 1; off < 4 * kGu; off <<= 1) {  // over tq, then over the unit's lanes gi
+      acc0 += __shfl_xor_sync(0xffffffffu, acc0, off);
+      acc1 += __shfl_xor_sync(0xffffffffu, acc1, off);
+    }
+    if (tq == 0 && gi == 0) {
+      if (uu0 < nu) p.kl_part[sEntry[uu0]] = acc0 * kLn2;
+      if (uu1 < nu) p.kl_part[sEntry[uu1]] = acc1 * kLn2;
+    }
+    // dsi of all the group's units complete, and every read of S_idx done (the next tile rewrites it).
+    group_sync(1 + cw);
+    if constexpr (kDsi) {
+      // dsi to the chunk's buffer at the units' places in the reverse index (consecutive rows).
+      for (int i = ctid; i < nu * (kKeys / 8); i += 128) {
+        const int u = i / (kKeys / 8), ch = i % (kKeys / 8);
+        *reinterpret_cast<uint4*>(static_cast<T*>(p.dsi_part) + int64_t(u_begin + ub + u) * kKeys + ch * 8) =
+            *reinterpret_cast<const uint4*>(sDsi + PTile::offset(u, ch));
+      }
+      // dq_idx += dsi K_idx: warp wq takes Di columns [32 wq, +32) of the 16 units.
+      if (wq * 32 < p.di) {
+        float dq[4][4];
+        sm80::zero_acc(dq);
+        sm80::mma_rows_keys<T, KiT, kKeys>(dq, sDsi, 0, sKi, wq * 4, lane);
+        // One 16-byte red per lane and n-tile: even tq lanes add unit g, odd ones g + 8.
+        const int uq = g + ((tq & 1) ? 8 : 0);
+        const int64_t o = (int64_t(sTok[uq < nu ? uq : 0]) * p.hi + r) * p.di + wq * 32 + 2 * (tq & ~1);
+#pragma unroll
+        for (int n = 0; n < 4; ++n) {
+          const float4 v = sm80::quad_rows4(dq[n], tq);
+          const float sc = p.dqi_scale;
+          const float4 x = make_float4(v.x * sc, v.y * sc, v.z * sc, v.w * sc);
+          if (uq < nu) {
+            if (p.dqi_lo != nullptr) det_add4(p.dqi_accum + o + n * 8, p.dqi_lo + o + n * 8, x, __ldg(p.dqi_grid));
+            else sm80::atomic_add4(p.dqi_accum + o + n * 8, x);
+          }
+        }
+      }
+    }
+  }
+}
+
+// Whether the warp-specialized pass applies: Gu = 4 with J = 1, the index branch and the main output.
+inline bool applies(const SparseFwdParams& p) {
+  return p.out_ws && p.fixed_gu == kGu && p.q_idx != nullptr && p.write_out && !p.small_smem;
+}
+
+template <typename T, int D>
+cudaError_t launch(const SparseFwdParams& p, cudaStream_t stream) {
+  if (p.work.max_items == 0) return cudaSuccess;
+  constexpr int smem = Smem<T, D>::bytes + 1024;
+  auto kernel = p.dsi_part != nullptr ? out_pass_ws_kernel<T, D, true> : out_pass_ws_kernel<T, D, false>;
+  cudaError_t err = cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, smem);
+  if (err != cudaSuccess) return err;
+  kernel<<<p.work.max_items, kThreads, smem, stream>>>(p);
+  return cudaGetLastError();
+}
+
+}  // namespace msa::sm90::out_ws
