@@ -140,6 +140,7 @@ struct SparseFwdParams {
   // sm_90a output pass: the warp-specialized kernel (csrc/sm90/sparse_fwd/out_pass_ws.cuh) where it
   // applies (fixed_gu = 4, the index branch, write_out); false keeps the general one.
   bool out_ws;
+  bool stats_ws;           // the same for the stats pass (csrc/sm90/sparse_fwd/stats_pass_ws.cuh), with out_ws
   // Portable passes only (sm80::launch_sparse_fwd; the sm_90a launcher ignores it): the small-smem
   // configuration for GPUs with 99 KB of shared memory per block (sparse_smem_bytes(d, pass, 64, true);
   // out_rows is then ignored). Same work items, partials and combines.

@@ -1,0 +1,278 @@
+// The sparse forward's stats pass on Hopper, warp-specialized, for the same layout as out_pass_ws.cuh
+// (Gu = 4 query heads per unit, J = 1, with the index branch and the main stats). Per (entry, head) the
+// max and the sum of exp of the block's logits (log2 domain), per entry the same for the index logits:
+// the general pass's outputs (sm80/sparse_fwd/sparse_fwd_kernel.cuh, kOut = false), which the stats
+// combine turns into lse and lse_idx.
+//
+// A CTA takes one work item with 3 warpgroups: warpgroup 0 gathers each tile's rows (16 units: Q of
+// their 4 heads and Q_idx) into a ring of kStages stages (as the output pass's producer, without lse);
+// consumers 1 and 2 take tiles c, c + 2, ... (three consumers at 152 registers spilled 72 bytes; two
+// use 180 of their 232). Per tile, warp w of a consumer holds rows [16 w, +16):
+//   S = Q K^T (wgmma m64n128 RS) issued first; the index logits of warp w's 32 keys for the 16 units on
+//   mma.sync under it, reduced to (max, sum) per unit over those keys; the stage is released; then the
+//   row (max, sum) of S per (entry, head); after one named barrier of the group, the index parts merge
+//   per unit in key order (double-buffered, so no second barrier).
+#pragma once
+#include "sm90/sparse_fwd/out_pass_ws.cuh"
+
+namespace msa::sm90::stats_ws {
+
+using namespace out_ws;  // the layout constants and helpers of the output pass
+using sm80::quad_row_max_sum;
+
+constexpr int kStages = 6;
+constexpr int kConsumers = 2;
+constexpr int kThreads = 128 * (1 + kConsumers);
+constexpr int kProducerRegs = 40, kConsumerRegs = 232;  // 40 + 2 * 232 <= 168 * 3 (the launch's pool)
+constexpr int kParts = kKeys / 32;                      // index-logit parts: a warp's 32 keys each
+
+template <typename T, int D>
+struct Smem {  // byte offsets from the 1024-aligned base
+  using KT = KMajorSw128<kKeys, D>;
+  using KiT = KMajorSw128<kKeys, kDi>;
+  static constexpr int k = 0;
+  static constexpr int ki = k + kKeys * D * 2;
+  static constexpr int s_q = 0;
+  static constexpr int s_qi = s_q + kRows * D * 2;
+  static constexpr int stage_bytes = s_qi + kUnits * kDi * 2;
+  static constexpr int stage0 = ki + kKeys * kDi * 2;
+  // Per consumer, 2 buffers x kParts x kUnits (max, sum) of the index logits.
+  static constexpr int cons_bytes = 2 * kParts * kUnits * 8;
+  static constexpr int cons0 = stage0 + kStages * stage_bytes;
+  static constexpr int table = cons0 + kConsumers * cons_bytes;
+  static constexpr int bars = table + 2 * sm80::kFwdMaxItemUnits * 4;
+  static constexpr int bytes = bars + 2 * kStages * 8;
+};
+
+template <typename T, int D>
+__global__ void __launch_bounds__(kThreads, 1) stats_pass_ws_kernel(SparseFwdParams p) {
+  using L = Smem<T, D>;
+  using KT = typename L::KT;
+  using KiT = typename L::KiT;
+  using QTile = SwizzledTile<D>;
+  using QiTile = SwizzledTile<kDi>;
+  constexpr int kChunks = D / 8;
+  extern __shared__ __align__(128) unsigned char smem_raw[];
+  unsigned char* smem = smem_raw + ((1024 - (smem_addr(smem_raw) & 1023)) & 1023);
+  T* sK = reinterpret_cast<T*>(smem + L::k);
+  T* sKi = reinterpret_cast<T*>(smem + L::ki);
+  int* sEntryAll = reinterpret_cast<int*>(smem + L::table);
+  int* sTokAll = sEntryAll + sm80::kFwdMaxItemUnits;
+  uint64_t* full = reinterpret_cast<uint64_t*>(smem + L::bars);
+  uint64_t* empty = full + kStages;
+
+  const SparseWork& w = p.work;
+  const int item = w.item_order != nullptr ? w.item_order[blockIdx.x] : int(blockIdx.x);
+  if (item >= w.item_offsets[w.num_keys]) return;
+  const int2 it = w.items[item];
+  const int key = it.x;
+  const int u_begin = it.y;
+  const int u_end = min(u_begin + w.units_per_item, w.offsets[key + 1]);
+  const int r = key / w.max_blocks, gb = key % w.max_blocks;
+  const BlockSpan span = block_span(w.block_offsets, p.cu_seqlens, p.num_seqs, gb, p.block_size);
+  const int seq_start = span.seq_start, key0 = span.key0, blen = span.blen;
+  const int n_units = u_end - u_begin;
+  const int n_tiles = (n_units + kUnits - 1) / kUnits;
+  const int tid = threadIdx.x;
+
+  // Prologue: the producer reads the unit table and starts K and K_idx; every thread waits for them
+  // once (a stats item is short: the first gathers start right after).
+  if (tid < 128) {
+    for (int i = tid; i < n_units; i += 128) {
+      const int e = w.entries[u_begin + i];
+      const int t = (e / p.topk) % p.total_tokens;
+      sEntryAll[i] = (r * p.chunk_tokens + (t - p.chunk_begin)) * p.topk + e % p.topk;  // chunk-local entry
+      sTokAll[i] = t;
+    }
+    if (tid == 0) {
+      for (int s = 0; s < kStages; ++s) {
+        mbar_init(&full[s], 128);
+        mbar_init(&empty[s], 128);
+      }
+      mbar_fence_init();
+    }
+  } else {
+    const int ct = tid - 128;
+    const int nt = kThreads - 128;
+    const int kvh = (r * kGu) / (p.hq / p.hkv);
+    const T* ks = static_cast<const T*>(p.k) + int64_t(seq_start + key0) * p.k_stride_t + int64_t(kvh) * p.k_stride_h;
+    for (int i = ct; i < kKeys * kChunks; i += nt) {
+      const int row = i / kChunks, c = i % kChunks;
+      const bool ok = row < blen;
+      cp_async_16(sK + KT::offset(row, c), ks + int64_t(ok ? row : 0) * p.k_stride_t + c * 8, ok);
+    }
+    const int kih = r / (p.hi / p.hki);
+    const T* kis = static_cast<const T*>(p.k_idx) + int64_t(seq_start + key0) * p.ki_stride_t + int64_t(kih) * p.ki_stride_h;
+    const int di_chunks = p.di / 8;
+    for (int i = ct; i < kKeys * (kDi / 8); i += nt) {
+      const int row = i / (kDi / 8), c = i % (kDi / 8);
+      const bool ok = row < blen && c < di_chunks;
+      cp_async_16(sKi + KiT::offset(row, c), kis + (ok ? int64_t(row) * p.ki_stride_t + c * 8 : 0), ok);
+    }
+    sm80::cp_async_commit();
+  }
+  __syncthreads();
+
+  if (tid < 128) {
+    setmaxnreg_dec<kProducerRegs>();
+    const int c = tid % kChunks;
+    constexpr int kRowStep = 128 / kChunks;
+    static_assert(kRowStep % kGu == 0, "one head per producer thread");
+    const T* qh = static_cast<const T*>(p.q) + int64_t(r * kGu + (tid / kChunks) % kGu) * p.q_stride_h + c * 8;
+    const T* QI = static_cast<const T*>(p.q_idx);
+    const int di_chunks = p.di / 8;
+    for (int t = 0; t < n_tiles; ++t) {
+      const int s = t % kStages;
+      if (t >= kStages) mbar_wait(&empty[s], ((t / kStages) - 1) & 1);
+      unsigned char* st = smem + L::stage0 + s * L::stage_bytes;
+      T* sQ = reinterpret_cast<T*>(st + L::s_q);
+      T* sQi = reinterpret_cast<T*>(st + L::s_qi);
+      const int ub = t * kUnits, nu = min(kUnits, n_units - ub);
+      const int* tok = sTokAll + ub;
+#pragma unroll 2
+      for (int row = tid / kChunks; row < kRows; row += kRowStep) {
+        const int u = row / kGu;
+        const bool ok = u < nu;
+        cp_async_16(sQ + QTile::offset(row, c), qh + int64_t(ok ? tok[u] : 0) * p.q_stride_t, ok);
+      }
+#pragma unroll
+      for (int i = tid; i < kUnits * (kDi / 8); i += 128) {
+        const int u = i / (kDi / 8), ci = i % (kDi / 8);
+        const bool ok = u < nu && ci < di_chunks;
+        cp_async_16(sQi + QiTile::offset(u, ci),
+                    QI + (ok ? int64_t(tok[u]) * p.qi_stride_t + int64_t(r) * p.qi_stride_h + ci * 8 : 0), ok);
+      }
+      cp_async_mbar_arrive(&full[s]);
+    }
+    sm80::cp_async_wait<0>();
+    return;
+  }
+
+  setmaxnreg_inc<kConsumerRegs>();
+  sm80::cp_async_wait<0>();
+  fence_proxy_async_smem();  // K (cp.async) is read by wgmma
+  asm volatile("bar.sync 4, %0;\n" ::"n"(kThreads - 128) : "memory");
+  const int cw = tid / 128 - 1;
+  const int ctid = tid % 128, wq = ctid / 32, lane = tid % 32, g = lane / 4, tq = lane % 4;
+  const int gi = g & (kGu - 1);
+  float2* sPart = reinterpret_cast<float2*>(smem + L::cons0 + cw * L::cons_bytes);
+  const float iscale2 = p.index_scale * kLog2e;
+  const uint32_t k_addr = smem_addr(sK);
+  const int row0 = wq * 16 + g, row1 = row0 + 8;
+  const int uu0 = row0 / kGu, uu1 = row1 / kGu;
+  // Index parts that exist: a warp's 32 keys each (block_size 64: the first two).
+  const int n_parts = min(kParts, (p.block_size + 31) / 32);
+  const float mscale = p.scale_log2 > 0.f ? p.scale_log2 : 1.f;
+  const float pre = p.scale_log2 > 0.f ? 1.f : p.scale_log2;
+  int buf = 0;
+  for (int t = cw; t < n_tiles; t += kConsumers, buf ^= 1) {
+    const int s = t % kStages;
+    mbar_wait(&full[s], (t / kStages) & 1);
+    unsigned char* st = smem + L::stage0 + s * L::stage_bytes;
+    const T* sQ = reinterpret_cast<const T*>(st + L::s_q);
+    const T* sQi = reinterpret_cast<const T*>(st + L::s_qi);
+    const int ub = t * kUnits, nu = min(kUnits, n_units - ub);
+    const int* sEntry = sEntryAll + ub;
+    const int* sTok = sTokAll + ub;
+    auto key_limit = [&](int u) { return u < nu ? min(blen - 1, sTok[u] - seq_start - key0) : -1; };
+    float2* part = sPart + buf * kParts * kUnits;
+
+    float sw[kKeys / 2];
+    {
+      uint32_t a[D / 16][4];
+#pragma unroll
+      for (int ks = 0; ks < D / 16; ++ks) ldmatrix_x4(a[ks], sQ + QTile::offset(wq * 16 + lane % 16, ks * 2 + lane / 16));
+      wgmma_fence();
+#pragma unroll
+      for (int ks = 0; ks < D / 16; ++ks) WgmmaRS<T, kKeys>::run(sw, a[ks], KT::desc(k_addr, ks), ks > 0);
+      wgmma_commit();
+      float ci[4][4];
+      sm80::zero_acc(ci);
+#pragma unroll
+      for (int ks = 0; ks < kDi / 16; ++ks) {
+        uint32_t fa[4];
+        ldmatrix_x4(fa, sQi + QiTile::offset(lane % 16, ks * 2 + lane / 16));
+#pragma unroll
+        for (int np = 0; np < 2; ++np) {
+          uint32_t b[4];
+          ldmatrix_x4(b, sKi + KiT::offset(wq * 32 + np * 16 + (lane % 8) + (lane / 16) * 8, ks * 2 + (lane / 8) % 2));
+          MmaOp<T>::run(ci[2 * np], fa, b[0], b[1]);
+          MmaOp<T>::run(ci[2 * np + 1], fa, b[2], b[3]);
+        }
+      }
+      wgmma_wait<0>();
+      // Every read of the stage is done (the fragments are in registers).
+      mbar_arrive(&empty[s]);
+      // Index logits of units g, g + 8 over this warp's keys: (max, sum) per unit, the masked ones -inf.
+      const int lima = key_limit(g), limb = key_limit(g + 8);
+      float x[4][4];
+#pragma unroll
+      for (int n = 0; n < 4; ++n) {
+        const int col = wq * 32 + n * 8 + 2 * tq;
+        x[n][0] = col <= lima ? ci[n][0] * iscale2 : kNegInf;
+        x[n][1] = col + 1 <= lima ? ci[n][1] * iscale2 : kNegInf;
+        x[n][2] = col <= limb ? ci[n][2] * iscale2 : kNegInf;
+        x[n][3] = col + 1 <= limb ? ci[n][3] * iscale2 : kNegInf;
+      }
+      float m[2], l[2];
+      quad_row_max_sum(x, m, l);
+      if (tq == 0) {
+        part[wq * kUnits + g] = make_float2(m[0], l[0]);
+        part[wq * kUnits + g + 8] = make_float2(m[1], l[1]);
+      }
+    }
+    // Main (max, sum) per (entry, head) of rows row0, row1 (raw logits, the scale applied inside).
+    {
+      float c[kKeys / 8][4];
+#pragma unroll
+      for (int n = 0; n < kKeys / 8; ++n)
+#pragma unroll
+        for (int e = 0; e < 4; ++e) c[n][e] = sw[4 * n + e];
+      const int lim0 = key_limit(uu0), lim1 = key_limit(uu1);
+      const bool full_tile = blen == kKeys && sTok[0] - seq_start - key0 >= kKeys - 1;
+      if (!full_tile || !(p.scale_log2 > 0.f)) {
+#pragma unroll
+        for (int n = 0; n < kKeys / 8; ++n) {
+          const int col = n * 8 + 2 * tq;
+          c[n][0] = full_tile || col <= lim0 ? c[n][0] * pre : kNegInf;
+          c[n][1] = full_tile || col + 1 <= lim0 ? c[n][1] * pre : kNegInf;
+          c[n][2] = full_tile || col <= lim1 ? c[n][2] * pre : kNegInf;
+          c[n][3] = full_tile || col + 1 <= lim1 ? c[n][3] * pre : kNegInf;
+        }
+      }
+      float m[2], l[2];
+      quad_row_max_sum(c, m, l, mscale);
+      if (tq == 0) {
+        if (lim0 >= 0) p.stats[int64_t(sEntry[uu0]) * kGu + gi] = make_float2(m[0], l[0]);
+        if (lim1 >= 0) p.stats[int64_t(sEntry[uu1]) * kGu + gi] = make_float2(m[1], l[1]);
+      }
+    }
+    group_sync(1 + cw);  // the index parts of all the group's warps
+    if (ctid < nu) {
+      float m = kNegInf;
+      for (int q = 0; q < n_parts; ++q) m = fmaxf(m, part[q * kUnits + ctid].x);
+      float l = 0.f;
+      for (int q = 0; q < n_parts; ++q) {
+        const float2 x = part[q * kUnits + ctid];
+        if (x.y != 0.f) l += x.y * exp2f(x.x - m);  // empty parts hold 0; a NaN sum stays
+      }
+      p.idx_stats[sEntry[ctid]] = make_float2(m, l);
+    }
+  }
+}
+
+// Whether the warp-specialized stats pass applies: the output pass's layout, with the main stats.
+inline bool applies(const SparseFwdParams& p) { return p.stats_ws && out_ws::applies(p) && p.main_stats; }
+
+template <typename T, int D>
+cudaError_t launch(const SparseFwdParams& p, cudaStream_t stream) {
+  if (p.work.max_items == 0) return cudaSuccess;
+  constexpr int smem = Smem<T, D>::bytes + 1024;
+  auto kernel = stats_pass_ws_kernel<T, D>;
+  cudaError_t err = cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, smem);
+  if (err != cudaSuccess) return err;
+  kernel<<<p.work.max_items, kThreads, smem, stream>>>(p);
+  return cudaGetLastError();
+}
+
+}  // namespace msa::sm90::stats_ws
