@@ -15,6 +15,8 @@ ops = torch.ops.msa
 
 def _run(monkeypatch, fixed, args, op=ops.msa_fwd):
     monkeypatch.delenv("MSA_PORTABLE_KERNELS", raising=False)
+    monkeypatch.setenv("MSA_FWD_WS", "0")  # the Gu = 4 instantiations of the general passes, not the
+    monkeypatch.setenv("MSA_FWD_WS_STATS", "0")  # warp-specialized ones (tests/test_fwd_ws_gpu.py)
     if fixed:
         monkeypatch.delenv("MSA_FWD_FIXED_GU", raising=False)
     else:

@@ -35,24 +35,24 @@ def _hopper(monkeypatch):
         pytest.skip("the warp-specialized pass is an sm_90a kernel")
 
 
-# (Hq, Hkv, Hi, Hki), D, Di, block_size, dtype: every one has G = Hq / Hi = 4 and J = 1.
+# (Hq, Hkv, Hi, Hki), D, Di, block_size, dtype: every one has G = Hq / Hi = 4 and J = 1; each of the four
+# (dtype, D) instantiations runs, and block_size 64 with both D.
 CASES = [((16, 2, 4, 1), 128, 128, 128, torch.bfloat16),
          ((16, 2, 4, 2), 64, 64, 64, torch.float16),
-         ((8, 1, 2, 1), 128, 64, 128, torch.bfloat16),
-         ((8, 2, 2, 1), 64, 128, 128, torch.float16)]
+         ((8, 1, 2, 1), 128, 64, 128, torch.float16),
+         ((8, 2, 2, 1), 64, 128, 128, torch.bfloat16),
+         ((16, 2, 4, 1), 128, 128, 64, torch.bfloat16)]
+LENGTHS = [2100, 700, 1, 300, 129]  # 1 token, under a block, items of many 16-unit tiles and a partial last one
 
 
-@pytest.mark.parametrize("deterministic", [False, True])
-@pytest.mark.parametrize("index_grad", [True, False])
-@pytest.mark.parametrize("case", CASES)
-def test_ws_matches_general(monkeypatch, case, index_grad, deterministic):
-    heads, D, Di, bs, dtype = case
-    # Sequences of 1 token, under a block, and long enough for items of many 16-unit tiles (and a
-    # partial last one).
-    q, k, v, qi, ki, cu, mx = make_packed([2100, 700, 1, 300, 129], heads, D, Di, dtype=dtype, device="cuda",
-                                          seed=D + Di + bs)
-    args = (q, k, v, qi, ki, cu, mx, 6, bs, 1 / math.sqrt(D), 1 / math.sqrt(Di), False, True, index_grad,
-            deterministic)
+def _kernels(fn):
+    with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CUDA]) as prof:
+        fn()
+        torch.cuda.synchronize()
+    return " ".join(e.name for e in prof.events())
+
+
+def _check(monkeypatch, args, index_grad):
     general = _run(monkeypatch, False, args)
     ws_out = _run(monkeypatch, True, args, stats=False)
     ws = _run(monkeypatch, True, args)
@@ -78,3 +78,36 @@ def test_ws_matches_general(monkeypatch, case, index_grad, deterministic):
                 assert torch.isfinite(b).all(), f"{name}: non-finite values"
                 torch.testing.assert_close(b, a, rtol=2e-2, atol=2e-3 * scale, msg=name)
                 assert (b - a).abs().mean().item() < 1e-3 * scale, f"{name}: mean difference too large"
+
+
+@pytest.mark.parametrize("index_grad,deterministic", [(True, False), (True, True), (False, False)])
+@pytest.mark.parametrize("case", CASES)
+def test_ws_matches_general(monkeypatch, case, index_grad, deterministic):
+    heads, D, Di, bs, dtype = case
+    q, k, v, qi, ki, cu, mx = make_packed(LENGTHS, heads, D, Di, dtype=dtype, device="cuda", seed=D + Di + bs)
+    args = (q, k, v, qi, ki, cu, mx, 6, bs, 1 / math.sqrt(D), 1 / math.sqrt(Di), False, True, index_grad,
+            deterministic)
+    _check(monkeypatch, args, index_grad)
+
+
+@pytest.mark.parametrize("knobs", [{"MSA_PARTIAL_BUDGET": str(1 << 20)}, {"MSA_FWD_UNITS_PER_ITEM": "37"}])
+def test_ws_many_chunks_and_odd_items(monkeypatch, knobs):
+    """Several query chunks (a 1 MiB partial budget), and items of 37 units (tiles of 16, 16, 5)."""
+    for name, value in knobs.items():
+        monkeypatch.setenv(name, value)
+    heads, D, Di, bs, dtype = CASES[0]
+    q, k, v, qi, ki, cu, mx = make_packed(LENGTHS, heads, D, Di, dtype=dtype, device="cuda", seed=3)
+    args = (q, k, v, qi, ki, cu, mx, 6, bs, 1 / math.sqrt(D), 1 / math.sqrt(Di), False, True, True, False)
+    _check(monkeypatch, args, True)
+
+
+def test_ws_kernels_run(monkeypatch):
+    """The layout dispatches to the warp-specialized kernels (and MSA_FWD_WS=0 to the general ones), so the
+    comparisons above compare two different kernels."""
+    heads, D, Di, bs, dtype = CASES[0]
+    q, k, v, qi, ki, cu, mx = make_packed(LENGTHS, heads, D, Di, dtype=dtype, device="cuda", seed=5)
+    args = (q, k, v, qi, ki, cu, mx, 6, bs, 1 / math.sqrt(D), 1 / math.sqrt(Di), False, True, True, False)
+    names = _kernels(lambda: _run(monkeypatch, True, args))
+    assert "out_pass_ws_kernel" in names and "stats_pass_ws_kernel" in names, names
+    names = _kernels(lambda: _run(monkeypatch, False, args))
+    assert "_ws_kernel" not in names and "sparse_fwd_kernel" in names, names

@@ -61,7 +61,10 @@ constexpr int kDi = 128;               // index head dim in shared memory (Di = 
 constexpr int kStages = 4;             // the producer's ring: two tiles ahead per consumer
 constexpr int kThreads = 384;          // producer + two consumers
 constexpr int kSiS = kKeys + 8;        // floats per S_idx row: the 8 units of a fragment in distinct banks
-constexpr int kProducerRegs = 40, kConsumerRegs = 232;  // 40 * 128 + 232 * 256 <= 65536
+constexpr int kProducerRegs = 40, kConsumerRegs = 232;
+// setmaxnreg moves registers within the CTA's pool from the launch (168 per thread at 384 threads, by
+// __launch_bounds__): a request past it would never be granted (the consumers would wait forever).
+static_assert(kProducerRegs * 128 + kConsumerRegs * 256 <= (65536 / kThreads & ~7) * kThreads, "register pool");
 constexpr float kNegInf = -__builtin_huge_valf();
 constexpr float kMinNormal = 1.17549435e-38f;  // see sparse_fwd_kernel.cuh: pm * log2 pm from here on
 
@@ -94,6 +97,13 @@ template <int N>
 __device__ __forceinline__ void setmaxnreg_dec() { asm volatile("setmaxnreg.dec.sync.aligned.u32 %0;\n" ::"n"(N)); }
 template <int N>
 __device__ __forceinline__ void setmaxnreg_inc() { asm volatile("setmaxnreg.inc.sync.aligned.u32 %0;\n" ::"n"(N)); }
+// Pins the reads of wgmma-written registers after the wait that precedes it (NVVM does not know that
+// wgmma.wait_group defines them).
+template <int N>
+__device__ __forceinline__ void fence_regs(float (&r)[N]) {
+#pragma unroll
+  for (int i = 0; i < N; ++i) asm volatile("" : "+f"(r[i])::"memory");
+}
 // The 128 threads of consumer warpgroup `id - 1` (named barrier id 1 or 2; 0 is __syncthreads).
 __device__ __forceinline__ void group_sync(int id) { asm volatile("bar.sync %0, 128;\n" ::"r"(id) : "memory"); }
 __device__ __forceinline__ void cp_async_mbar_arrive(uint64_t* bar) {
@@ -216,7 +226,7 @@ __global__ void __launch_bounds__(kThreads, 1) out_pass_ws_kernel(SparseFwdParam
       }
       cp_async_mbar_arrive(&full[s]);
     }
-    sm80::cp_async_wait<0>();
+    asm volatile("cp.async.wait_all;\n" ::: "memory");  // (uncommitted copies: wait_group 0 would not wait)
     return;
   }
 
@@ -278,6 +288,7 @@ __global__ void __launch_bounds__(kThreads, 1) out_pass_ws_kernel(SparseFwdParam
         *reinterpret_cast<float2*>(sSi + (g + 8) * kSiS + col) = make_float2(ci[n][2] * iscale2, ci[n][3] * iscale2);
       }
       wgmma_wait<0>();
+      fence_regs(sw);
     }
     float c[kKeys / 8][4];
 #pragma unroll
@@ -356,13 +367,16 @@ __global__ void __launch_bounds__(kThreads, 1) out_pass_ws_kernel(SparseFwdParam
         issue(ow0, 0);
         issue(ow1, 1);
         wgmma_wait<1>();
+        fence_regs(ow0);
         stage(ow0, 0);
         wgmma_wait<0>();
+        fence_regs(ow1);
         stage(ow1, 1);
       } else {
         float ow[32];
         issue(ow, 0);
         wgmma_wait<0>();
+        fence_regs(ow);
         stage(ow, 0);
       }
       __syncwarp();
@@ -389,7 +403,7 @@ __global__ void __launch_bounds__(kThreads, 1) out_pass_ws_kernel(SparseFwdParam
         const int u = h ? uu1 : uu0;
         const float2 si = *reinterpret_cast<const float2*>(sSi + u * kSiS + col);
         const float pm0 = c[n][2 * h] * inv_g, pm1 = c[n][2 * h + 1] * inv_g;
-        // The selects matter: past block_size the S_idx columns are stale; a NaN P passes (the row's
+        // The select keeps pm = 0 (masked keys, keys past blen) out of log2; a NaN P passes (the row's
         // KL is NaN, as in the reference).
         const float term = (!(pm0 < kMinNormal) ? pm0 * (fast_log2(pm0) - si.x) : 0.f) +
                            (!(pm1 < kMinNormal) ? pm1 * (fast_log2(pm1) - si.y) : 0.f);

@@ -23,7 +23,9 @@ using sm80::quad_row_max_sum;
 constexpr int kStages = 6;
 constexpr int kConsumers = 2;
 constexpr int kThreads = 128 * (1 + kConsumers);
-constexpr int kProducerRegs = 40, kConsumerRegs = 232;  // 40 + 2 * 232 <= 168 * 3 (the launch's pool)
+constexpr int kProducerRegs = 40, kConsumerRegs = 232;
+static_assert(kProducerRegs * 128 + kConsumerRegs * 128 * kConsumers <= (65536 / kThreads & ~7) * kThreads,
+              "register pool");
 constexpr int kParts = kKeys / 32;                      // index-logit parts: a warp's 32 keys each
 
 template <typename T, int D>
@@ -144,7 +146,7 @@ __global__ void __launch_bounds__(kThreads, 1) stats_pass_ws_kernel(SparseFwdPar
       }
       cp_async_mbar_arrive(&full[s]);
     }
-    sm80::cp_async_wait<0>();
+    asm volatile("cp.async.wait_all;\n" ::: "memory");
     return;
   }
 
@@ -201,6 +203,7 @@ __global__ void __launch_bounds__(kThreads, 1) stats_pass_ws_kernel(SparseFwdPar
         }
       }
       wgmma_wait<0>();
+      fence_regs(sw);
       // Every read of the stage is done (the fragments are in registers).
       mbar_arrive(&empty[s]);
       // Index logits of units g, g + 8 over this warp's keys: (max, sum) per unit, the masked ones -inf.
