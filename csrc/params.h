@@ -141,6 +141,7 @@ struct SparseFwdParams {
   // applies (fixed_gu = 4, the index branch, write_out); false keeps the general one.
   bool out_ws;
   bool stats_ws;           // the same for the stats pass (csrc/sm90/sparse_fwd/stats_pass_ws.cuh), with out_ws
+                           // (the host sets it only when MSA_FWD_WS_STATS=1)
   // Portable passes only (sm80::launch_sparse_fwd; the sm_90a launcher ignores it): the small-smem
   // configuration for GPUs with 99 KB of shared memory per block (sparse_smem_bytes(d, pass, 64, true);
   // out_rows is then ignored). Same work items, partials and combines.

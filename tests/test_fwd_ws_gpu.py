@@ -1,5 +1,6 @@
 """The warp-specialized sm_90a passes (csrc/sm90/sparse_fwd/: Gu = 4 heads per unit, J = 1, with the index
-branch) against the general sm_90a passes (MSA_FWD_WS=0), and the output pass alone (MSA_FWD_WS_STATS=0).
+branch) against the general sm_90a passes (MSA_FWD_WS=0): the output pass alone (the default) and with the
+warp-specialized stats pass (MSA_FWD_WS_STATS=1, off by default: no faster than the general one).
 The main logits and P V are the same wgmma products per row, reduced in the same order, so out and lse
 must be bitwise equal; the index logits run on mma.sync there instead of wgmma (another fp32 summation
 order) and the stats pass merges them in 32-key parts instead of 64, so lse_idx (warp-specialized stats
@@ -19,11 +20,14 @@ ops = torch.ops.msa
 def _run(monkeypatch, ws, args, stats=True):
     monkeypatch.delenv("MSA_PORTABLE_KERNELS", raising=False)
     monkeypatch.delenv("MSA_FWD_FIXED_GU", raising=False)
-    for name, on in (("MSA_FWD_WS", ws), ("MSA_FWD_WS_STATS", stats)):
-        if on:
-            monkeypatch.delenv(name, raising=False)
-        else:
-            monkeypatch.setenv(name, "0")
+    if ws:
+        monkeypatch.delenv("MSA_FWD_WS", raising=False)
+    else:
+        monkeypatch.setenv("MSA_FWD_WS", "0")
+    if stats:
+        monkeypatch.setenv("MSA_FWD_WS_STATS", "1")
+    else:
+        monkeypatch.delenv("MSA_FWD_WS_STATS", raising=False)
     poison_allocator()
     return ops.msa_fwd(*args)
 
@@ -109,5 +113,7 @@ def test_ws_kernels_run(monkeypatch):
     args = (q, k, v, qi, ki, cu, mx, 6, bs, 1 / math.sqrt(D), 1 / math.sqrt(Di), False, True, True, False)
     names = _kernels(lambda: _run(monkeypatch, True, args))
     assert "out_pass_ws_kernel" in names and "stats_pass_ws_kernel" in names, names
+    names = _kernels(lambda: _run(monkeypatch, True, args, stats=False))  # the default
+    assert "out_pass_ws_kernel" in names and "stats_pass_ws_kernel" not in names, names
     names = _kernels(lambda: _run(monkeypatch, False, args))
     assert "_ws_kernel" not in names and "sparse_fwd_kernel" in names, names
