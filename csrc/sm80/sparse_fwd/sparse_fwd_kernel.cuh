@@ -45,6 +45,7 @@
 #include <type_traits>
 
 #include "common/block_span.h"
+#include "common/fwd_item.cuh"
 #include "common/det_sum.h"
 #include "common/mma_sm80.h"
 #include "common/wgmma_sm90.h"
@@ -176,16 +177,10 @@ __global__ void __launch_bounds__(SparseFwdShape::threads<kOut, kWgmma, kRows>()
   int* sRowU = reinterpret_cast<int*>(smem + L::rows);  // tile row -> unit (-1: padding) and head in unit
   int* sRowH = sRowU + kRows;
 
-  const SparseWork& w = p.work;
-  const int item = w.item_order != nullptr ? w.item_order[blockIdx.x] : int(blockIdx.x);
-  if (item >= w.item_offsets[w.num_keys]) return;
-  const int2 it = w.items[item];
-  const int key = it.x;
-  const int u_begin = it.y;
-  const int u_end = min(u_begin + w.units_per_item, w.offsets[key + 1]);
-  const int r = key / w.max_blocks, gb = key % w.max_blocks;
-  const BlockSpan span = block_span(w.block_offsets, p.cu_seqlens, p.num_seqs, gb, p.block_size);
-  const int seq_start = span.seq_start, key0 = span.key0, blen = span.blen;
+  FwdItem f;
+  if (!fwd_item(p, f)) return;
+  const int r = f.r, u_begin = f.u_begin, n_units = f.n_units;
+  const int seq_start = f.span.seq_start, key0 = f.span.key0, blen = f.span.blen;
 
   const int G = p.hq / p.hi;
   const int J = p.hkv > p.hi ? p.hkv / p.hi : 1;
@@ -235,13 +230,7 @@ __global__ void __launch_bounds__(SparseFwdShape::threads<kOut, kWgmma, kRows>()
   };
 
   // The item's unit table, once.
-  const int n_units = u_end - u_begin;
-  for (int i = tid; i < n_units; i += kThreadsT) {
-    const int e = w.entries[u_begin + i];
-    const int t = (e / p.topk) % p.total_tokens;
-    sEntryAll[i] = (r * p.chunk_tokens + (t - p.chunk_begin)) * p.topk + e % p.topk;  // chunk-local entry
-    sTokAll[i] = t;
-  }
+  load_unit_table(p, f, sEntryAll, sTokAll, tid, kThreadsT);
   const int kih = r / (p.hi / p.hki);
   const float iscale2 = p.index_scale * kLog2e;  // index logits in the log2 domain
   // K (and V) of kv head j of the group, and K_idx: the stage's keys [ko, ko + kStage) of the block

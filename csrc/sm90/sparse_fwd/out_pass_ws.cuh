@@ -35,6 +35,7 @@
 #include <cstdint>
 
 #include "common/block_span.h"
+#include "common/fwd_item.cuh"
 #include "common/det_sum.h"
 #include "common/mma_sm80.h"
 #include "common/wgmma_sm90.h"
@@ -111,6 +112,73 @@ __device__ __forceinline__ void group_sync(int id) { asm volatile("bar.sync %0, 
 __device__ __forceinline__ void cp_async_mbar_arrive(uint64_t* bar) {
   asm volatile("cp.async.mbarrier.arrive.noinc.shared::cta.b64 [%0];\n" ::"r"(smem_addr(bar)) : "memory");
 }
+// The ring's barriers (one thread, before a CTA barrier): full completes on the 128 producer threads'
+// cp.async arrivals, empty on the consuming warpgroup's 128 threads.
+__device__ __forceinline__ void init_ring(uint64_t* full, uint64_t* empty, int stages) {
+  for (int s = 0; s < stages; ++s) {
+    mbar_init(&full[s], 128);
+    mbar_init(&empty[s], 128);
+  }
+  mbar_fence_init();
+}
+
+// K (and, kV, V) of the index group's kv head and K_idx of the item's block into their KMajorSw128 tiles,
+// keys past blen and Di past di zero-filled, by threads i0, i0 + step, ... (one cp.async group, committed).
+template <typename T, int D, bool kV>
+__device__ __forceinline__ void load_block(const SparseFwdParams& p, const FwdItem& f, T* sK, T* sV, T* sKi, int i0,
+                                           int step) {
+  using KT = KMajorSw128<kKeys, D>;
+  using KiT = KMajorSw128<kKeys, kDi>;
+  constexpr int kChunks = D / 8;
+  const int tok0 = f.span.seq_start + f.span.key0, blen = f.span.blen;
+  const int kvh = (f.r * kGu) / (p.hq / p.hkv);
+  const T* ks = static_cast<const T*>(p.k) + int64_t(tok0) * p.k_stride_t + int64_t(kvh) * p.k_stride_h;
+  const T* vs = static_cast<const T*>(p.v) + int64_t(tok0) * p.v_stride_t + int64_t(kvh) * p.v_stride_h;
+  for (int i = i0; i < kKeys * kChunks; i += step) {
+    const int row = i / kChunks, c = i % kChunks;
+    const bool ok = row < blen;
+    const int rr = ok ? row : 0;
+    cp_async_16(sK + KT::offset(row, c), ks + int64_t(rr) * p.k_stride_t + c * 8, ok);
+    if constexpr (kV) cp_async_16(sV + KT::offset(row, c), vs + int64_t(rr) * p.v_stride_t + c * 8, ok);
+  }
+  const int kih = f.r / (p.hi / p.hki);
+  const T* kis = static_cast<const T*>(p.k_idx) + int64_t(tok0) * p.ki_stride_t + int64_t(kih) * p.ki_stride_h;
+  const int di_chunks = p.di / 8;
+  for (int i = i0; i < kKeys * (kDi / 8); i += step) {
+    const int row = i / (kDi / 8), c = i % (kDi / 8);
+    const bool ok = row < blen && c < di_chunks;
+    cp_async_16(sKi + KiT::offset(row, c), kis + (ok ? int64_t(row) * p.ki_stride_t + c * 8 : 0), ok);
+  }
+  sm80::cp_async_commit();
+}
+
+// Producer thread tid (of 128): its share of one tile's rows, Q of the nu units' kGu heads (64 rows,
+// SwizzledTile<D>) and their Q_idx (SwizzledTile<kDi>), tokens tok[0 .. nu); rows of absent units and Di
+// past di zero-filled. A thread copies one 16-byte column of rows tid / (D / 8) + 128 / (D / 8) i: one head.
+template <typename T, int D>
+__device__ __forceinline__ void gather_q(const SparseFwdParams& p, int r, const int* tok, int nu, T* sQ, T* sQi,
+                                         int tid) {
+  constexpr int kChunks = D / 8;
+  constexpr int kRowStep = 128 / kChunks;
+  static_assert(kRowStep % kGu == 0, "one head per producer thread");
+  const int c = tid % kChunks;
+  const T* qh = static_cast<const T*>(p.q) + int64_t(r * kGu + (tid / kChunks) % kGu) * p.q_stride_h + c * 8;
+#pragma unroll 2
+  for (int row = tid / kChunks; row < kRows; row += kRowStep) {
+    const int u = row / kGu;
+    const bool ok = u < nu;
+    cp_async_16(sQ + SwizzledTile<D>::offset(row, c), qh + int64_t(ok ? tok[u] : 0) * p.q_stride_t, ok);
+  }
+  const T* QI = static_cast<const T*>(p.q_idx);
+  const int di_chunks = p.di / 8;
+#pragma unroll
+  for (int i = tid; i < kUnits * (kDi / 8); i += 128) {
+    const int u = i / (kDi / 8), ci = i % (kDi / 8);
+    const bool ok = u < nu && ci < di_chunks;
+    cp_async_16(sQi + SwizzledTile<kDi>::offset(u, ci),
+                QI + (ok ? int64_t(tok[u]) * p.qi_stride_t + int64_t(r) * p.qi_stride_h + ci * 8 : 0), ok);
+  }
+}
 
 template <typename T, int D, bool kDsi>
 __global__ void __launch_bounds__(kThreads, 1) out_pass_ws_kernel(SparseFwdParams p) {
@@ -120,7 +188,6 @@ __global__ void __launch_bounds__(kThreads, 1) out_pass_ws_kernel(SparseFwdParam
   using QTile = SwizzledTile<D>;
   using QiTile = SwizzledTile<kDi>;
   using PTile = SwizzledTile<kKeys>;
-  constexpr int kChunks = D / 8;
   extern __shared__ __align__(128) unsigned char smem_raw[];
   unsigned char* smem = smem_raw + ((1024 - (smem_addr(smem_raw) & 1023)) & 1023);
   T* sK = reinterpret_cast<T*>(smem + L::k);
@@ -131,92 +198,33 @@ __global__ void __launch_bounds__(kThreads, 1) out_pass_ws_kernel(SparseFwdParam
   uint64_t* full = reinterpret_cast<uint64_t*>(smem + L::bars);
   uint64_t* empty = full + kStages;
 
-  const SparseWork& w = p.work;
-  const int item = w.item_order != nullptr ? w.item_order[blockIdx.x] : int(blockIdx.x);
-  if (item >= w.item_offsets[w.num_keys]) return;
-  const int2 it = w.items[item];
-  const int key = it.x;
-  const int u_begin = it.y;
-  const int u_end = min(u_begin + w.units_per_item, w.offsets[key + 1]);
-  const int r = key / w.max_blocks, gb = key % w.max_blocks;
-  const BlockSpan span = block_span(w.block_offsets, p.cu_seqlens, p.num_seqs, gb, p.block_size);
-  const int seq_start = span.seq_start, key0 = span.key0, blen = span.blen;
-  const int n_units = u_end - u_begin;
+  FwdItem f;
+  if (!fwd_item(p, f)) return;
+  const int r = f.r, u_begin = f.u_begin, n_units = f.n_units;
+  const int seq_start = f.span.seq_start, key0 = f.span.key0, blen = f.span.blen;
   const int n_tiles = (n_units + kUnits - 1) / kUnits;
   const int tid = threadIdx.x;
-  const T* Q = static_cast<const T*>(p.q);
-  const T* QI = static_cast<const T*>(p.q_idx);
 
   // Prologue: the producer reads the unit table, the consumers start K, V and K_idx; after one CTA barrier
   // (the table and the mbarriers) the producer gathers the first tiles while those loads are in flight.
   if (tid < 128) {
-    for (int i = tid; i < n_units; i += 128) {
-      const int e = w.entries[u_begin + i];
-      const int t = (e / p.topk) % p.total_tokens;
-      sEntryAll[i] = (r * p.chunk_tokens + (t - p.chunk_begin)) * p.topk + e % p.topk;  // chunk-local entry
-      sTokAll[i] = t;
-    }
-    if (tid == 0) {
-      for (int s = 0; s < kStages; ++s) {
-        mbar_init(&full[s], 128);   // the producer's threads
-        mbar_init(&empty[s], 128);  // the consuming warpgroup's threads
-      }
-      mbar_fence_init();
-    }
+    load_unit_table(p, f, sEntryAll, sTokAll, tid, 128);
+    if (tid == 0) init_ring(full, empty, kStages);
   } else {
-    const int ct = tid - 128;  // 256 consumer threads
-    const int kvh = (r * kGu) / (p.hq / p.hkv);
-    const T* ks = static_cast<const T*>(p.k) + int64_t(seq_start + key0) * p.k_stride_t + int64_t(kvh) * p.k_stride_h;
-    const T* vs = static_cast<const T*>(p.v) + int64_t(seq_start + key0) * p.v_stride_t + int64_t(kvh) * p.v_stride_h;
-    for (int i = ct; i < kKeys * kChunks; i += 256) {
-      const int row = i / kChunks, c = i % kChunks;
-      const bool ok = row < blen;
-      const int rr = ok ? row : 0;
-      cp_async_16(sK + KT::offset(row, c), ks + int64_t(rr) * p.k_stride_t + c * 8, ok);
-      cp_async_16(sV + KT::offset(row, c), vs + int64_t(rr) * p.v_stride_t + c * 8, ok);
-    }
-    const int kih = r / (p.hi / p.hki);
-    const T* kis = static_cast<const T*>(p.k_idx) + int64_t(seq_start + key0) * p.ki_stride_t + int64_t(kih) * p.ki_stride_h;
-    const int di_chunks = p.di / 8;
-    for (int i = ct; i < kKeys * (kDi / 8); i += 256) {
-      const int row = i / (kDi / 8), c = i % (kDi / 8);
-      const bool ok = row < blen && c < di_chunks;
-      cp_async_16(sKi + KiT::offset(row, c), kis + (ok ? int64_t(row) * p.ki_stride_t + c * 8 : 0), ok);
-    }
-    sm80::cp_async_commit();
+    load_block<T, D, true>(p, f, sK, sV, sKi, tid - 128, 256);
   }
   __syncthreads();
 
   if (tid < 128) {
     // Producer: tile t into stage t % kStages, once its consumer released the tile kStages before.
     setmaxnreg_dec<kProducerRegs>();
-    const int c = tid % kChunks;
-    constexpr int kRowStep = 128 / kChunks;  // a multiple of kGu: one head per thread
-    static_assert(kRowStep % kGu == 0, "one head per producer thread");
-    const int h = r * kGu + (tid / kChunks) % kGu;
-    const T* qh = Q + int64_t(h) * p.q_stride_h + c * 8;
-    const int di_chunks = p.di / 8;
     for (int t = 0; t < n_tiles; ++t) {
       const int s = t % kStages;
       if (t >= kStages) mbar_wait(&empty[s], ((t / kStages) - 1) & 1);
       unsigned char* st = smem + L::stage0 + s * L::stage_bytes;
-      T* sQ = reinterpret_cast<T*>(st + L::s_q);
-      T* sQi = reinterpret_cast<T*>(st + L::s_qi);
       const int ub = t * kUnits, nu = min(kUnits, n_units - ub);
       const int* tok = sTokAll + ub;
-#pragma unroll 2
-      for (int row = tid / kChunks; row < kRows; row += kRowStep) {
-        const int u = row / kGu;
-        const bool ok = u < nu;
-        cp_async_16(sQ + QTile::offset(row, c), qh + int64_t(ok ? tok[u] : 0) * p.q_stride_t, ok);
-      }
-#pragma unroll
-      for (int i = tid; i < kUnits * (kDi / 8); i += 128) {
-        const int u = i / (kDi / 8), ci = i % (kDi / 8);
-        const bool ok = u < nu && ci < di_chunks;
-        cp_async_16(sQi + QiTile::offset(u, ci),
-                    QI + (ok ? int64_t(tok[u]) * p.qi_stride_t + int64_t(r) * p.qi_stride_h + ci * 8 : 0), ok);
-      }
+      gather_q<T, D>(p, r, tok, nu, reinterpret_cast<T*>(st + L::s_q), reinterpret_cast<T*>(st + L::s_qi), tid);
       if (tid < kRows) {
         const int u = tid / kGu;
         const bool ok = u < nu;
@@ -462,15 +470,20 @@ inline bool applies(const SparseFwdParams& p) {
   return p.out_ws && p.fixed_gu == kGu && p.q_idx != nullptr && p.write_out && !p.small_smem;
 }
 
+// One CTA per work item of the chunk, `smem` bytes of dynamic shared memory (+ 1024 for the alignment).
+template <typename Kernel>
+cudaError_t launch_items(Kernel kernel, int threads, int smem, const SparseFwdParams& p, cudaStream_t stream) {
+  if (p.work.max_items == 0) return cudaSuccess;
+  cudaError_t err = cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, smem + 1024);
+  if (err != cudaSuccess) return err;
+  kernel<<<p.work.max_items, threads, smem + 1024, stream>>>(p);
+  return cudaGetLastError();
+}
+
 template <typename T, int D>
 cudaError_t launch(const SparseFwdParams& p, cudaStream_t stream) {
-  if (p.work.max_items == 0) return cudaSuccess;
-  constexpr int smem = Smem<T, D>::bytes + 1024;
-  auto kernel = p.dsi_part != nullptr ? out_pass_ws_kernel<T, D, true> : out_pass_ws_kernel<T, D, false>;
-  cudaError_t err = cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, smem);
-  if (err != cudaSuccess) return err;
-  kernel<<<p.work.max_items, kThreads, smem, stream>>>(p);
-  return cudaGetLastError();
+  return launch_items(p.dsi_part != nullptr ? out_pass_ws_kernel<T, D, true> : out_pass_ws_kernel<T, D, false>,
+                      kThreads, Smem<T, D>::bytes, p, stream);
 }
 
 }  // namespace msa::sm90::out_ws

@@ -53,7 +53,6 @@ __global__ void __launch_bounds__(kThreads, 1) stats_pass_ws_kernel(SparseFwdPar
   using KiT = typename L::KiT;
   using QTile = SwizzledTile<D>;
   using QiTile = SwizzledTile<kDi>;
-  constexpr int kChunks = D / 8;
   extern __shared__ __align__(128) unsigned char smem_raw[];
   unsigned char* smem = smem_raw + ((1024 - (smem_addr(smem_raw) & 1023)) & 1023);
   T* sK = reinterpret_cast<T*>(smem + L::k);
@@ -63,87 +62,31 @@ __global__ void __launch_bounds__(kThreads, 1) stats_pass_ws_kernel(SparseFwdPar
   uint64_t* full = reinterpret_cast<uint64_t*>(smem + L::bars);
   uint64_t* empty = full + kStages;
 
-  const SparseWork& w = p.work;
-  const int item = w.item_order != nullptr ? w.item_order[blockIdx.x] : int(blockIdx.x);
-  if (item >= w.item_offsets[w.num_keys]) return;
-  const int2 it = w.items[item];
-  const int key = it.x;
-  const int u_begin = it.y;
-  const int u_end = min(u_begin + w.units_per_item, w.offsets[key + 1]);
-  const int r = key / w.max_blocks, gb = key % w.max_blocks;
-  const BlockSpan span = block_span(w.block_offsets, p.cu_seqlens, p.num_seqs, gb, p.block_size);
-  const int seq_start = span.seq_start, key0 = span.key0, blen = span.blen;
-  const int n_units = u_end - u_begin;
+  FwdItem f;
+  if (!fwd_item(p, f)) return;
+  const int r = f.r, n_units = f.n_units;
+  const int seq_start = f.span.seq_start, key0 = f.span.key0, blen = f.span.blen;
   const int n_tiles = (n_units + kUnits - 1) / kUnits;
   const int tid = threadIdx.x;
 
-  // Prologue: the producer reads the unit table and starts K and K_idx; every thread waits for them
-  // once (a stats item is short: the first gathers start right after).
+  // Prologue: the producer reads the unit table, the consumers start K and K_idx (as the output pass).
   if (tid < 128) {
-    for (int i = tid; i < n_units; i += 128) {
-      const int e = w.entries[u_begin + i];
-      const int t = (e / p.topk) % p.total_tokens;
-      sEntryAll[i] = (r * p.chunk_tokens + (t - p.chunk_begin)) * p.topk + e % p.topk;  // chunk-local entry
-      sTokAll[i] = t;
-    }
-    if (tid == 0) {
-      for (int s = 0; s < kStages; ++s) {
-        mbar_init(&full[s], 128);
-        mbar_init(&empty[s], 128);
-      }
-      mbar_fence_init();
-    }
+    load_unit_table(p, f, sEntryAll, sTokAll, tid, 128);
+    if (tid == 0) init_ring(full, empty, kStages);
   } else {
-    const int ct = tid - 128;
-    const int nt = kThreads - 128;
-    const int kvh = (r * kGu) / (p.hq / p.hkv);
-    const T* ks = static_cast<const T*>(p.k) + int64_t(seq_start + key0) * p.k_stride_t + int64_t(kvh) * p.k_stride_h;
-    for (int i = ct; i < kKeys * kChunks; i += nt) {
-      const int row = i / kChunks, c = i % kChunks;
-      const bool ok = row < blen;
-      cp_async_16(sK + KT::offset(row, c), ks + int64_t(ok ? row : 0) * p.k_stride_t + c * 8, ok);
-    }
-    const int kih = r / (p.hi / p.hki);
-    const T* kis = static_cast<const T*>(p.k_idx) + int64_t(seq_start + key0) * p.ki_stride_t + int64_t(kih) * p.ki_stride_h;
-    const int di_chunks = p.di / 8;
-    for (int i = ct; i < kKeys * (kDi / 8); i += nt) {
-      const int row = i / (kDi / 8), c = i % (kDi / 8);
-      const bool ok = row < blen && c < di_chunks;
-      cp_async_16(sKi + KiT::offset(row, c), kis + (ok ? int64_t(row) * p.ki_stride_t + c * 8 : 0), ok);
-    }
-    sm80::cp_async_commit();
+    load_block<T, D, false>(p, f, sK, nullptr, sKi, tid - 128, kThreads - 128);
   }
   __syncthreads();
 
   if (tid < 128) {
     setmaxnreg_dec<kProducerRegs>();
-    const int c = tid % kChunks;
-    constexpr int kRowStep = 128 / kChunks;
-    static_assert(kRowStep % kGu == 0, "one head per producer thread");
-    const T* qh = static_cast<const T*>(p.q) + int64_t(r * kGu + (tid / kChunks) % kGu) * p.q_stride_h + c * 8;
-    const T* QI = static_cast<const T*>(p.q_idx);
-    const int di_chunks = p.di / 8;
     for (int t = 0; t < n_tiles; ++t) {
       const int s = t % kStages;
       if (t >= kStages) mbar_wait(&empty[s], ((t / kStages) - 1) & 1);
       unsigned char* st = smem + L::stage0 + s * L::stage_bytes;
-      T* sQ = reinterpret_cast<T*>(st + L::s_q);
-      T* sQi = reinterpret_cast<T*>(st + L::s_qi);
-      const int ub = t * kUnits, nu = min(kUnits, n_units - ub);
-      const int* tok = sTokAll + ub;
-#pragma unroll 2
-      for (int row = tid / kChunks; row < kRows; row += kRowStep) {
-        const int u = row / kGu;
-        const bool ok = u < nu;
-        cp_async_16(sQ + QTile::offset(row, c), qh + int64_t(ok ? tok[u] : 0) * p.q_stride_t, ok);
-      }
-#pragma unroll
-      for (int i = tid; i < kUnits * (kDi / 8); i += 128) {
-        const int u = i / (kDi / 8), ci = i % (kDi / 8);
-        const bool ok = u < nu && ci < di_chunks;
-        cp_async_16(sQi + QiTile::offset(u, ci),
-                    QI + (ok ? int64_t(tok[u]) * p.qi_stride_t + int64_t(r) * p.qi_stride_h + ci * 8 : 0), ok);
-      }
+      const int ub = t * kUnits;
+      gather_q<T, D>(p, r, sTokAll + ub, min(kUnits, n_units - ub), reinterpret_cast<T*>(st + L::s_q),
+                     reinterpret_cast<T*>(st + L::s_qi), tid);
       cp_async_mbar_arrive(&full[s]);
     }
     asm volatile("cp.async.wait_all;\n" ::: "memory");
@@ -269,13 +212,7 @@ inline bool applies(const SparseFwdParams& p) { return p.stats_ws && out_ws::app
 
 template <typename T, int D>
 cudaError_t launch(const SparseFwdParams& p, cudaStream_t stream) {
-  if (p.work.max_items == 0) return cudaSuccess;
-  constexpr int smem = Smem<T, D>::bytes + 1024;
-  auto kernel = stats_pass_ws_kernel<T, D>;
-  cudaError_t err = cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, smem);
-  if (err != cudaSuccess) return err;
-  kernel<<<p.work.max_items, kThreads, smem, stream>>>(p);
-  return cudaGetLastError();
+  return launch_items(stats_pass_ws_kernel<T, D>, kThreads, Smem<T, D>::bytes, p, stream);
 }
 
 }  // namespace msa::sm90::stats_ws
