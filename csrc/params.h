@@ -234,6 +234,9 @@ struct SparseBwdParams {
   // configuration for GPUs with 99 KB of shared memory per block (sparse_smem_bytes(d, 2, 128, true)).
   // Same work items, accumulators and deterministic partials.
   bool small_smem;
+  // sm_90a: the warp-specialized kernel (csrc/sm90/sparse_bwd/sparse_bwd_ws.cuh; the host sets it only when
+  // MSA_BWD_WS=1); false: the general one.
+  bool ws;
 };
 
 // delta[h, t] = sum_d dout[t, h, d] * out[t, h, d] (the backward's preprocess).

@@ -18,7 +18,7 @@ KERNELS = {
                         [("launch_index_topk", "const IndexTopkParams&")], (64, 128), "sm90"),
     "sparse_fwd_sm90": (["sm90/sparse_fwd/sparse_fwd.cuh"],
                         [("launch_sparse_fwd", "const SparseFwdParams&, bool")], (64, 128), "sm90"),
-    "sparse_bwd_sm90": (["sm80/sparse_bwd/sparse_bwd_kernel.cuh"],
+    "sparse_bwd_sm90": (["sm90/sparse_bwd/sparse_bwd.cuh"],
                         [("launch_sparse_bwd", "const SparseBwdParams&")], (64, 128), "sm90"),
     # (T, D, Di): both index head dims in the file of each main head dim.
     "dense_kl_sm90": (["sm90/dense_kl/dense_kl_kernel.cuh"],

@@ -25,7 +25,7 @@ struct BwdSet {
 int main(int argc, char** argv) {
   Options opt;
   int64_t units = kBwdUnitsPerItem;
-  bool item_order = true, sink = false;
+  bool item_order = true, sink = false, ws = false;
   std::string only;
   const std::vector<Knob> knobs = {
       {"--units-per-item", "U", "tokens per backward work item (default 2048; MSA_BWD_UNITS_PER_ITEM)",
@@ -34,6 +34,8 @@ int main(int argc, char** argv) {
        [&](const char*) { item_order = false; }},
       {"--sink", nullptr, "an attention sink: slot 0 of every row is block 0 (msa.bench's sparse bwd, sink row)",
        [&](const char*) { sink = true; }},
+      {"--ws", nullptr, "sm_90a: the warp-specialized kernel, not the general one (MSA_BWD_WS=1)",
+       [&](const char*) { ws = true; }},
       {"--only", "delta|bwd|total", "time one row only", [&](const char* v) { only = v; }},
   };
   parse_options(argc, argv,
@@ -137,6 +139,7 @@ int main(int argc, char** argv) {
       p.scale = pb.softmax_scale;
       p.scale_log2 = float(double(pb.softmax_scale) * 1.4426950408889634);
       p.small_smem = pb.small_smem_bwd;
+      p.ws = ws;
     }
     BENCH_CHECK(cudaStreamSynchronize(s));
     std::fprintf(stderr, "# sparse bwd N=%lld: %d set(s), up to %lld work items%s\n", (long long)n, n_sets,
@@ -152,7 +155,7 @@ int main(int argc, char** argv) {
         BENCH_CHECK((sm80::launch_sparse_bwd<E, D>(ps[i], s)));
       });
     };
-    const std::string path = path_suffix(pb.sm90, pb.small_smem_bwd);
+    const std::string path = path_suffix(pb.sm90, pb.small_smem_bwd) + (pb.sm90 && ws ? "-ws" : "");
     const std::string shape = pb.shape + " units=" + std::to_string(units) + (sink ? " sink" : "");
     const double F = 4.0 * pb.d * pb.g * att;
     auto want = [&](const char* row) { return only.empty() || only == row; };

@@ -118,6 +118,9 @@ std::tuple<Tensor, Tensor, Tensor> sparse_backward_cuda(const Tensor& dout_in, c
     p.block_size = int(block_size);
     p.max_blocks = int(ri.max_blocks);
     p.small_smem = small;  // the 99 KB configuration (the Hopper launcher ignores it)
+    // Hopper: the warp-specialized kernel (csrc/sm90/sparse_bwd/sparse_bwd_ws.cuh) only when asked for
+    // (MSA_BWD_WS=1): so far slower than the general one (benchmarks/NOTES.md).
+    p.ws = env_is("MSA_BWD_WS", "1");
     p.hq = int(Hq);
     p.hkv = int(Hkv);
     p.hi = int(Hi);

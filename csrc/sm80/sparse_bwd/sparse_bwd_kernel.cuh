@@ -170,6 +170,43 @@ __device__ __forceinline__ void key_phase_mma(float (&dk)[D / 8][4], float (&dv)
   }
 }
 
+// The block's dK (scaled) and dV of one kv head from a warp's accumulators (keys [16 warp, +16) of the
+// block, the mma.sync C layout: rows g, g + 8, column pairs 8 n + 2 tq), added to the fp32 accumulators (other
+// groups on the same kv head add theirs); kDet: stored as partial `part` (item * J + j), summed in item
+// order by item_reduce. tok0: the block's first token.
+template <int D, bool kDet>
+__device__ __forceinline__ void flush_dkv(const SparseBwdParams& p, const float (&dk)[D / 8][4], const float (&dv)[D / 8][4],
+                                          int warp, int g, int tq, int part, int blen, int tok0, int kvh) {
+  if (warp * 16 >= p.block_size) return;
+  const int k0 = warp * 16 + g, k1 = k0 + 8;
+  if constexpr (kDet) {
+    float* dst = p.dkv_part + int64_t(part) * 2 * kBwdKeys * D;
+#pragma unroll
+    for (int n = 0; n < D / 8; ++n) {
+      const int col = n * 8 + 2 * tq;
+      *reinterpret_cast<float2*>(dst + k0 * D + col) = make_float2(dk[n][0] * p.scale, dk[n][1] * p.scale);
+      *reinterpret_cast<float2*>(dst + k1 * D + col) = make_float2(dk[n][2] * p.scale, dk[n][3] * p.scale);
+      *reinterpret_cast<float2*>(dst + (kBwdKeys + k0) * D + col) = make_float2(dv[n][0], dv[n][1]);
+      *reinterpret_cast<float2*>(dst + (kBwdKeys + k1) * D + col) = make_float2(dv[n][2], dv[n][3]);
+    }
+  } else {
+#pragma unroll
+    for (int n = 0; n < D / 8; ++n) {
+      const int col = n * 8 + 2 * tq;
+      if (k0 < blen) {
+        const int64_t o = (int64_t(tok0 + k0) * p.hkv + kvh) * D + col;
+        atomic_add2(p.dk_accum + o, dk[n][0] * p.scale, dk[n][1] * p.scale);
+        atomic_add2(p.dv_accum + o, dv[n][0], dv[n][1]);
+      }
+      if (k1 < blen) {
+        const int64_t o = (int64_t(tok0 + k1) * p.hkv + kvh) * D + col;
+        atomic_add2(p.dk_accum + o, dk[n][2] * p.scale, dk[n][3] * p.scale);
+        atomic_add2(p.dv_accum + o, dv[n][2], dv[n][3]);
+      }
+    }
+  }
+}
+
 // kDet: the deterministic mode (params.h): dQ by exact hi / lo sums, dK / dV stored as item partials. A
 // template parameter: the branch would cost the default kernel registers (252 -> 255 and a spill).
 template <typename T, int D, bool kWgmma, bool kDet>
@@ -434,36 +471,7 @@ __global__ void __launch_bounds__(SparseBwdShape::kThreads, 1) sparse_bwd_kernel
       if (tid < Sh::kRows) sTok[buf * Sh::kRows + tid] = tok_next;
     }
 
-    // The block's dK (scaled) and dV for this kv head; other groups on the same kv head add theirs.
-    // Deterministic mode: stored as this item's partial, summed in item order by item_reduce.
-    if (kDet && warp * 16 < p.block_size) {
-      float* part = p.dkv_part + int64_t(item * J + j) * 2 * Sh::kKeys * D;
-      const int k0 = warp * 16 + g, k1 = k0 + 8;
-#pragma unroll
-      for (int n = 0; n < D / 8; ++n) {
-        const int col = n * 8 + 2 * tq;
-        *reinterpret_cast<float2*>(part + k0 * D + col) = make_float2(dk[n][0] * p.scale, dk[n][1] * p.scale);
-        *reinterpret_cast<float2*>(part + k1 * D + col) = make_float2(dk[n][2] * p.scale, dk[n][3] * p.scale);
-        *reinterpret_cast<float2*>(part + (Sh::kKeys + k0) * D + col) = make_float2(dv[n][0], dv[n][1]);
-        *reinterpret_cast<float2*>(part + (Sh::kKeys + k1) * D + col) = make_float2(dv[n][2], dv[n][3]);
-      }
-    } else if (warp * 16 < p.block_size) {
-      const int k0 = warp * 16 + g, k1 = k0 + 8;
-#pragma unroll
-      for (int n = 0; n < D / 8; ++n) {
-        const int col = n * 8 + 2 * tq;
-        if (k0 < blen) {
-          const int64_t o = (int64_t(seq_start + key0 + k0) * p.hkv + kvh) * D + col;
-          atomic_add2(p.dk_accum + o, dk[n][0] * p.scale, dk[n][1] * p.scale);
-          atomic_add2(p.dv_accum + o, dv[n][0], dv[n][1]);
-        }
-        if (k1 < blen) {
-          const int64_t o = (int64_t(seq_start + key0 + k1) * p.hkv + kvh) * D + col;
-          atomic_add2(p.dk_accum + o, dk[n][2] * p.scale, dk[n][3] * p.scale);
-          atomic_add2(p.dv_accum + o, dv[n][2], dv[n][3]);
-        }
-      }
-    }
+    flush_dkv<D, kDet>(p, dk, dv, warp, g, tq, item * J + j, blen, seq_start + key0, kvh);
   }
 }
 
@@ -667,35 +675,7 @@ __global__ void __launch_bounds__(SparseBwdSmallShape::kThreads, 1) sparse_bwd_s
       }
     }
 
-    // The block's dK (scaled) and dV for this kv head, as in the default kernel.
-    if (kDet && warp * 16 < p.block_size) {
-      float* part = p.dkv_part + int64_t(item * J + j) * 2 * Sh::kKeys * D;
-      const int k0 = warp * 16 + g, k1 = k0 + 8;
-#pragma unroll
-      for (int n = 0; n < D / 8; ++n) {
-        const int col = n * 8 + 2 * tq;
-        *reinterpret_cast<float2*>(part + k0 * D + col) = make_float2(dk[n][0] * p.scale, dk[n][1] * p.scale);
-        *reinterpret_cast<float2*>(part + k1 * D + col) = make_float2(dk[n][2] * p.scale, dk[n][3] * p.scale);
-        *reinterpret_cast<float2*>(part + (Sh::kKeys + k0) * D + col) = make_float2(dv[n][0], dv[n][1]);
-        *reinterpret_cast<float2*>(part + (Sh::kKeys + k1) * D + col) = make_float2(dv[n][2], dv[n][3]);
-      }
-    } else if (!kDet && warp * 16 < p.block_size) {
-      const int k0 = warp * 16 + g, k1 = k0 + 8;
-#pragma unroll
-      for (int n = 0; n < D / 8; ++n) {
-        const int col = n * 8 + 2 * tq;
-        if (k0 < blen) {
-          const int64_t o = (int64_t(seq_start + key0 + k0) * p.hkv + kvh) * D + col;
-          atomic_add2(p.dk_accum + o, dk[n][0] * p.scale, dk[n][1] * p.scale);
-          atomic_add2(p.dv_accum + o, dv[n][0], dv[n][1]);
-        }
-        if (k1 < blen) {
-          const int64_t o = (int64_t(seq_start + key0 + k1) * p.hkv + kvh) * D + col;
-          atomic_add2(p.dk_accum + o, dk[n][2] * p.scale, dk[n][3] * p.scale);
-          atomic_add2(p.dv_accum + o, dv[n][2], dv[n][3]);
-        }
-      }
-    }
+    flush_dkv<D, kDet>(p, dk, dv, warp, g, tq, item * J + j, blen, seq_start + key0, kvh);
   }
 }
 
@@ -730,11 +710,3 @@ cudaError_t launch_sparse_bwd(const SparseBwdParams& p, cudaStream_t stream) {
 }
 
 }  // namespace msa::sm80
-
-namespace msa::sm90 {
-// The backward with its key phase and dQ on wgmma (sm_90a builds only).
-template <typename T, int D>
-cudaError_t launch_sparse_bwd(const SparseBwdParams& p, cudaStream_t stream) {
-  return sm80::launch_sparse_bwd_kernel<T, D, true>(p, stream);
-}
-}  // namespace msa::sm90

@@ -1,0 +1,401 @@
+// The sparse backward on Hopper, warp-specialized (issue 17 item 2). Same work items, inputs and fp32
+// accumulators as the general kernel (sm80/sparse_bwd/sparse_bwd_kernel.cuh, its top comment has the
+// math and the item layout); every head layout it takes (any Gu <= 64, J >= 1), the deterministic mode too.
+//
+// A CTA takes one work item (a kv block of one index group and up to units_per_item of the units that
+// selected it) with 3 warpgroups:
+//  - warpgroup 0 (setmaxnreg down to 40) has two jobs:
+//    - warps 0-1, the gatherers: each tile's 64 rows (U = 64 / Gu units x Gu heads: Q, dO, lse, delta,
+//      and per row its token, head and last visible key) by cp.async into a ring of two stages; a stage is
+//      announced on its "full" mbarrier once its copies landed and were fenced to the async proxy
+//      (wgmma reads Q and dO), and reused once both consumers released it ("empty");
+//    - warps 2-3, the dQ writer: per tile it sums the two consumers' fp32 dQ partials from shared memory
+//      and adds them to dq_accum (16-byte reds; the deterministic mode's hi / lo split), so no consumer
+//      waits for an atomic.
+//  - warpgroups 1 and 2, the consumers (setmaxnreg up to 232): consumer c owns keys [64 c, +64) of the
+//    block for the whole item, dK and dV of them in registers (m64nD each). Per tile, in two halves of 32
+//    rows, transposed (keys as the MMA's M):
+//      S^T = K_c Q^T, dP^T = V_c dO^T   wgmma m64n32 SS (both operands K-major by descriptor);
+//      P^T = exp2(S^T c - lse), 0 past the row's last visible key; dS^T = P^T (dP^T - delta);
+//      dV += P^T dO, dK += dS^T Q       wgmma m64nD RS (P^T, dS^T from registers; dO, Q MN-major),
+//                                       left running while the next half's exponentials are computed;
+//      dS^T into the consumer's own shared tile, then its dQ partial over its 64 keys:
+//      dQ_c = dS_c K_c                  wgmma m64n64 RS per 64 columns (dS by transposed ldmatrix, K
+//                                       MN-major), written fp32 to the consumer's partial buffer.
+// The consumers never wait for each other inside a tile: each has its own keys, dS tile and dQ buffer;
+// they meet only on the stages, the writer's buffer and (J > 1) the K / V reload.
+#pragma once
+#include <cuda_runtime.h>
+
+#include <cstdint>
+
+#include "common/block_span.h"
+#include "common/det_sum.h"
+#include "common/mma_sm80.h"
+#include "common/wgmma_sm90.h"
+#include "params.h"
+#include "sm80/sparse_bwd/sparse_bwd_kernel.cuh"
+#include "sm90/sparse_fwd/out_pass_ws.cuh"  // setmaxnreg_*, fence_regs, group_sync
+
+namespace msa::sm90::bwd_ws {
+
+using out_ws::fence_regs;
+using out_ws::group_sync;
+using out_ws::setmaxnreg_dec;
+using out_ws::setmaxnreg_inc;
+using sm80::cp_async_16;
+using sm80::cp_async_4;
+using sm80::fast_exp2;
+using sm80::kLog2e;
+using sm80::ldmatrix_x4_trans;
+using sm80::pack2;
+using sm80::smem_addr;
+
+constexpr int kKeys = 128;     // keys of a block (block_size 64: keys past it are masked, K / V zero)
+constexpr int kRows = 64;      // rows per tile
+constexpr int kStages = 2;
+constexpr int kThreads = 384;  // producer / writer + two consumers
+constexpr int kGather = 64;    // gatherer threads (warps 0-1); the rest of warpgroup 0 writes dQ
+constexpr int kProducerRegs = 40, kConsumerRegs = 232;
+static_assert(kProducerRegs * 128 + kConsumerRegs * 256 <= (65536 / kThreads & ~7) * kThreads, "register pool");
+// Named barriers: 1, 2 = consumer warpgroup 0, 1 (out_ws::group_sync); 3 = both consumers; 4 = gatherers.
+constexpr int kBarConsumers = 3, kBarGather = 4;
+
+template <typename T, int D>
+struct Smem {  // byte offsets from the 1024-aligned base
+  using KT = KMajorSw128<kKeys, D>;   // K and V
+  using QT = KMajorSw128<kRows, D>;   // Q and dO of a stage
+  using DsT = KMajorSw128<64, kRows>; // a consumer's dS^T: rows = its 64 keys, 64 rows per key
+  static constexpr int kDqStride = D + 8;  // floats per dQ partial row: the consumers' float2 stores conflict-free
+  static constexpr int k = 0;
+  static constexpr int v = k + kKeys * D * 2;
+  // One stage: Q, dO, lse, delta, token, head (absolute), last visible key (block-relative, -1: no row).
+  static constexpr int s_q = 0;
+  static constexpr int s_do = s_q + kRows * D * 2;
+  static constexpr int s_lse = s_do + kRows * D * 2;
+  static constexpr int s_delta = s_lse + kRows * 4;
+  static constexpr int s_tok = s_delta + kRows * 4;
+  static constexpr int s_head = s_tok + kRows * 4;
+  static constexpr int s_lim = s_head + kRows * 4;
+  static constexpr int stage_bytes = (s_lim + kRows * 4 + 1023) / 1024 * 1024;  // Q / dO tiles 1024-aligned
+  static constexpr int stage0 = v + kKeys * D * 2;
+  static constexpr int ds = stage0 + kStages * stage_bytes;  // two DsT tiles
+  static constexpr int dq = ds + 2 * 64 * kRows * 2;         // two partials, kRows x kDqStride fp32
+  static constexpr int dq_tok = dq + 2 * kRows * kDqStride * 4;  // the writer's rows: token, head
+  static constexpr int dq_head = dq_tok + kRows * 4;
+  static constexpr int bars = dq_head + kRows * 4;
+  static constexpr int bytes = bars + (2 * kStages + 2) * 8;
+  static_assert(stage_bytes % 1024 == 0 && ds % 1024 == 0, "wgmma tiles 1024-aligned");
+};
+
+// Whether the warp-specialized kernel applies (the host's choice; it takes every layout the general one does).
+inline bool applies(const SparseBwdParams& p) { return p.ws && !p.small_smem; }
+
+template <typename T, int D, bool kDet>
+__global__ void __launch_bounds__(kThreads, 1) sparse_bwd_ws_kernel(SparseBwdParams p) {
+  using L = Smem<T, D>;
+  using KT = typename L::KT;
+  using QT = typename L::QT;
+  using DsT = typename L::DsT;
+  constexpr int kChunks = D / 8;
+  extern __shared__ __align__(128) unsigned char smem_raw[];
+  unsigned char* smem = smem_raw + ((1024 - (smem_addr(smem_raw) & 1023)) & 1023);
+  T* sK = reinterpret_cast<T*>(smem + L::k);
+  T* sV = reinterpret_cast<T*>(smem + L::v);
+  float* sDq = reinterpret_cast<float*>(smem + L::dq);
+  int* sDqTok = reinterpret_cast<int*>(smem + L::dq_tok);
+  int* sDqHead = reinterpret_cast<int*>(smem + L::dq_head);
+  uint64_t* full = reinterpret_cast<uint64_t*>(smem + L::bars);
+  uint64_t* empty = full + kStages;
+  uint64_t* dq_full = empty + kStages;
+  uint64_t* dq_empty = dq_full + 1;
+
+  const int item = p.item_order != nullptr ? p.item_order[blockIdx.x] : int(blockIdx.x);
+  if (item >= p.item_offsets[p.num_keys]) return;
+  const int2 it = p.items[item];
+  const int key = it.x;
+  const int u_begin = it.y, u_end = min(u_begin + p.units_per_item, p.offsets[key + 1]);
+  const int r = key / p.max_blocks, gb = key % p.max_blocks;
+  const BlockSpan span = block_span(p.block_offsets, p.cu_seqlens, p.num_seqs, gb, p.block_size);
+  const int seq_start = span.seq_start, key0 = span.key0, blen = span.blen;
+  const int G = p.hq / p.hi;
+  const int J = p.hkv > p.hi ? p.hkv / p.hi : 1;
+  const int Gu = G / J;
+  const int U = kRows / Gu;  // units per tile
+  const int n_tiles = (u_end - u_begin + U - 1) / U;
+  const int n_all = J * n_tiles;  // tiles of all kv heads, in (j, tile) order
+  const int tid = threadIdx.x;
+
+  if (tid == 0) {
+    for (int s = 0; s < kStages; ++s) {
+      mbar_init(&full[s], kGather);
+      mbar_init(&empty[s], 256);
+    }
+    mbar_init(dq_full, 256);
+    mbar_init(dq_empty, 128 - kGather);
+    mbar_fence_init();
+  }
+  __syncthreads();
+
+  if (tid < 128) {
+    setmaxnreg_dec<kProducerRegs>();
+    if (tid < kGather) {
+      // Gatherers: tile i into stage i % 2. Tile i - 1's copies are waited for (then fenced and announced)
+      // before tile i's stage is awaited, so a stage is announced about one gather latency after its issue.
+      for (int i = 0; i <= n_all; ++i) {
+        if (i > 0) {
+          sm80::cp_async_wait<0>();
+          fence_proxy_async_smem();  // this thread's copies -> the consumers' wgmma reads
+          mbar_arrive(&full[(i - 1) % kStages]);
+        }
+        if (i == n_all) break;
+        const int s = i % kStages;
+        if (i >= kStages) mbar_wait(&empty[s], ((i / kStages) - 1) & 1);
+        unsigned char* st = smem + L::stage0 + s * L::stage_bytes;
+        int* sTok = reinterpret_cast<int*>(st + L::s_tok);
+        int* sHead = reinterpret_cast<int*>(st + L::s_head);
+        const int j = i / n_tiles, t = i - j * n_tiles;
+        const int h0 = r * G + j * Gu;
+        for (int row = tid; row < kRows; row += kGather) {  // token, head, last visible key; lse and delta
+          const int u = row / Gu, uu = u_begin + t * U + u;
+          const bool ok = u < U && uu < u_end;
+          const int tok = ok ? p.tokens[uu] : -1;
+          const int head = h0 + (row - u * Gu);
+          sTok[row] = tok;
+          sHead[row] = head;
+          reinterpret_cast<int*>(st + L::s_lim)[row] = ok ? min(blen - 1, tok - seq_start - key0) : -1;
+          const int64_t o = ok ? int64_t(head) * p.total_tokens + tok : 0;
+          cp_async_4(st + L::s_lse + row * 4, p.lse + o, ok);
+          cp_async_4(st + L::s_delta + row * 4, p.delta + o, ok);
+        }
+        asm volatile("bar.sync %0, %1;\n" ::"n"(kBarGather), "n"(kGather) : "memory");  // the row table
+        const T* Q = static_cast<const T*>(p.q);
+        const T* dO = static_cast<const T*>(p.dout);
+        T* sQ = reinterpret_cast<T*>(st + L::s_q);
+        T* sdO = reinterpret_cast<T*>(st + L::s_do);
+        const int c = tid % kChunks;
+#pragma unroll 2
+        for (int row = tid / kChunks; row < kRows; row += kGather / kChunks) {
+          const int tok = sTok[row];
+          const bool ok = tok >= 0;
+          const int64_t tt = ok ? tok : 0, hh = sHead[row];
+          cp_async_16(sQ + QT::offset(row, c), Q + tt * p.q_stride_t + hh * p.q_stride_h + c * 8, ok);
+          cp_async_16(sdO + QT::offset(row, c), dO + tt * p.do_stride_t + hh * p.do_stride_h + c * 8, ok);
+        }
+        sm80::cp_async_commit();
+      }
+      return;
+    }
+    // The dQ writer: tile i's partials summed (scaled already) and added to dq_accum.
+    const int wt = tid - kGather;
+    const float* dq0 = sDq;
+    const float* dq1 = sDq + kRows * L::kDqStride;
+    const float4 grid = kDet ? __ldg(p.dq_grid) : make_float4(0.f, 0.f, 0.f, 0.f);
+    for (int i = 0; i < n_all; ++i) {
+      mbar_wait(dq_full, i & 1);
+#pragma unroll 4
+      for (int idx = wt; idx < kRows * (D / 4); idx += 128 - kGather) {
+        const int row = idx / (D / 4), c4 = idx % (D / 4);
+        const int tok = sDqTok[row];
+        const float4 a = *reinterpret_cast<const float4*>(dq0 + row * L::kDqStride + 4 * c4);
+        const float4 b = *reinterpret_cast<const float4*>(dq1 + row * L::kDqStride + 4 * c4);
+        const float4 x = make_float4(a.x + b.x, a.y + b.y, a.z + b.z, a.w + b.w);
+        if (tok >= 0) {
+          const int64_t o = (int64_t(tok) * p.hq + sDqHead[row]) * D + 4 * c4;
+          if constexpr (kDet) det_add4(p.dq_accum + o, p.dq_lo + o, x, grid);
+          else sm80::atomic_add4(p.dq_accum + o, x);
+        }
+      }
+      mbar_arrive(dq_empty);
+    }
+    return;
+  }
+
+  // Consumers.
+  setmaxnreg_inc<kConsumerRegs>();
+  const int wg = tid / 128 - 1, ctid = tid % 128, wq = ctid / 32, lane = tid % 32, g = lane / 4, tq = lane % 4;
+  const int ct = tid - 128;  // 0 .. 255
+  T* sDs = reinterpret_cast<T*>(smem + L::ds + wg * 64 * kRows * 2);
+  float* sDqMine = sDq + wg * kRows * L::kDqStride;
+  const uint32_t k_addr = smem_addr(sK), v_addr = smem_addr(sV);
+  const uint32_t ka = k_addr + wg * 64 * 128, va = v_addr + wg * 64 * 128;  // this consumer's 64 keys (A of S^T)
+  const int key_row = wq * 16 + g;                                          // in the consumer's 64
+  const int kabs0 = wg * 64 + key_row, kabs1 = kabs0 + 8;                   // in the block
+  auto load_kv = [&](int j) {
+    const int kvh = (r * G + j * Gu) / (p.hq / p.hkv);
+    const T* ks = static_cast<const T*>(p.k) + int64_t(seq_start + key0) * p.k_stride_t + int64_t(kvh) * p.k_stride_h;
+    const T* vs = static_cast<const T*>(p.v) + int64_t(seq_start + key0) * p.v_stride_t + int64_t(kvh) * p.v_stride_h;
+    for (int i = ct; i < kKeys * kChunks; i += 256) {
+      const int row = i / kChunks, c = i % kChunks;
+      const bool ok = row < blen;
+      const int rr = ok ? row : 0;
+      cp_async_16(sK + KT::offset(row, c), ks + int64_t(rr) * p.k_stride_t + c * 8, ok);
+      cp_async_16(sV + KT::offset(row, c), vs + int64_t(rr) * p.v_stride_t + c * 8, ok);
+    }
+    sm80::cp_async_commit();
+    sm80::cp_async_wait<0>();
+    fence_proxy_async_smem();
+    asm volatile("bar.sync %0, 256;\n" ::"n"(kBarConsumers) : "memory");
+  };
+
+  int i = 0;  // tile of all kv heads
+  for (int j = 0; j < J; ++j) {
+    const int kvh = (r * G + j * Gu) / (p.hq / p.hkv);
+    if (j > 0) asm volatile("bar.sync %0, 256;\n" ::"n"(kBarConsumers) : "memory");  // K / V of j - 1 are read
+    load_kv(j);
+    float dk[D / 8][4], dv[D / 8][4];
+#pragma unroll
+    for (int n = 0; n < D / 8; ++n)
+#pragma unroll
+      for (int e = 0; e < 4; ++e) dk[n][e] = dv[n][e] = 0.f;
+    float(&dv_w)[D / 2] = *reinterpret_cast<float(*)[D / 2]>(&dv[0][0]);
+    float(&dk_w)[D / 2] = *reinterpret_cast<float(*)[D / 2]>(&dk[0][0]);
+
+    for (int t = 0; t < n_tiles; ++t, ++i) {
+      const int s = i % kStages;
+      mbar_wait(&full[s], (i / kStages) & 1);
+      const unsigned char* st = smem + L::stage0 + s * L::stage_bytes;
+      const uint32_t q_addr = smem_addr(st + L::s_q), do_addr = smem_addr(st + L::s_do);
+      const float* sLse = reinterpret_cast<const float*>(st + L::s_lse);
+      const float* sDelta = reinterpret_cast<const float*>(st + L::s_delta);
+      const int* sLim = reinterpret_cast<const int*>(st + L::s_lim);
+
+      // S^T and dP^T of half h (rows [32 h, +32)): issued and committed as one group.
+      auto issue_sdp = [&](float (&sacc)[16], float (&dpacc)[16], int h) {
+        wgmma_fence();
+#pragma unroll
+        for (int ks = 0; ks < D / 16; ++ks)
+          WgmmaSS<T, 32>::run(sacc, KT::desc(ka, ks), QT::desc(q_addr + h * 32 * 128, ks), ks > 0);
+#pragma unroll
+        for (int ks = 0; ks < D / 16; ++ks)
+          WgmmaSS<T, 32>::run(dpacc, KT::desc(va, ks), QT::desc(do_addr + h * 32 * 128, ks), ks > 0);
+        wgmma_commit();
+      };
+      // P^T and dS^T of half h as A fragments (pa, da: k-steps of 16 rows) and dS^T into sDs. Element
+      // 4 jj + e of an accumulator: key kabs0 (e < 2) or kabs1, row 32 h + 8 jj + 2 tq + (e & 1). Branch
+      // free (selects): the previous half's wgmmas may be running.
+      auto p_ds = [&](float (&sacc)[16], float (&dpacc)[16], uint32_t (&pa)[2][4], uint32_t (&da)[2][4], int h) {
+#pragma unroll
+        for (int jj = 0; jj < 4; ++jj) {
+          const int row = h * 32 + jj * 8 + 2 * tq;
+          const float2 lse = *reinterpret_cast<const float2*>(sLse + row);
+          const float2 dl = *reinterpret_cast<const float2*>(sDelta + row);
+          const int2 lim = *reinterpret_cast<const int2*>(sLim + row);
+#pragma unroll
+          for (int e = 0; e < 4; ++e) {
+            const int kb = e < 2 ? kabs0 : kabs1;
+            const bool odd = (e & 1) != 0;
+            const float pv = kb <= (odd ? lim.y : lim.x)
+                                 ? fast_exp2(fmaf(sacc[4 * jj + e], p.scale_log2, -(odd ? lse.y : lse.x) * kLog2e))
+                                 : 0.f;
+            sacc[4 * jj + e] = pv;
+            dpacc[4 * jj + e] = pv * (dpacc[4 * jj + e] - (odd ? dl.y : dl.x));
+          }
+        }
+#pragma unroll
+        for (int kk = 0; kk < 2; ++kk) {
+          pa[kk][0] = pack2<T>(sacc[8 * kk + 0], sacc[8 * kk + 1]);
+          pa[kk][1] = pack2<T>(sacc[8 * kk + 2], sacc[8 * kk + 3]);
+          pa[kk][2] = pack2<T>(sacc[8 * kk + 4], sacc[8 * kk + 5]);
+          pa[kk][3] = pack2<T>(sacc[8 * kk + 6], sacc[8 * kk + 7]);
+          da[kk][0] = pack2<T>(dpacc[8 * kk + 0], dpacc[8 * kk + 1]);
+          da[kk][1] = pack2<T>(dpacc[8 * kk + 2], dpacc[8 * kk + 3]);
+          da[kk][2] = pack2<T>(dpacc[8 * kk + 4], dpacc[8 * kk + 5]);
+          da[kk][3] = pack2<T>(dpacc[8 * kk + 6], dpacc[8 * kk + 7]);
+#pragma unroll
+          for (int hf = 0; hf < 2; ++hf) {
+            const int chunk = h * 4 + 2 * kk + hf;  // rows [8 chunk, +8)
+            *reinterpret_cast<uint32_t*>(sDs + DsT::offset(key_row, chunk) + 2 * tq) = da[kk][2 * hf];
+            *reinterpret_cast<uint32_t*>(sDs + DsT::offset(key_row + 8, chunk) + 2 * tq) = da[kk][2 * hf + 1];
+          }
+        }
+      };
+      auto issue_dvdk = [&](const uint32_t (&pa)[2][4], const uint32_t (&da)[2][4], int h) {
+        wgmma_fence();
+#pragma unroll
+        for (int kk = 0; kk < 2; ++kk) {
+          WgmmaRS<T, D, true>::run(dv_w, pa[kk], QT::desc_mn(do_addr, 2 * h + kk), true);
+          WgmmaRS<T, D, true>::run(dk_w, da[kk], QT::desc_mn(q_addr, 2 * h + kk), true);
+        }
+        wgmma_commit();
+      };
+
+      float s0[16], dp0[16], s1[16], dp1[16];
+      uint32_t pa0[2][4], da0[2][4], pa1[2][4], da1[2][4];
+      // Every warp of this consumer is done with the previous tile's dS^T (its dQ fragments are loaded).
+      group_sync(1 + wg);
+      issue_sdp(s0, dp0, 0);
+      wgmma_wait<0>();
+      fence_regs(s0);
+      fence_regs(dp0);
+      p_ds(s0, dp0, pa0, da0, 0);
+      issue_sdp(s1, dp1, 1);
+      issue_dvdk(pa0, da0, 0);
+      wgmma_wait<1>();  // S^T, dP^T of half 1 (the older group); half 0's dV, dK may still run
+      fence_regs(s1);
+      fence_regs(dp1);
+      p_ds(s1, dp1, pa1, da1, 1);
+      issue_dvdk(pa1, da1, 1);
+      // (Waited for here, not under dQ: with half 1's fragments, dQ's and dK / dV live together, ptxas
+      // serialises every wgmma of the kernel for registers, C7512.)
+      wgmma_wait<0>();
+      group_sync(1 + wg);  // dS^T of the consumer's 64 keys complete
+
+      // dQ_c = dS_c K_c: A = dS by transposed ldmatrix of dS^T (rows [16 wq, +16), keys [16 kk, +16)), B =
+      // K's rows of these keys read MN-major, one 64-column panel at a time.
+      uint32_t a[4][4];
+#pragma unroll
+      for (int kk = 0; kk < 4; ++kk) {
+        const int mi = lane / 8;
+        ldmatrix_x4_trans(a[kk], sDs + DsT::offset(16 * kk + (mi / 2) * 8 + lane % 8, 2 * wq + mi % 2));
+      }
+      const int qrow = wq * 16 + g;
+#pragma unroll
+      for (int panel = 0; panel < D / 64; ++panel) {
+        float dq[32];
+        const uint32_t b_addr = k_addr + panel * KT::kPanelElems * 2;
+        wgmma_fence();
+#pragma unroll
+        for (int kk = 0; kk < 4; ++kk) WgmmaRS<T, 64, true>::run(dq, a[kk], KT::desc_mn(b_addr, 4 * wg + kk), kk > 0);
+        wgmma_commit();
+        wgmma_wait<0>();
+        fence_regs(dq);
+        if (panel == 0) {
+          // The stage's Q / dO are read (dV, dK done); the writer's buffer is free (tile i - 1 written out)
+          // once it says so.
+          if (i > 0) mbar_wait(dq_empty, (i - 1) & 1);
+          if (ct < kRows) {
+            sDqTok[ct] = reinterpret_cast<const int*>(st + L::s_tok)[ct];
+            sDqHead[ct] = reinterpret_cast<const int*>(st + L::s_head)[ct];
+          }
+          mbar_arrive(&empty[s]);
+        }
+#pragma unroll
+        for (int n = 0; n < 8; ++n) {
+          const int col = panel * 64 + n * 8 + 2 * tq;
+          *reinterpret_cast<float2*>(sDqMine + qrow * L::kDqStride + col) =
+              make_float2(dq[4 * n] * p.scale, dq[4 * n + 1] * p.scale);
+          *reinterpret_cast<float2*>(sDqMine + (qrow + 8) * L::kDqStride + col) =
+              make_float2(dq[4 * n + 2] * p.scale, dq[4 * n + 3] * p.scale);
+        }
+      }
+      mbar_arrive(dq_full);
+    }
+    fence_regs(dk_w);
+    fence_regs(dv_w);
+    sm80::flush_dkv<D, kDet>(p, dk, dv, wg * 4 + wq, g, tq, item * J + j, blen, seq_start + key0, kvh);
+  }
+}
+
+template <typename T, int D>
+cudaError_t launch(const SparseBwdParams& p, cudaStream_t stream) {
+  if (p.max_items == 0) return cudaSuccess;
+  constexpr int smem = Smem<T, D>::bytes + 1024;
+  auto kernel = p.dq_lo != nullptr ? sparse_bwd_ws_kernel<T, D, true> : sparse_bwd_ws_kernel<T, D, false>;
+  cudaError_t err = cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, smem);
+  if (err != cudaSuccess) return err;
+  kernel<<<unsigned(p.max_items), kThreads, smem, stream>>>(p);
+  return cudaGetLastError();
+}
+
+}  // namespace msa::sm90::bwd_ws

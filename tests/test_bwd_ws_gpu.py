@@ -1,0 +1,113 @@
+"""The warp-specialized sm_90a backward (csrc/sm90/sparse_bwd/sparse_bwd_ws.cuh, MSA_BWD_WS=1) against the
+general sm_90a one (the default): dq, dk and dv of sparse_attention for the same indices and dout. The
+two kernels compute the transposed logits (K Q^T) and split dQ over the two consumers' keys, another fp32
+summation order, so the gradients match to rounding, not bitwise."""
+import pytest
+import torch
+
+import msa
+from helpers import make_packed, poison_allocator
+
+pytestmark = pytest.mark.gpu
+
+
+@pytest.fixture(autouse=True)
+def _hopper(monkeypatch):
+    monkeypatch.delenv("MSA_PORTABLE_KERNELS", raising=False)
+    if int(torch.ops.msa.device_config(torch.empty(0, device="cuda"))[1]) != 1:
+        pytest.skip("the warp-specialized backward is an sm_90a kernel")
+
+
+def _grads(monkeypatch, ws, q, k, v, idx, cu, mx, bs, dout, deterministic=False):
+    monkeypatch.setenv("MSA_BWD_WS", "1" if ws else "0")
+    leaves = [x.detach().requires_grad_(True) for x in (q, k, v)]
+    poison_allocator()
+    out = msa.sparse_attention(*leaves, idx, block_size=bs, cu_seqlens=cu, max_seqlen=mx, deterministic=deterministic)
+    return torch.autograd.grad(out, leaves, dout)
+
+
+def _inputs(lengths, heads, D, bs, dtype, topk, seed):
+    q, k, v, _, _, cu, mx = make_packed(lengths, heads, D, 64, dtype=dtype, device="cuda", seed=seed)
+    g = torch.Generator().manual_seed(seed)
+    parts = []
+    for n in lengths:  # random earlier blocks (-1 = unused slots), the own block always in
+        nb = -(-n // bs)
+        own = (torch.arange(n) // bs)[None, :, None].expand(heads[2], n, 1)
+        rand = torch.randint(-1, nb, (heads[2], n, topk - 1), generator=g)
+        rand = torch.where(rand <= own, rand, torch.full_like(rand, -1))
+        parts.append(torch.cat([own, rand], -1))
+    idx = torch.cat(parts, 1).to(torch.int32).cuda().contiguous()
+    dout = torch.randn(q.shape, generator=g).to(q)
+    return q, k, v, idx, cu, mx, dout
+
+
+def _check(monkeypatch, args, deterministic=False):
+    general = _grads(monkeypatch, False, *args)
+    ws = _grads(monkeypatch, True, *args, deterministic=deterministic)
+    for name, a, b in zip(("dq", "dk", "dv"), general, ws):
+        a, b = a.float(), b.float()
+        scale = a.abs().max().item()
+        assert scale > 0, f"{name}: all zero"
+        assert torch.isfinite(b).all(), f"{name}: non-finite values"
+        torch.testing.assert_close(b, a, rtol=2e-2, atol=1e-2 * scale, msg=name)
+        assert (b - a).abs().mean().item() < 2e-3 * scale, f"{name}: mean difference too large"
+    return ws
+
+
+# (Hq, Hkv, Hi, Hki), D, block_size, dtype: Gu = 4 (the bench layout), 3 (63-row tiles), 1 with J = 4 (four
+# kv heads per item), 2 with J = 2, 1 with G = 1; each (dtype, D) instantiation, block_size 64 with both D.
+CASES = [((16, 2, 4, 1), 128, 128, torch.bfloat16),
+         ((12, 4, 4, 1), 64, 128, torch.float16),
+         ((8, 8, 2, 1), 128, 64, torch.float16),
+         ((8, 4, 2, 1), 64, 64, torch.bfloat16),
+         ((4, 4, 4, 1), 128, 128, torch.bfloat16)]
+LENGTHS = [2100, 700, 1, 300, 129]
+
+
+@pytest.mark.parametrize("case", CASES)
+def test_ws_matches_general(monkeypatch, case):
+    heads, D, bs, dtype = case
+    q, k, v, idx, cu, mx, dout = _inputs(LENGTHS, heads, D, bs, dtype, 6, seed=D + bs + heads[0])
+    _check(monkeypatch, (q, k, v, idx, cu, mx, bs, dout))
+
+
+@pytest.mark.parametrize("case", [CASES[0], CASES[3]])
+def test_ws_deterministic(monkeypatch, case):
+    """deterministic=True: the writer's exact hi / lo dQ sums and per-item dK / dV partials; the same
+    values as the atomic path to rounding, and bitwise equal from run to run."""
+    heads, D, bs, dtype = case
+    q, k, v, idx, cu, mx, dout = _inputs(LENGTHS, heads, D, bs, dtype, 6, seed=7)
+    args = (q, k, v, idx, cu, mx, bs, dout)
+    first = _check(monkeypatch, args, deterministic=True)
+    again = _grads(monkeypatch, True, *args, deterministic=True)
+    for name, a, b in zip(("dq", "dk", "dv"), first, again):
+        assert torch.equal(a, b), f"{name} differs between two deterministic runs"
+
+
+@pytest.mark.parametrize("per_item", ["5", "200"])
+def test_ws_split_items(monkeypatch, per_item):
+    """Hot blocks split over several CTAs (MSA_BWD_UNITS_PER_ITEM): items of 5 units (one partial tile) and
+    of 200 (several tiles and a partial last one), every token selecting block 0 too."""
+    monkeypatch.setenv("MSA_BWD_UNITS_PER_ITEM", per_item)
+    heads, D, bs, dtype = CASES[0]
+    q, k, v, idx, cu, mx, dout = _inputs([1500, 300], heads, D, bs, dtype, 4, seed=3)
+    idx[:, :, 1] = torch.where(idx[:, :, 0] > 0, 0, -1).to(idx)  # block 0 (not twice in a row: own block 0)
+    _check(monkeypatch, (q, k, v, idx, cu, mx, bs, dout))
+
+
+def test_ws_kernel_runs(monkeypatch):
+    """MSA_BWD_WS=1 dispatches to the warp-specialized kernel and MSA_BWD_WS=0 to the general one, so the
+    comparisons above compare two different kernels."""
+    heads, D, bs, dtype = CASES[0]
+    q, k, v, idx, cu, mx, dout = _inputs([700], heads, D, bs, dtype, 4, seed=5)
+    args = (q, k, v, idx, cu, mx, bs, dout)
+
+    def names(ws):
+        with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CUDA]) as prof:
+            _grads(monkeypatch, ws, *args)
+            torch.cuda.synchronize()
+        return " ".join(e.name for e in prof.events())
+
+    assert "sparse_bwd_ws_kernel" in names(True)
+    general = names(False)
+    assert "sparse_bwd_ws_kernel" not in general and "sparse_bwd_kernel" in general, general
