@@ -9,9 +9,9 @@
 //      and per row its token, head and last visible key) by cp.async into a ring of two stages; a stage is
 //      announced on its "full" mbarrier once its copies landed and were fenced to the async proxy
 //      (wgmma reads Q and dO), and reused once both consumers released it ("empty");
-//    - warps 2-3, the dQ writer: per tile it sums the two consumers' fp32 dQ partials from shared memory
-//      and adds them to dq_accum (16-byte reds; the deterministic mode's hi / lo split), so no consumer
-//      waits for an atomic.
+//    - warps 2-3, the dQ writer: per tile it adds the tile's fp32 dQ from shared memory (one of two
+//      buffers) to dq_accum (16-byte reds; the deterministic mode's hi / lo split), so no consumer waits
+//      for an atomic.
 //  - warpgroups 1 and 2, the consumers (setmaxnreg up to 232): consumer c owns keys [64 c, +64) of the
 //    block for the whole item, dK and dV of them in registers (m64nD each). Per tile, in two halves of 32
 //    rows, transposed (keys as the MMA's M):
@@ -21,9 +21,10 @@
 //                                       left running while the next half's exponentials are computed;
 //      dS^T into the consumer's own shared tile, then its dQ partial over its 64 keys:
 //      dQ_c = dS_c K_c                  wgmma m64n64 RS per 64 columns (dS by transposed ldmatrix, K
-//                                       MN-major), written fp32 to the consumer's partial buffer.
-// The consumers never wait for each other inside a tile: each has its own keys, dS tile and dQ buffer;
-// they meet only on the stages, the writer's buffer and (J > 1) the K / V reload.
+//                                       MN-major): consumer 0 stores its partial (fp32) into the tile's
+//                                       dQ buffer, consumer 1 adds its own to it there.
+// The consumers meet only there (consumer 1 waits for consumer 0's partial), on the stages and (J > 1) on
+// the K / V reload; each has its own keys and dS tile.
 #pragma once
 #include <cuda_runtime.h>
 
@@ -80,11 +81,12 @@ struct Smem {  // byte offsets from the 1024-aligned base
   static constexpr int stage_bytes = (s_lim + kRows * 4 + 1023) / 1024 * 1024;  // Q / dO tiles 1024-aligned
   static constexpr int stage0 = v + kKeys * D * 2;
   static constexpr int ds = stage0 + kStages * stage_bytes;  // two DsT tiles
-  static constexpr int dq = ds + 2 * 64 * kRows * 2;         // two partials, kRows x kDqStride fp32
-  static constexpr int dq_tok = dq + 2 * kRows * kDqStride * 4;  // the writer's rows: token, head
-  static constexpr int dq_head = dq_tok + kRows * 4;
-  static constexpr int bars = dq_head + kRows * 4;
-  static constexpr int bytes = bars + (2 * kStages + 2) * 8;
+  // Two dQ buffers (tiles i % 2), kRows x kDqStride fp32 each, with their rows' tokens and heads.
+  static constexpr int dq = ds + 2 * 64 * kRows * 2;
+  static constexpr int dq_tok = dq + 2 * kRows * kDqStride * 4;
+  static constexpr int dq_head = dq_tok + 2 * kRows * 4;
+  static constexpr int bars = dq_head + 2 * kRows * 4;
+  static constexpr int bytes = bars + (2 * kStages + 6) * 8;
   static_assert(stage_bytes % 1024 == 0 && ds % 1024 == 0, "wgmma tiles 1024-aligned");
 };
 
@@ -107,8 +109,10 @@ __global__ void __launch_bounds__(kThreads, 1) sparse_bwd_ws_kernel(SparseBwdPar
   int* sDqHead = reinterpret_cast<int*>(smem + L::dq_head);
   uint64_t* full = reinterpret_cast<uint64_t*>(smem + L::bars);
   uint64_t* empty = full + kStages;
-  uint64_t* dq_full = empty + kStages;
-  uint64_t* dq_empty = dq_full + 1;
+  // dQ buffer b: dq_half (consumer 0's partial stored), dq_full (consumer 1's added), dq_empty (written out).
+  uint64_t* dq_half = empty + kStages;
+  uint64_t* dq_full = dq_half + 2;
+  uint64_t* dq_empty = dq_full + 2;
 
   const int item = p.item_order != nullptr ? p.item_order[blockIdx.x] : int(blockIdx.x);
   if (item >= p.item_offsets[p.num_keys]) return;
@@ -131,8 +135,11 @@ __global__ void __launch_bounds__(kThreads, 1) sparse_bwd_ws_kernel(SparseBwdPar
       mbar_init(&full[s], kGather);
       mbar_init(&empty[s], 256);
     }
-    mbar_init(dq_full, 256);
-    mbar_init(dq_empty, 128 - kGather);
+    for (int b = 0; b < 2; ++b) {
+      mbar_init(&dq_half[b], 128);
+      mbar_init(&dq_full[b], 128);
+      mbar_init(&dq_empty[b], 128 - kGather);
+    }
     mbar_fence_init();
   }
   __syncthreads();
@@ -186,27 +193,36 @@ __global__ void __launch_bounds__(kThreads, 1) sparse_bwd_ws_kernel(SparseBwdPar
       }
       return;
     }
-    // The dQ writer: tile i's partials summed (scaled already) and added to dq_accum.
+    // The dQ writer: tile i's dQ (both consumers' sum, scaled already) from buffer i % 2 to dq_accum, two
+    // float4 per thread and step, both loaded before either red (a red through a generic pointer would
+    // otherwise order the next shared load after it).
+    constexpr int kWriters = 128 - kGather;
     const int wt = tid - kGather;
-    const float* dq0 = sDq;
-    const float* dq1 = sDq + kRows * L::kDqStride;
     const float4 grid = kDet ? __ldg(p.dq_grid) : make_float4(0.f, 0.f, 0.f, 0.f);
     for (int i = 0; i < n_all; ++i) {
-      mbar_wait(dq_full, i & 1);
-#pragma unroll 4
-      for (int idx = wt; idx < kRows * (D / 4); idx += 128 - kGather) {
-        const int row = idx / (D / 4), c4 = idx % (D / 4);
-        const int tok = sDqTok[row];
-        const float4 a = *reinterpret_cast<const float4*>(dq0 + row * L::kDqStride + 4 * c4);
-        const float4 b = *reinterpret_cast<const float4*>(dq1 + row * L::kDqStride + 4 * c4);
-        const float4 x = make_float4(a.x + b.x, a.y + b.y, a.z + b.z, a.w + b.w);
-        if (tok >= 0) {
-          const int64_t o = (int64_t(tok) * p.hq + sDqHead[row]) * D + 4 * c4;
-          if constexpr (kDet) det_add4(p.dq_accum + o, p.dq_lo + o, x, grid);
-          else sm80::atomic_add4(p.dq_accum + o, x);
+      const int b = i & 1;
+      mbar_wait(&dq_full[b], (i >> 1) & 1);
+      const float* buf = sDq + b * kRows * L::kDqStride;
+      for (int idx0 = wt; idx0 < kRows * (D / 4); idx0 += 2 * kWriters) {
+        float4 x[2];
+        int tok[2];
+        int64_t o[2];
+#pragma unroll
+        for (int u = 0; u < 2; ++u) {
+          const int idx = idx0 + u * kWriters, row = idx / (D / 4), c4 = idx % (D / 4);
+          tok[u] = sDqTok[b * kRows + row];
+          o[u] = (int64_t(tok[u]) * p.hq + sDqHead[b * kRows + row]) * D + 4 * c4;
+          x[u] = *reinterpret_cast<const float4*>(buf + row * L::kDqStride + 4 * c4);
+        }
+#pragma unroll
+        for (int u = 0; u < 2; ++u) {
+          if (tok[u] >= 0) {
+            if constexpr (kDet) det_add4(p.dq_accum + o[u], p.dq_lo + o[u], x[u], grid);
+            else sm80::atomic_add4(p.dq_accum + o[u], x[u]);
+          }
         }
       }
-      mbar_arrive(dq_empty);
+      mbar_arrive(&dq_empty[b]);
     }
     return;
   }
@@ -216,7 +232,6 @@ __global__ void __launch_bounds__(kThreads, 1) sparse_bwd_ws_kernel(SparseBwdPar
   const int wg = tid / 128 - 1, ctid = tid % 128, wq = ctid / 32, lane = tid % 32, g = lane / 4, tq = lane % 4;
   const int ct = tid - 128;  // 0 .. 255
   T* sDs = reinterpret_cast<T*>(smem + L::ds + wg * 64 * kRows * 2);
-  float* sDqMine = sDq + wg * kRows * L::kDqStride;
   const uint32_t k_addr = smem_addr(sK), v_addr = smem_addr(sV);
   const uint32_t ka = k_addr + wg * 64 * 128, va = v_addr + wg * 64 * 128;  // this consumer's 64 keys (A of S^T)
   const int key_row = wq * 16 + g;                                          // in the consumer's 64
@@ -360,26 +375,38 @@ __global__ void __launch_bounds__(kThreads, 1) sparse_bwd_ws_kernel(SparseBwdPar
         wgmma_commit();
         wgmma_wait<0>();
         fence_regs(dq);
+        const int b = i & 1;
+        float* buf = sDq + b * kRows * L::kDqStride;
         if (panel == 0) {
-          // The stage's Q / dO are read (dV, dK done); the writer's buffer is free (tile i - 1 written out)
-          // once it says so.
-          if (i > 0) mbar_wait(dq_empty, (i - 1) & 1);
-          if (ct < kRows) {
-            sDqTok[ct] = reinterpret_cast<const int*>(st + L::s_tok)[ct];
-            sDqHead[ct] = reinterpret_cast<const int*>(st + L::s_head)[ct];
+          // The stage's Q / dO are read (dV, dK done). Consumer 0 stores its partial into buffer b once the
+          // writer has written out tile i - 2 from it; consumer 1 adds its own once consumer 0's is there.
+          if (wg == 0) {
+            if (i >= 2) mbar_wait(&dq_empty[b], ((i >> 1) - 1) & 1);
+            if (ctid < kRows) {
+              sDqTok[b * kRows + ctid] = reinterpret_cast<const int*>(st + L::s_tok)[ctid];
+              sDqHead[b * kRows + ctid] = reinterpret_cast<const int*>(st + L::s_head)[ctid];
+            }
           }
           mbar_arrive(&empty[s]);
+          if (wg == 1) mbar_wait(&dq_half[b], (i >> 1) & 1);
         }
 #pragma unroll
         for (int n = 0; n < 8; ++n) {
           const int col = panel * 64 + n * 8 + 2 * tq;
-          *reinterpret_cast<float2*>(sDqMine + qrow * L::kDqStride + col) =
-              make_float2(dq[4 * n] * p.scale, dq[4 * n + 1] * p.scale);
-          *reinterpret_cast<float2*>(sDqMine + (qrow + 8) * L::kDqStride + col) =
-              make_float2(dq[4 * n + 2] * p.scale, dq[4 * n + 3] * p.scale);
+          float2* d0 = reinterpret_cast<float2*>(buf + qrow * L::kDqStride + col);
+          float2* d1 = reinterpret_cast<float2*>(buf + (qrow + 8) * L::kDqStride + col);
+          float2 v0 = make_float2(dq[4 * n] * p.scale, dq[4 * n + 1] * p.scale);
+          float2 v1 = make_float2(dq[4 * n + 2] * p.scale, dq[4 * n + 3] * p.scale);
+          if (wg == 1) {
+            const float2 a0 = *d0, a1 = *d1;
+            v0 = make_float2(a0.x + v0.x, a0.y + v0.y);
+            v1 = make_float2(a1.x + v1.x, a1.y + v1.y);
+          }
+          *d0 = v0;
+          *d1 = v1;
         }
       }
-      mbar_arrive(dq_full);
+      mbar_arrive(wg == 0 ? &dq_half[i & 1] : &dq_full[i & 1]);
     }
     fence_regs(dk_w);
     fence_regs(dv_w);
