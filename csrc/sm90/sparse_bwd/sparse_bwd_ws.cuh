@@ -90,8 +90,9 @@ struct Smem {  // byte offsets from the 1024-aligned base
   static_assert(stage_bytes % 1024 == 0 && ds % 1024 == 0, "wgmma tiles 1024-aligned");
 };
 
-// Whether the warp-specialized kernel applies (the host's choice; it takes every layout the general one does).
-inline bool applies(const SparseBwdParams& p) { return p.ws && !p.small_smem; }
+// Whether the warp-specialized kernel runs: the host's choice (it takes every layout the general one does; like the
+// general sm_90a kernel it ignores small_smem).
+inline bool applies(const SparseBwdParams& p) { return p.ws; }
 
 template <typename T, int D, bool kDet>
 __global__ void __launch_bounds__(kThreads, 1) sparse_bwd_ws_kernel(SparseBwdParams p) {
