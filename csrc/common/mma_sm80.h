@@ -92,6 +92,17 @@ __device__ __forceinline__ uint32_t pack2<__half>(float lo, float hi) {
   __half2 v = __floats2half2_rn(lo, hi);
   return *reinterpret_cast<uint32_t*>(&v);
 }
+
+// The A operand fragment (m16n8k16 / wgmma RS layout) of 16 accumulator columns: acc8 points at two
+// consecutive C n-tiles (8 columns each: rows g, g + 8 of columns 2 tq, + 1), packed to the input dtype;
+// e.g. P for P V from the logits' accumulator (n-tiles 2 kk, 2 kk + 1 are k-step kk).
+template <typename T>
+__device__ __forceinline__ void a_frag(const float* acc8, uint32_t (&a)[4]) {
+  a[0] = pack2<T>(acc8[0], acc8[1]);
+  a[1] = pack2<T>(acc8[2], acc8[3]);
+  a[2] = pack2<T>(acc8[4], acc8[5]);
+  a[3] = pack2<T>(acc8[6], acc8[7]);
+}
 template <typename T>
 __device__ __forceinline__ float2 unpack2(uint32_t v);
 template <>

@@ -577,12 +577,7 @@ __global__ void __launch_bounds__(SparseFwdShape::threads<kOut, kWgmma, kRows>()
       if constexpr (kWgmma) {
         if (p.write_out) {
 #pragma unroll
-          for (int kk = 0; kk < Sh::kKeys / 16; ++kk) {
-            pa[kk][0] = pack2<T>(c[2 * kk][0], c[2 * kk][1]);
-            pa[kk][1] = pack2<T>(c[2 * kk][2], c[2 * kk][3]);
-            pa[kk][2] = pack2<T>(c[2 * kk + 1][0], c[2 * kk + 1][1]);
-            pa[kk][3] = pack2<T>(c[2 * kk + 1][2], c[2 * kk + 1][3]);
-          }
+          for (int kk = 0; kk < Sh::kKeys / 16; ++kk) a_frag<T>(&c[2 * kk][0], pa[kk]);
         }
       }
       [[maybe_unused]] auto pv_out = [&]() {

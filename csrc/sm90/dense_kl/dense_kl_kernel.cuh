@@ -448,12 +448,7 @@ __global__ void __launch_bounds__(dense_kl::kThreads, 1)
       // dS^T as the A operand (input dtype): n-tiles 2 kk, 2 kk + 1 are queries [16 kk, +16).
       uint32_t pa[4][4];
 #pragma unroll
-      for (int kk = 0; kk < 4; ++kk) {
-        pa[kk][0] = pack2<T>(si[8 * kk + 0], si[8 * kk + 1]);
-        pa[kk][1] = pack2<T>(si[8 * kk + 2], si[8 * kk + 3]);
-        pa[kk][2] = pack2<T>(si[8 * kk + 4], si[8 * kk + 5]);
-        pa[kk][3] = pack2<T>(si[8 * kk + 6], si[8 * kk + 7]);
-      }
+      for (int kk = 0; kk < 4; ++kk) sm80::a_frag<T>(si + 8 * kk, pa[kk]);
       // dS^T to shared memory for dQ_idx (rows = keys): the same packed pairs (before the wgmma: its A
       // registers may not be read while it runs).
 #pragma unroll

@@ -310,14 +310,8 @@ __global__ void __launch_bounds__(kThreads, 1) sparse_bwd_ws_kernel(SparseBwdPar
         }
 #pragma unroll
         for (int kk = 0; kk < 2; ++kk) {
-          pa[kk][0] = pack2<T>(sacc[8 * kk + 0], sacc[8 * kk + 1]);
-          pa[kk][1] = pack2<T>(sacc[8 * kk + 2], sacc[8 * kk + 3]);
-          pa[kk][2] = pack2<T>(sacc[8 * kk + 4], sacc[8 * kk + 5]);
-          pa[kk][3] = pack2<T>(sacc[8 * kk + 6], sacc[8 * kk + 7]);
-          da[kk][0] = pack2<T>(dpacc[8 * kk + 0], dpacc[8 * kk + 1]);
-          da[kk][1] = pack2<T>(dpacc[8 * kk + 2], dpacc[8 * kk + 3]);
-          da[kk][2] = pack2<T>(dpacc[8 * kk + 4], dpacc[8 * kk + 5]);
-          da[kk][3] = pack2<T>(dpacc[8 * kk + 6], dpacc[8 * kk + 7]);
+          sm80::a_frag<T>(sacc + 8 * kk, pa[kk]);
+          sm80::a_frag<T>(dpacc + 8 * kk, da[kk]);
 #pragma unroll
           for (int hf = 0; hf < 2; ++hf) {
             const int chunk = h * 4 + 2 * kk + hf;  // rows [8 chunk, +8)

@@ -335,12 +335,7 @@ __global__ void __launch_bounds__(kThreads, 1) out_pass_ws_kernel(SparseFwdParam
     // [16 kk, +16).
     uint32_t pa[kKeys / 16][4];
 #pragma unroll
-    for (int kk = 0; kk < kKeys / 16; ++kk) {
-      pa[kk][0] = pack2<T>(c[2 * kk][0], c[2 * kk][1]);
-      pa[kk][1] = pack2<T>(c[2 * kk][2], c[2 * kk][3]);
-      pa[kk][2] = pack2<T>(c[2 * kk + 1][0], c[2 * kk + 1][1]);
-      pa[kk][3] = pack2<T>(c[2 * kk + 1][2], c[2 * kk + 1][3]);
-    }
+    for (int kk = 0; kk < kKeys / 16; ++kk) sm80::a_frag<T>(&c[2 * kk][0], pa[kk]);
     // Sum of P over the unit's 4 heads (lane bits 2-3): at bit b a lane keeps one n-tile of each pair
     // (n, n | b) and sends the other; afterwards slot n (n % 4 = 0) of lane gi holds n-tile n + gi.
 #pragma unroll
