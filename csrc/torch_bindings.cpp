@@ -3,18 +3,22 @@
 // (STABLE_TORCH_LIBRARY_IMPL(msa, CUDA, ...)), the CPU reference, fakes and autograd in msa/_ops.py. Layout is packed (thd): tensors are (T, H, D), sequences given by cu_seqlens (S+1,), or,
 // where cu_seqlens is None, T / max_seqlen sequences of max_seqlen tokens each (the batched layout:
 // nothing to read back from the device). `deterministic` makes the gradients bitwise reproducible.
+// cu_seqlens_k / max_seqlen_k (None: the layout of the queries) split the key-side tensors (k, v, k_idx
+// and their gradients) where the queries are a suffix of the keys: sequence s's len_q queries are its
+// last len_q of len_k >= len_q positions (docs/semantics.md). The CPU path computes that case; the CUDA
+// kernels take None only so far.
 #include <torch/csrc/stable/library.h>
 
 STABLE_TORCH_LIBRARY(msa, m) {
   // SPEC 2: int32 (Hi, T, topk) selected blocks, ascending, -1 padded.
   m.def("select_blocks(Tensor q_idx, Tensor k_idx, Tensor? cu_seqlens, SymInt max_seqlen, int topk, "
-        "int block_size, float index_scale) -> Tensor");
+        "int block_size, float index_scale, Tensor? cu_seqlens_k=None, SymInt? max_seqlen_k=None) -> Tensor");
   // SPEC 3: out (T, Hq, D) and lse (Hq, T) over the causally visible tokens of the selected blocks.
   m.def("sparse_fwd(Tensor q, Tensor k, Tensor v, Tensor indices, Tensor? cu_seqlens, SymInt max_seqlen, "
-        "int block_size, float softmax_scale, bool deterministic=False) -> (Tensor out, Tensor lse)");
+        "int block_size, float softmax_scale, bool deterministic=False, Tensor? cu_seqlens_k=None, SymInt? max_seqlen_k=None) -> (Tensor out, Tensor lse)");
   m.def("sparse_bwd(Tensor dout, Tensor q, Tensor k, Tensor v, Tensor out, Tensor lse, Tensor indices, "
-        "Tensor? cu_seqlens, SymInt max_seqlen, int block_size, float softmax_scale, bool deterministic=False) -> "
-        "(Tensor dq, Tensor dk, Tensor dv)");
+        "Tensor? cu_seqlens, SymInt max_seqlen, int block_size, float softmax_scale, bool deterministic=False, "
+        "Tensor? cu_seqlens_k=None, SymInt? max_seqlen_k=None) -> (Tensor dq, Tensor dk, Tensor dv)");
   // SPEC 2-5 in one op: selection, sparse (or warmup dense) attention, exact KL value, index LSE.
   // indices is (Hi, T, topk); in warmup mode it is (Hi, T, 0) unless return_indices. With index_grad
   // the pass that computes kl also yields its gradient for d_kl = 1 (SPEC 4: kl is linear in d_kl):
@@ -22,7 +26,7 @@ STABLE_TORCH_LIBRARY(msa, m) {
   // (Hi, T) fp32 holds each row's KL term (kl is their mean).
   m.def("msa_fwd(Tensor q, Tensor k, Tensor v, Tensor q_idx, Tensor k_idx, Tensor? cu_seqlens, "
         "SymInt max_seqlen, int topk, int block_size, float softmax_scale, float index_scale, bool warmup, "
-        "bool return_indices, bool index_grad, bool deterministic=False) -> (Tensor out, Tensor kl, "
+        "bool return_indices, bool index_grad, bool deterministic=False, Tensor? cu_seqlens_k=None, SymInt? max_seqlen_k=None) -> (Tensor out, Tensor kl, "
         "Tensor indices, Tensor lse, Tensor lse_idx, Tensor kl_dq_idx, Tensor kl_dk_idx, Tensor kl_rows)");
   // SPEC 4 gradients: dout -> dq, dk, dv; dkl -> dq_idx, dk_idx (dkl times the forward's kl_dq_idx /
   // kl_dk_idx when given, else from dkl/rows * (Pidx - P) again). A missing dout or dkl skips that part
@@ -30,7 +34,7 @@ STABLE_TORCH_LIBRARY(msa, m) {
   m.def("msa_bwd(Tensor? dout, Tensor? dkl, Tensor q, Tensor k, Tensor v, Tensor out, Tensor lse, "
         "Tensor q_idx, Tensor k_idx, Tensor lse_idx, Tensor indices, Tensor kl_dq_idx, Tensor kl_dk_idx, "
         "Tensor? cu_seqlens, SymInt max_seqlen, int block_size, float softmax_scale, float index_scale, "
-        "bool warmup, bool deterministic=False) -> (Tensor dq, Tensor dk, Tensor dv, Tensor dq_idx, "
+        "bool warmup, bool deterministic=False, Tensor? cu_seqlens_k=None, SymInt? max_seqlen_k=None) -> (Tensor dq, Tensor dk, Tensor dv, Tensor dq_idx, "
         "Tensor dk_idx)");
   // Reverse index: CSR over keys (index head r, global kv block) of the tokens that selected the block,
   // tokens ascending. Keys number Hi * (T // block_size + S) (an upper bound on the blocks, known

@@ -5,6 +5,8 @@ registered once, at import.
 """
 from __future__ import annotations
 
+import re
+
 import torch
 
 from . import reference as ref
@@ -61,6 +63,32 @@ def _seqs(cu_seqlens, total: int, max_seqlen: int) -> torch.Tensor:
     return cu_seqlens
 
 
+def _seqs_k(cu_q, cu_seqlens_k, total_k: int, max_seqlen_k) -> torch.Tensor | None:
+    """The key-side sequences (None: the query layout, which then must cover the same T). With a key
+    layout: as many sequences as the queries', each with len_q <= len_k (the queries are the last len_q
+    positions of their sequence, docs/semantics.md)."""
+    if cu_seqlens_k is None and max_seqlen_k is None:
+        if total_k != int(cu_q[-1]):
+            raise ValueError(f"k: expected T = {int(cu_q[-1])} rows (those of q; cu_seqlens_k gives keys of "
+                             f"another layout), got {total_k}")
+        return None
+    if max_seqlen_k is None:
+        raise ValueError("max_seqlen_k: expected an int with cu_seqlens_k, got None")
+    try:
+        cu_k = _seqs(cu_seqlens_k, total_k, max_seqlen_k)
+    except ValueError as e:  # name the key-side argument
+        msg = re.sub(r"\b(cu_seqlens|max_seqlen)\b", r"\1_k", str(e)).replace("T =", "T_k =")
+        raise ValueError(msg) from None
+    lq, lk = (cu_q[1:] - cu_q[:-1]).tolist(), (cu_k[1:] - cu_k[:-1]).tolist()
+    if len(lq) != len(lk):
+        raise ValueError(f"cu_seqlens_k: expected {len(lq)} sequences (those of the queries), got {len(lk)}")
+    for s, (a, b) in enumerate(zip(lq, lk)):
+        if a > b:
+            raise ValueError(f"cu_seqlens_k: expected len_k >= len_q in every sequence (the queries are the last "
+                             f"len_q of its positions), got len_q = {a} > len_k = {b} in sequence {s}")
+    return cu_k
+
+
 # ----------------------------------------------------------------------------------------------
 # CPU kernels
 # ----------------------------------------------------------------------------------------------
@@ -78,38 +106,44 @@ def _no_autocast(fn):
 
 @torch.library.register_kernel("msa::select_blocks", "cpu")
 @_no_autocast
-def _select_blocks_cpu(q_idx, k_idx, cu_seqlens, max_seqlen, topk, block_size, index_scale):
+def _select_blocks_cpu(q_idx, k_idx, cu_seqlens, max_seqlen, topk, block_size, index_scale, cu_seqlens_k=None,
+                       max_seqlen_k=None):
     cu = _seqs(cu_seqlens, q_idx.shape[0], max_seqlen)
-    return ref.select_blocks(q_idx, k_idx, cu, topk, block_size, index_scale)
+    cu_k = _seqs_k(cu, cu_seqlens_k, k_idx.shape[0], max_seqlen_k)
+    return ref.select_blocks(q_idx, k_idx, cu, topk, block_size, index_scale, cu_k)
 
 
 @torch.library.register_kernel("msa::sparse_fwd", "cpu")
 @_no_autocast
-def _sparse_fwd_cpu(q, k, v, indices, cu_seqlens, max_seqlen, block_size, softmax_scale, deterministic=False):
+def _sparse_fwd_cpu(q, k, v, indices, cu_seqlens, max_seqlen, block_size, softmax_scale, deterministic=False,
+                    cu_seqlens_k=None, max_seqlen_k=None):
     cu = _seqs(cu_seqlens, q.shape[0], max_seqlen)
-    return ref.sparse_fwd(q, k, v, indices, cu, block_size, softmax_scale)
+    cu_k = _seqs_k(cu, cu_seqlens_k, k.shape[0], max_seqlen_k)
+    return ref.sparse_fwd(q, k, v, indices, cu, block_size, softmax_scale, cu_k)
 
 
 @torch.library.register_kernel("msa::sparse_bwd", "cpu")
 @_no_autocast
 def _sparse_bwd_cpu(dout, q, k, v, out, lse, indices, cu_seqlens, max_seqlen, block_size, softmax_scale,
-                    deterministic=False):
+                    deterministic=False, cu_seqlens_k=None, max_seqlen_k=None):
     cu = _seqs(cu_seqlens, q.shape[0], max_seqlen)
-    return ref.sparse_bwd(dout, q, k, v, lse, indices, cu, block_size, softmax_scale)
+    cu_k = _seqs_k(cu, cu_seqlens_k, k.shape[0], max_seqlen_k)
+    return ref.sparse_bwd(dout, q, k, v, lse, indices, cu, block_size, softmax_scale, cu_k)
 
 
 @torch.library.register_kernel("msa::msa_fwd", "cpu")
 @_no_autocast
 def _msa_fwd_cpu(q, k, v, q_idx, k_idx, cu_seqlens, max_seqlen, topk, block_size, softmax_scale, index_scale,
-                 warmup, return_indices, index_grad, deterministic=False):
+                 warmup, return_indices, index_grad, deterministic=False, cu_seqlens_k=None, max_seqlen_k=None):
     cu = _seqs(cu_seqlens, q.shape[0], max_seqlen)
+    cu_k = _seqs_k(cu, cu_seqlens_k, k.shape[0], max_seqlen_k)
     out, kl, indices, lse, lse_idx, kl_rows = ref.msa_fwd(q, k, v, q_idx, k_idx, cu, topk, block_size, softmax_scale,
-                                                          index_scale, warmup, return_indices)
+                                                          index_scale, warmup, return_indices, cu_k)
     acc = ref.acc_dtype(q.dtype)
     if index_grad:  # d kl / d (q_idx, k_idx) for d_kl = 1 (SPEC 4), in the accumulation dtype
         attend = None if warmup else indices
         g_q, g_k = ref.index_kl_bwd(torch.ones((), dtype=acc), q, k, lse, q_idx, k_idx, lse_idx, attend, cu,
-                                    block_size, softmax_scale, index_scale, out_dtype=acc)
+                                    block_size, softmax_scale, index_scale, out_dtype=acc, cu_seqlens_k=cu_k)
     else:
         g_q, g_k = torch.empty(0, dtype=acc), torch.empty(0, dtype=acc)
     return out, kl, indices, lse, lse_idx, g_q, g_k, kl_rows
@@ -118,13 +152,15 @@ def _msa_fwd_cpu(q, k, v, q_idx, k_idx, cu_seqlens, max_seqlen, topk, block_size
 @torch.library.register_kernel("msa::msa_bwd", "cpu")
 @_no_autocast
 def _msa_bwd_cpu(dout, dkl, q, k, v, out, lse, q_idx, k_idx, lse_idx, indices, kl_dq_idx, kl_dk_idx, cu_seqlens,
-                 max_seqlen, block_size, softmax_scale, index_scale, warmup, deterministic=False):
+                 max_seqlen, block_size, softmax_scale, index_scale, warmup, deterministic=False, cu_seqlens_k=None,
+                 max_seqlen_k=None):
     cu = _seqs(cu_seqlens, q.shape[0], max_seqlen)
+    cu_k = _seqs_k(cu, cu_seqlens_k, k.shape[0], max_seqlen_k)
     attend = None if warmup else indices
     if dout is None:
         dq, dk, dv = torch.zeros_like(q), torch.zeros_like(k), torch.zeros_like(v)
     else:
-        dq, dk, dv = ref.sparse_bwd(dout, q, k, v, lse, attend, cu, block_size, softmax_scale)
+        dq, dk, dv = ref.sparse_bwd(dout, q, k, v, lse, attend, cu, block_size, softmax_scale, cu_k)
     if dkl is None:
         dq_idx, dk_idx = torch.zeros_like(q_idx), torch.zeros_like(k_idx)
     elif kl_dq_idx.shape == q_idx.shape and kl_dk_idx.shape == k_idx.shape:
@@ -132,7 +168,7 @@ def _msa_bwd_cpu(dout, dkl, q, k, v, out, lse, q_idx, k_idx, lse_idx, indices, k
         dq_idx, dk_idx = (kl_dq_idx * s).to(q_idx.dtype), (kl_dk_idx * s).to(k_idx.dtype)
     else:
         dq_idx, dk_idx = ref.index_kl_bwd(dkl, q, k, lse, q_idx, k_idx, lse_idx, attend, cu, block_size,
-                                          softmax_scale, index_scale)
+                                          softmax_scale, index_scale, cu_seqlens_k=cu_k)
     return dq, dk, dv, dq_idx, dk_idx
 
 
@@ -274,7 +310,8 @@ def _dense_bwd_cuda(dout, q, k, v, out, lse, cu_seqlens, max_seqlen, softmax_sca
 # Fake kernels (shapes only) for torch.compile / meta tensors
 # ----------------------------------------------------------------------------------------------
 @torch.library.register_fake("msa::select_blocks")
-def _select_blocks_fake(q_idx, k_idx, cu_seqlens, max_seqlen, topk, block_size, index_scale):
+def _select_blocks_fake(q_idx, k_idx, cu_seqlens, max_seqlen, topk, block_size, index_scale, cu_seqlens_k=None,
+                        max_seqlen_k=None):
     return q_idx.new_empty(q_idx.shape[1], q_idx.shape[0], topk, dtype=torch.int32)
 
 
@@ -283,19 +320,20 @@ def _lse_like(x, heads):
 
 
 @torch.library.register_fake("msa::sparse_fwd")
-def _sparse_fwd_fake(q, k, v, indices, cu_seqlens, max_seqlen, block_size, softmax_scale, deterministic=False):
+def _sparse_fwd_fake(q, k, v, indices, cu_seqlens, max_seqlen, block_size, softmax_scale, deterministic=False,
+                     cu_seqlens_k=None, max_seqlen_k=None):
     return torch.empty_like(q), _lse_like(q, q.shape[1])
 
 
 @torch.library.register_fake("msa::sparse_bwd")
 def _sparse_bwd_fake(dout, q, k, v, out, lse, indices, cu_seqlens, max_seqlen, block_size, softmax_scale,
-                     deterministic=False):
+                     deterministic=False, cu_seqlens_k=None, max_seqlen_k=None):
     return torch.empty_like(q), torch.empty_like(k), torch.empty_like(v)
 
 
 @torch.library.register_fake("msa::msa_fwd")
 def _msa_fwd_fake(q, k, v, q_idx, k_idx, cu_seqlens, max_seqlen, topk, block_size, softmax_scale, index_scale,
-                  warmup, return_indices, index_grad, deterministic=False):
+                  warmup, return_indices, index_grad, deterministic=False, cu_seqlens_k=None, max_seqlen_k=None):
     T, Hi = q_idx.shape[0], q_idx.shape[1]
     slots = 0 if (warmup and not return_indices) else topk
     acc = ref.acc_dtype(q.dtype)
@@ -307,7 +345,8 @@ def _msa_fwd_fake(q, k, v, q_idx, k_idx, cu_seqlens, max_seqlen, topk, block_siz
 
 @torch.library.register_fake("msa::msa_bwd")
 def _msa_bwd_fake(dout, dkl, q, k, v, out, lse, q_idx, k_idx, lse_idx, indices, kl_dq_idx, kl_dk_idx, cu_seqlens,
-                  max_seqlen, block_size, softmax_scale, index_scale, warmup, deterministic=False):
+                  max_seqlen, block_size, softmax_scale, index_scale, warmup, deterministic=False, cu_seqlens_k=None,
+                  max_seqlen_k=None):
     return tuple(torch.empty_like(x) for x in (q, k, v, q_idx, k_idx))
 
 
@@ -328,51 +367,61 @@ def _validate_cu_seqlens_fake(cu_seqlens, total_tokens, max_seqlen):
 # Autograd (SPEC 4): out -> q, k, v only; kl -> q_idx, k_idx only, the teacher P detached
 # ----------------------------------------------------------------------------------------------
 def _msa_setup(ctx, inputs, output):
-    q, k, v, q_idx, k_idx, cu_seqlens, max_seqlen, topk, block_size, scale, iscale, warmup, _, _, det = inputs
+    q, k, v, q_idx, k_idx, cu_seqlens, max_seqlen, topk, block_size, scale, iscale, warmup, _, _, det = inputs[:15]
+    cu_k, max_k = (tuple(inputs[15:]) + (None, None))[:2]
     out, kl, indices, lse, lse_idx, kl_dq_idx, kl_dk_idx, kl_rows = output
-    ctx.save_for_backward(q, k, v, out, lse, q_idx, k_idx, lse_idx, indices, kl_dq_idx, kl_dk_idx, cu_seqlens)
-    ctx.args = (max_seqlen, block_size, scale, iscale, warmup, det)
+    ctx.save_for_backward(q, k, v, out, lse, q_idx, k_idx, lse_idx, indices, kl_dq_idx, kl_dk_idx, cu_seqlens, cu_k)
+    ctx.args = (max_seqlen, block_size, scale, iscale, warmup, det, max_k)
     ctx.mark_non_differentiable(indices, lse, lse_idx, kl_dq_idx, kl_dk_idx, kl_rows)
     ctx.set_materialize_grads(False)
 
 
 def _msa_backward(ctx, dout, dkl, _dindices, _dlse, _dlse_idx, _dg_q, _dg_k, _dkl_rows):
-    q, k, v, out, lse, q_idx, k_idx, lse_idx, indices, kl_dq_idx, kl_dk_idx, cu_seqlens = ctx.saved_tensors
-    max_seqlen, block_size, scale, iscale, warmup, det = ctx.args
+    q, k, v, out, lse, q_idx, k_idx, lse_idx, indices, kl_dq_idx, kl_dk_idx, cu_seqlens, cu_k = ctx.saved_tensors
+    max_seqlen, block_size, scale, iscale, warmup, det, max_k = ctx.args
     need = ctx.needs_input_grad
     if not any(need[:3]):
         dout = None
     if not any(need[3:5]):
         dkl = None
     if dout is None and dkl is None:
-        return (None,) * 15
+        return (None,) * len(need)
     dq, dk, dv, dq_idx, dk_idx = ops.msa_bwd(
         dout, dkl, q, k, v, out, lse, q_idx, k_idx, lse_idx, indices, kl_dq_idx, kl_dk_idx, cu_seqlens, max_seqlen,
-        block_size, scale, iscale, warmup, det)
+        block_size, scale, iscale, warmup, det, *_key_layout(cu_k, max_k))
     main = (dq, dk, dv) if dout is not None else (None, None, None)
     index = (dq_idx, dk_idx) if dkl is not None else (None, None)
-    return (*main, *index) + (None,) * 10
+    return (*main, *index) + (None,) * (len(need) - 5)
+
+
+def _key_layout(cu_k, max_k):
+    """The trailing (cu_seqlens_k, max_seqlen_k) of a backward call: none where the forward had none (the CUDA
+    kernels take the schemas' defaults only)."""
+    return () if cu_k is None and max_k is None else (cu_k, max_k)
 
 
 torch.library.register_autograd("msa::msa_fwd", _msa_backward, setup_context=_msa_setup)
 
 
 def _sparse_setup(ctx, inputs, output):
-    q, k, v, indices, cu_seqlens, max_seqlen, block_size, scale, det = inputs
+    q, k, v, indices, cu_seqlens, max_seqlen, block_size, scale, det = inputs[:9]
+    cu_k, max_k = (tuple(inputs[9:]) + (None, None))[:2]
     out, lse = output
-    ctx.save_for_backward(q, k, v, out, lse, indices, cu_seqlens)
-    ctx.args = (max_seqlen, block_size, scale, det)
+    ctx.save_for_backward(q, k, v, out, lse, indices, cu_seqlens, cu_k)
+    ctx.args = (max_seqlen, block_size, scale, det, max_k)
     ctx.mark_non_differentiable(lse)
     ctx.set_materialize_grads(False)
 
 
 def _sparse_backward(ctx, dout, _dlse):
-    q, k, v, out, lse, indices, cu_seqlens = ctx.saved_tensors
+    q, k, v, out, lse, indices, cu_seqlens, cu_k = ctx.saved_tensors
+    n = len(ctx.needs_input_grad)
     if dout is None:
-        return (None,) * 9
-    max_seqlen, block_size, scale, det = ctx.args
-    dq, dk, dv = ops.sparse_bwd(dout, q, k, v, out, lse, indices, cu_seqlens, max_seqlen, block_size, scale, det)
-    return (dq, dk, dv) + (None,) * 6
+        return (None,) * n
+    max_seqlen, block_size, scale, det, max_k = ctx.args
+    dq, dk, dv = ops.sparse_bwd(dout, q, k, v, out, lse, indices, cu_seqlens, max_seqlen, block_size, scale, det,
+                                *_key_layout(cu_k, max_k))
+    return (dq, dk, dv) + (None,) * (n - 3)
 
 
 torch.library.register_autograd("msa::sparse_fwd", _sparse_backward, setup_context=_sparse_setup)

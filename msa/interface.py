@@ -2,6 +2,11 @@
 
 Batched tensors (B, N, H, D) are the equal-length case of the packed layout (T = B*N, H, D): they are
 viewed as packed with cu_seqlens = [0, N, 2N, ...] and the ops see one layout only.
+
+Queries may be a suffix of the keys (docs/semantics.md): q-side tensors (q, q_idx) of N_q (or T_q) rows,
+k-side ones (k, v, k_idx) of N_k >= N_q (or T_k, split by cu_seqlens_k); each sequence's queries are its
+last len_q positions, causal aligned bottom-right as in flash-attn. The ops then take the key layout as
+(cu_seqlens_k, max_seqlen_k); where it is the queries' layout they take none, as before.
 """
 from __future__ import annotations
 
@@ -113,15 +118,27 @@ def _flat(x):
     return x.reshape(x.shape[0] * x.shape[1], *x.shape[2:])
 
 
+def _check_lead(q, k, rank, others):
+    """Leading dims: the q-side and k-side tensors each agree among themselves; batched, k has q's batch and
+    N_k >= N_q (the queries are the last N_q positions); packed, T_k is checked against cu_seqlens_k."""
+    lead, lead_k = q.shape[:-2], k.shape[:-2]
+    if any(s < 1 for s in lead):
+        _fail("q", "at least one token" + (" and batch >= 1" if rank == 4 else ""), f"shape {tuple(q.shape)}")
+    if any(s < 1 for s in lead_k):
+        _fail("k", "at least one token" + (" and batch >= 1" if rank == 4 else ""), f"shape {tuple(k.shape)}")
+    if rank == 4 and (lead_k[0] != lead[0] or lead_k[1] < lead[1]):
+        _fail("k", f"leading dims (B, N_k) with B = {lead[0]} and N_k >= N_q = {lead[1]} (those of q: the queries "
+                   f"are the last N_q positions)", f"shape {tuple(k.shape)}")
+    for name, x, side in others:
+        want, whose = (lead, "q") if side == "q" else (lead_k, "k")
+        if x.shape[:-2] != want:
+            _fail(name, f"leading dims {tuple(want)} (those of {whose})", f"shape {tuple(x.shape)}")
+
+
 def _check_msa_inputs(q, k, v, q_idx, k_idx, rank, topk, block_size):
     layout = "(B, N, H, D)" if rank == 4 else "(T, H, D)"
     _check_common([("q", q), ("k", k), ("v", v), ("q_idx", q_idx), ("k_idx", k_idx)], rank, layout)
-    lead = q.shape[:-2]
-    if any(s < 1 for s in lead):
-        _fail("q", "at least one token" + (" and batch >= 1" if rank == 4 else ""), f"shape {tuple(q.shape)}")
-    for name, x in (("k", k), ("v", v), ("q_idx", q_idx), ("k_idx", k_idx)):
-        if x.shape[:-2] != lead:
-            _fail(name, f"leading dims {tuple(lead)} (those of q)", f"shape {tuple(x.shape)}")
+    _check_lead(q, k, rank, (("v", v, "k"), ("q_idx", q_idx, "q"), ("k_idx", k_idx, "k")))
     D, Di = q.shape[-1], q_idx.shape[-1]
     _check_dim("q", D)
     _check_dim("q_idx", Di)
@@ -136,12 +153,12 @@ def _check_msa_inputs(q, k, v, q_idx, k_idx, rank, topk, block_size):
     _check_option("topk", topk, range(1, MAX_TOPK + 1))
 
 
-def _check_varlen(cu_seqlens, max_seqlen, x, total=None):
-    _check_cu_seqlens(cu_seqlens, x.device)
+def _check_varlen(cu_seqlens, max_seqlen, x, total=None, side=""):
+    _check_cu_seqlens(cu_seqlens, x.device, "cu_seqlens" + side)
     if isinstance(max_seqlen, bool) or not isinstance(max_seqlen, int):
-        _fail("max_seqlen", "an int", repr(max_seqlen), TypeError)
+        _fail("max_seqlen" + side, "an int", repr(max_seqlen), TypeError)
     if max_seqlen < 1:
-        _fail("max_seqlen", "an int >= 1", max_seqlen)
+        _fail("max_seqlen" + side, "an int >= 1", max_seqlen)
     if total is not None and cu_seqlens.is_cuda and not torch.compiler.is_compiling():
         _check_values_cuda(cu_seqlens, max_seqlen, total)
 
@@ -164,27 +181,57 @@ def _check_values_cuda(cu_seqlens, max_seqlen, total):
         raise ValueError(str(e)[m.start():]) from None
 
 
-def _check_cu_seqlens(cu_seqlens, device):
+def _check_cu_seqlens(cu_seqlens, device, name="cu_seqlens"):
     """Type, dtype, shape and device of a cu_seqlens (its values are checked by the ops)."""
     if not isinstance(cu_seqlens, torch.Tensor):
-        _fail("cu_seqlens", "an int32 tensor", type(cu_seqlens).__name__, TypeError)
+        _fail(name, "an int32 tensor", type(cu_seqlens).__name__, TypeError)
     if cu_seqlens.dtype != torch.int32:
-        _fail("cu_seqlens", "dtype torch.int32", cu_seqlens.dtype, TypeError)
+        _fail(name, "dtype torch.int32", cu_seqlens.dtype, TypeError)
     if cu_seqlens.dim() != 1 or cu_seqlens.numel() < 2:
-        _fail("cu_seqlens", "shape (S+1,) with S >= 1", tuple(cu_seqlens.shape))
+        _fail(name, "shape (S+1,) with S >= 1", tuple(cu_seqlens.shape))
     if cu_seqlens.device != device:
-        _fail("cu_seqlens", f"device {device} (that of q)", cu_seqlens.device)
+        _fail(name, f"device {device} (that of q)", cu_seqlens.device)
+
+
+def _key_layout(q, k, cu_seqlens, cu_seqlens_k, max_seqlen_k):
+    """The ops' trailing (cu_seqlens_k, max_seqlen_k): () where the keys have the queries' layout, else the
+    key layout (batched: None and N_k). Queries that are a suffix of the keys have no CUDA kernel yet: a
+    NotImplementedError here, before anything runs."""
+    if cu_seqlens is None:  # batched (B, N, H, D): N_k >= N_q checked by _check_lead
+        if cu_seqlens_k is not None or max_seqlen_k is not None:
+            _fail("cu_seqlens_k", "None in the batched layout (N_k is k.shape[1])", "a key layout", TypeError)
+        layout = () if k.shape[1] == q.shape[1] else (None, k.shape[1])
+    elif cu_seqlens_k is None:
+        if max_seqlen_k is not None:
+            _fail("max_seqlen_k", "None without cu_seqlens_k", repr(max_seqlen_k), TypeError)
+        if k.shape[0] != q.shape[0]:
+            _fail("k", f"T = {q.shape[0]} rows (those of q; keys of another layout need cu_seqlens_k)",
+                  f"shape {tuple(k.shape)}")
+        layout = ()
+    else:
+        if max_seqlen_k is None:
+            _fail("max_seqlen_k", "an int with cu_seqlens_k", "None", TypeError)
+        _check_varlen(cu_seqlens_k, max_seqlen_k, k, side="_k")
+        same = cu_seqlens_k is cu_seqlens and k.shape[0] == q.shape[0]
+        if not same and q.device.type == "cuda" and k.shape[0] == q.shape[0] and not torch.compiler.is_compiling():
+            same = bool(torch.equal(cu_seqlens_k, cu_seqlens))  # one read back; pass one tensor to avoid it
+        layout = () if same else (cu_seqlens_k, max_seqlen_k)
+    if layout and q.device.type == "cuda":
+        raise NotImplementedError(
+            "msa: queries that are a suffix of the keys (N_k > N_q, or cu_seqlens_k other than cu_seqlens) have no "
+            "CUDA kernel in this build yet (issue 18); the CPU path computes them (tensors on the CPU)")
+    return layout
 
 
 def _msa(q, k, v, q_idx, k_idx, cu_seqlens, max_seqlen, topk, block_size, softmax_scale, index_scale, warmup,
-         return_indices, deterministic):
+         return_indices, deterministic, key_layout=()):
     _require_kernel("msa_fwd", q)
     scale = _scale("softmax_scale", softmax_scale, q.shape[-1])
     iscale = _scale("index_scale", index_scale, q_idx.shape[-1])
     # The KL's index gradient is computed with the KL itself when autograd will ask for it (SPEC 4).
     index_grad = torch.is_grad_enabled() and (q_idx.requires_grad or k_idx.requires_grad)
     return ops.msa_fwd(q, k, v, q_idx, k_idx, cu_seqlens, max_seqlen, topk, block_size, scale, iscale,
-                       bool(warmup), bool(return_indices), index_grad, _deterministic(deterministic))
+                       bool(warmup), bool(return_indices), index_grad, _deterministic(deterministic), *key_layout)
 
 
 def msa_attention(q, k, v, q_idx, k_idx, *, topk=16, block_size=128, softmax_scale=None, index_scale=None,
@@ -194,6 +241,8 @@ def msa_attention(q, k, v, q_idx, k_idx, *, topk=16, block_size=128, softmax_sca
     Args:
         q: (B, N, Hq, D) main queries; k, v: (B, N, Hkv, D) main keys/values (GQA).
         q_idx: (B, N, Hi, Di) index queries, one head per index group; k_idx: (B, N, Hki, Di) index keys.
+            The key side (k, v, k_idx) may hold N_k > N queries' rows: the queries are then the last N
+            positions (causal aligned bottom-right, as flash-attn; chunked prefill, context parallelism).
         topk: blocks selected per (token, index group), the token's own block included (1..32).
         block_size: tokens per kv block (64 or 128).
         softmax_scale, index_scale: default 1/sqrt(D) and 1/sqrt(Di).
@@ -208,9 +257,10 @@ def msa_attention(q, k, v, q_idx, k_idx, *, topk=16, block_size=128, softmax_sca
     """
     _check_msa_inputs(q, k, v, q_idx, k_idx, 4, topk, block_size)
     B, N = q.shape[:2]
+    layout = _key_layout(q, k, None, None, None)
     flat = [_flat(x) for x in (q, k, v, q_idx, k_idx)]
     out, kl, indices = _msa(*flat, None, N, topk, block_size, softmax_scale, index_scale, warmup, return_indices,
-                            deterministic)[:3]
+                            deterministic, layout)[:3]
     out = out.view(B, N, *out.shape[1:])
     if not return_indices:
         return out, kl
@@ -218,34 +268,46 @@ def msa_attention(q, k, v, q_idx, k_idx, *, topk=16, block_size=128, softmax_sca
     return out, kl, indices.view(Hi, B, N, topk).permute(1, 0, 2, 3).contiguous()
 
 
-def msa_attention_varlen(q, k, v, q_idx, k_idx, cu_seqlens, max_seqlen, *, topk=16, block_size=128,
-                         softmax_scale=None, index_scale=None, warmup=False, return_indices=False, deterministic=None):
+def msa_attention_varlen(q, k, v, q_idx, k_idx, cu_seqlens, max_seqlen, *, cu_seqlens_k=None, max_seqlen_k=None,
+                         topk=16, block_size=128, softmax_scale=None, index_scale=None, warmup=False,
+                         return_indices=False, deterministic=None):
     """MiniMax Sparse Attention on packed sequences (flash-attn's thd layout).
 
     Same as `msa_attention` with tensors (T, H, D) and `cu_seqlens` int32 (S+1,) giving each sequence's
     first token (cu_seqlens[0] = 0, cu_seqlens[-1] = T, non-decreasing; empty sequences are allowed).
     Every sequence is independent and its blocks start at its own first token. `max_seqlen` must be
     >= the longest sequence. indices, when returned, are (Hi, T, topk); kl averages over T*Hi rows.
+
+    `cu_seqlens` / `max_seqlen` describe the queries (flash-attn's cu_seqlens_q / max_seqlen_q). Keys of
+    another layout (T_k rows of k, v, k_idx) take `cu_seqlens_k` / `max_seqlen_k`: the same number of
+    sequences, len_k >= len_q in each, whose queries are its last len_q positions (causal aligned
+    bottom-right); dk, dv, dk_idx cover all T_k rows. None: the keys have the queries' layout.
     """
     _check_msa_inputs(q, k, v, q_idx, k_idx, 3, topk, block_size)
     _check_varlen(cu_seqlens, max_seqlen, q, q.shape[0])
+    layout = _key_layout(q, k, cu_seqlens, cu_seqlens_k, max_seqlen_k)
     out, kl, indices = _msa(q, k, v, q_idx, k_idx, cu_seqlens, max_seqlen, topk, block_size, softmax_scale,
-                            index_scale, warmup, return_indices, deterministic)[:3]
+                            index_scale, warmup, return_indices, deterministic, layout)[:3]
     return (out, kl, indices) if return_indices else (out, kl)
 
 
-def select_blocks(q_idx, k_idx, *, topk=16, block_size=128, index_scale=None, cu_seqlens=None, max_seqlen=None):
+def select_blocks(q_idx, k_idx, *, topk=16, block_size=128, index_scale=None, cu_seqlens=None, max_seqlen=None,
+                  cu_seqlens_k=None, max_seqlen_k=None):
     """The index branch alone (SPEC 2): int32 selected blocks, ascending, -1 padded.
 
     Batched (B, N, Hi, Di) / (B, N, Hki, Di) inputs give (B, Hi, N, topk). Packed (T, H, Di) inputs with
-    `cu_seqlens` and `max_seqlen` give (Hi, T, topk). Not differentiable.
+    `cu_seqlens` and `max_seqlen` give (Hi, T, topk). Not differentiable. k_idx may cover more positions
+    than q_idx (N_k > N, or `cu_seqlens_k` / `max_seqlen_k`): the queries are then the last positions,
+    as in `msa_attention_varlen`.
     """
     rank = 3 if cu_seqlens is not None else 4
     layout = "(B, N, H, Di)" if rank == 4 else "(T, H, Di)"
     _check_common([("q_idx", q_idx), ("k_idx", k_idx)], rank, layout)
-    if q_idx.shape[:-2] != k_idx.shape[:-2] or any(s < 1 for s in q_idx.shape[:-2]):
-        _fail("k_idx", f"leading dims {tuple(q_idx.shape[:-2])} (those of q_idx, each >= 1)",
-              f"shape {tuple(k_idx.shape)}")
+    try:
+        _check_lead(q_idx, k_idx, rank, ())
+    except ValueError as e:  # the same checks, named for this function's arguments
+        raise ValueError(str(e).replace("k:", "k_idx:", 1).replace("q:", "q_idx:", 1)
+                         .replace("those of q)", "those of q_idx)")) from None
     Di = q_idx.shape[-1]
     _check_dim("q_idx", Di)
     if k_idx.shape[-1] != Di:
@@ -258,14 +320,16 @@ def select_blocks(q_idx, k_idx, *, topk=16, block_size=128, index_scale=None, cu
     iscale = _scale("index_scale", index_scale, Di)
     if rank == 3:
         _check_varlen(cu_seqlens, max_seqlen, q_idx, q_idx.shape[0])
-        return ops.select_blocks(q_idx, k_idx, cu_seqlens, max_seqlen, topk, block_size, iscale)
+        key = _key_layout(q_idx, k_idx, cu_seqlens, cu_seqlens_k, max_seqlen_k)
+        return ops.select_blocks(q_idx, k_idx, cu_seqlens, max_seqlen, topk, block_size, iscale, *key)
     B, N, Hi = q_idx.shape[:3]
-    idx = ops.select_blocks(_flat(q_idx), _flat(k_idx), None, N, topk, block_size, iscale)
+    key = _key_layout(q_idx, k_idx, None, cu_seqlens_k, max_seqlen_k)
+    idx = ops.select_blocks(_flat(q_idx), _flat(k_idx), None, N, topk, block_size, iscale, *key)
     return idx.view(Hi, B, N, topk).permute(1, 0, 2, 3).contiguous()
 
 
 def sparse_attention(q, k, v, indices, *, block_size=128, softmax_scale=None, return_lse=False, cu_seqlens=None,
-                     max_seqlen=None, deterministic=None):
+                     max_seqlen=None, cu_seqlens_k=None, max_seqlen_k=None, deterministic=None):
     """The main branch alone (SPEC 3): causal attention over the tokens of the given blocks.
 
     Batched: q (B, N, Hq, D), k/v (B, N, Hkv, D), indices int32 (B, Hi, N, topk) as `select_blocks`
@@ -273,7 +337,8 @@ def sparse_attention(q, k, v, indices, *, block_size=128, softmax_scale=None, re
     tensors, indices (Hi, T, topk), `cu_seqlens`/`max_seqlen` as in `msa_attention_varlen`; lse (Hq, T).
     Entries < 0 or beyond the token's own block select nothing; repeats count once. A row that attends
     to nothing gets out = 0 and lse = -inf. Differentiable in q, k, v; `deterministic` as in
-    `msa_attention`.
+    `msa_attention`. k, v may cover more positions than q (N_k > N, or `cu_seqlens_k` / `max_seqlen_k`):
+    the queries are then the last positions, as in `msa_attention_varlen`.
     """
     rank = 3 if cu_seqlens is not None else 4
     layout = "(B, N, H, D)" if rank == 4 else "(T, H, D)"
@@ -285,11 +350,7 @@ def sparse_attention(q, k, v, indices, *, block_size=128, softmax_scale=None, re
     if indices.device != q.device:
         _fail("indices", f"device {q.device} (that of q)", indices.device)
     lead = q.shape[:-2]
-    if any(s < 1 for s in lead):
-        _fail("q", "at least one token", f"shape {tuple(q.shape)}")
-    for name, x in (("k", k), ("v", v)):
-        if x.shape[:-2] != lead:
-            _fail(name, f"leading dims {tuple(lead)} (those of q)", f"shape {tuple(x.shape)}")
+    _check_lead(q, k, rank, (("v", v, "k"),))
     D = q.shape[-1]
     _check_dim("q", D)
     if k.shape != v.shape or k.shape[-1] != D:
@@ -307,12 +368,14 @@ def sparse_attention(q, k, v, indices, *, block_size=128, softmax_scale=None, re
     det = _deterministic(deterministic)
     if rank == 3:
         _check_varlen(cu_seqlens, max_seqlen, q, q.shape[0])
-        out, lse = ops.sparse_fwd(q, k, v, indices.contiguous(), cu_seqlens, max_seqlen, block_size, scale, det)
+        key = _key_layout(q, k, cu_seqlens, cu_seqlens_k, max_seqlen_k)
+        out, lse = ops.sparse_fwd(q, k, v, indices.contiguous(), cu_seqlens, max_seqlen, block_size, scale, det, *key)
         return (out, lse) if return_lse else out
     B, N = lead
+    key = _key_layout(q, k, None, cu_seqlens_k, max_seqlen_k)
     flat = [_flat(x) for x in (q, k, v)]
     idx = indices.permute(1, 0, 2, 3).reshape(hi, B * N, indices.shape[-1])
-    out, lse = ops.sparse_fwd(*flat, idx, None, N, block_size, scale, det)
+    out, lse = ops.sparse_fwd(*flat, idx, None, N, block_size, scale, det, *key)
     out = out.view(B, N, *out.shape[1:])
     return (out, lse.view(-1, B, N).permute(1, 0, 2)) if return_lse else out
 

@@ -28,6 +28,15 @@ inline void check_cuda_int32(const Tensor& t, const char* name, int64_t dim) {
 // (an earlier call, or msa.validate_cu_seqlens) raises instead, and says so.
 std::vector<int32_t> check_cu_seqlens(const Tensor& cu, int64_t total_tokens, int64_t max_seqlen);
 
+// Queries that are a suffix of the keys (cu_seqlens_k / max_seqlen_k given, docs/semantics.md) have no
+// CUDA kernel yet: the Python layer raises NotImplementedError first and passes None where the key
+// layout is the query layout; this is the last line for direct calls of torch.ops.msa.
+inline void check_one_layout(const std::optional<Tensor>& cu_seqlens_k, const std::optional<int64_t>& max_seqlen_k) {
+  MSA_CHECK(!cu_seqlens_k.has_value() && !max_seqlen_k.has_value(),
+            "cu_seqlens_k, max_seqlen_k: the CUDA kernels take queries and keys of one layout only (None); queries "
+            "that are a suffix of the keys run on the CPU path in this build");
+}
+
 // The sequences of one op call. With a cu_seqlens: checked as above. Without (None, the batched
 // layout): T / max_seqlen sequences of max_seqlen tokens, the offsets built on the device and nothing
 // read back, so a batched call never waits for the GPU and can be captured in a CUDA graph. The ops'

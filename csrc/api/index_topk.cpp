@@ -71,7 +71,9 @@ Tensor select_blocks_cuda(const Tensor& q_idx, const Tensor& k_idx, const SeqMap
 namespace {
 
 Tensor select_blocks_op(const Tensor& q_idx, const Tensor& k_idx, const std::optional<Tensor>& cu_seqlens,
-                        int64_t max_seqlen, int64_t topk, int64_t block_size, double index_scale) {
+                        int64_t max_seqlen, int64_t topk, int64_t block_size, double index_scale,
+                        const std::optional<Tensor>& cu_seqlens_k, std::optional<int64_t> max_seqlen_k) {
+  check_one_layout(cu_seqlens_k, max_seqlen_k);
   MSA_CHECK(q_idx.is_cuda() && q_idx.dim() == 3, "q_idx: expected a (T, Hi, Di) CUDA tensor, got ", shape(q_idx),
             " on ", dev(q_idx));
   const SeqMap seqs = seq_map(cu_seqlens, q_idx.size(0), max_seqlen, q_idx);

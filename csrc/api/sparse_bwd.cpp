@@ -152,7 +152,9 @@ std::tuple<Tensor, Tensor, Tensor> sparse_bwd_cuda(const Tensor& dout, const Ten
                                                    const Tensor& v, const Tensor& out, const Tensor& lse,
                                                    const Tensor& indices, const std::optional<Tensor>& cu_seqlens,
                                                    int64_t max_seqlen, int64_t block_size, double softmax_scale,
-                                                   bool deterministic) {
+                                                   bool deterministic, const std::optional<Tensor>& cu_seqlens_k,
+                                                   std::optional<int64_t> max_seqlen_k) {
+  check_one_layout(cu_seqlens_k, max_seqlen_k);
   check_qkv_cuda(q, k, v);
   const SeqMap seqs = seq_map(cu_seqlens, q.size(0), max_seqlen, q);
   return sparse_backward_cuda(dout, q, k, v, out, lse, indices, seqs, block_size, softmax_scale, deterministic);
@@ -179,7 +181,9 @@ std::tuple<Tensor, Tensor, Tensor, Tensor, Tensor> msa_bwd_cuda(
     const Tensor& v, const Tensor& out, const Tensor& lse, const Tensor& q_idx, const Tensor& k_idx,
     const Tensor& lse_idx, const Tensor& indices, const Tensor& kl_dq_idx, const Tensor& kl_dk_idx,
     const std::optional<Tensor>& cu_seqlens, int64_t max_seqlen, int64_t block_size, double softmax_scale,
-    double index_scale, bool warmup, bool deterministic) {
+    double index_scale, bool warmup, bool deterministic, const std::optional<Tensor>& cu_seqlens_k,
+    std::optional<int64_t> max_seqlen_k) {
+  check_one_layout(cu_seqlens_k, max_seqlen_k);
   (void)lse_idx;
   (void)index_scale;
   check_qkv_cuda(q, k, v);

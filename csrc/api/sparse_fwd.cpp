@@ -331,7 +331,10 @@ std::tuple<Tensor, Tensor> dense_attention_forward(const Tensor& q, const Tensor
 
 std::tuple<Tensor, Tensor> sparse_fwd_cuda(const Tensor& q, const Tensor& k, const Tensor& v, const Tensor& indices,
                                            const std::optional<Tensor>& cu_seqlens, int64_t max_seqlen,
-                                           int64_t block_size, double softmax_scale, bool deterministic) {
+                                           int64_t block_size, double softmax_scale, bool deterministic,
+                                           const std::optional<Tensor>& cu_seqlens_k,
+                                           std::optional<int64_t> max_seqlen_k) {
+  check_one_layout(cu_seqlens_k, max_seqlen_k);
   (void)deterministic;  // the forward is deterministic; the flag is for its backward (msa/_ops.py)
   check_qkv_cuda(q, k, v);
   const SeqMap seqs = seq_map(cu_seqlens, q.size(0), max_seqlen, q);
@@ -344,7 +347,9 @@ std::tuple<Tensor, Tensor, Tensor, Tensor, Tensor, Tensor, Tensor, Tensor>
 msa_fwd_cuda(const Tensor& q, const Tensor& k, const Tensor& v, const Tensor& q_idx,
              const Tensor& k_idx, const std::optional<Tensor>& cu_seqlens, int64_t max_seqlen, int64_t topk,
              int64_t block_size, double softmax_scale, double index_scale, bool warmup, bool return_indices,
-             bool index_grad, bool deterministic) {
+             bool index_grad, bool deterministic, const std::optional<Tensor>& cu_seqlens_k,
+             std::optional<int64_t> max_seqlen_k) {
+  check_one_layout(cu_seqlens_k, max_seqlen_k);
   check_qkv_cuda(q, k, v);
   check_index_cuda(q, k, q_idx, k_idx);  // before the dense kernels of warmup, too
   const SeqMap seqs = seq_map(cu_seqlens, q.size(0), max_seqlen, q);

@@ -1,0 +1,295 @@
+"""Context parallelism: MSA over a sequence sharded across the ranks of a torch.distributed group.
+
+Every rank holds a shard of the sequence dimension of all five tensors, (B, N / P, H, D), in one of two
+layouts (the one `shard_sequence` cuts and `gather_sequence` undoes):
+
+- "zigzag" (default): the sequence in 2P equal chunks, rank r holding chunks r and 2P-1-r, so every rank
+  has the same share of the causal triangle;
+- "contiguous": rank r holds chunk r of P.
+
+`msa_attention_cp` moves the data once before the attention and once after it, with all-to-alls on the
+given group (NCCL on GPUs, gloo on CPUs) and nothing else: the P ranks form Ph head shards times Pq
+query shards (P = Ph * Pq).
+
+- Head-parallel (Ulysses, Ph = P, up to Hi ranks): a rank gets the whole sequence of Hi / P index groups,
+  their query heads, the kv and index-key heads they read (replicated where groups share one), and
+  runs the ordinary (square) call.
+- Query-split (Pq > 1, needed beyond Hi ranks): the ranks of one query shard hold positions that form
+  one or two ranges (with zigzag: chunks c and 2Pq-1-c of 2Pq); within a head shard each of them runs
+  its ranges as queries that are a suffix of the keys [0, end) (msa_attention_varlen with
+  cu_seqlens_k). Selection, the KL rows and dk / dv / dk_idx over the whole key range are then exactly
+  the single-GPU ones.
+
+Everything is differentiable: the all-to-alls are autograd functions whose backward sends the gradients
+back the same way (adding where a head was replicated). The KL returned on every rank is the mean over
+all rows of all ranks; its backward sums what every rank sends into it (as
+torch.distributed.nn.functional.all_reduce): gradients are those of the sum over ranks of each rank's
+loss. A rank's out is its own shard, so `loss_r = f(out_r) + lam * kl / P` on every rank, summed over
+ranks, is `f(out) + lam * kl` of the single-GPU call (or `+ lam * kl` as is where the per-rank gradients
+are averaged over the group, as DDP / FSDP do).
+"""
+from __future__ import annotations
+
+import math
+
+import torch
+import torch.distributed as dist
+
+from .interface import msa_attention, msa_attention_varlen
+
+LAYOUTS = ("zigzag", "contiguous")
+MODES = ("auto", "head", "query")
+
+__all__ = ["shard_sequence", "gather_sequence", "msa_attention_cp", "LAYOUTS", "MODES"]
+
+
+# ----------------------------------------------------------------------------------------------
+# Layouts: which positions of the full sequence each rank holds, in its local row order
+# ----------------------------------------------------------------------------------------------
+def _world(group):
+    if not dist.is_available() or not dist.is_initialized():
+        raise RuntimeError("msa.distributed: torch.distributed is not initialized (call "
+                           "torch.distributed.init_process_group first)")
+    return dist.get_world_size(group), dist.get_rank(group)
+
+
+def _check_layout(layout, n_local, P):
+    if layout not in LAYOUTS:
+        raise ValueError(f"layout: expected one of {LAYOUTS}, got {layout!r}")
+    if layout == "zigzag" and n_local % 2:
+        raise ValueError(f"layout: 'zigzag' needs an even number of rows per rank (two chunks of N / 2P), got "
+                         f"{n_local}; pad N to a multiple of 2P or use layout='contiguous'")
+
+
+def _owned(layout, N, P, rank):
+    """The positions rank `rank` holds, ascending (its local row order)."""
+    if layout == "contiguous":
+        c = N // P
+        return torch.arange(rank * c, (rank + 1) * c)
+    c = N // (2 * P)
+    return torch.cat([torch.arange(rank * c, (rank + 1) * c), torch.arange((2 * P - 1 - rank) * c, (2 * P - rank) * c)])
+
+
+def _ranges(pos):
+    """Ascending positions -> [(start, end)] of maximal runs."""
+    if pos.numel() == 0:
+        return []
+    breaks = torch.nonzero(pos[1:] != pos[:-1] + 1).flatten().tolist()
+    starts = [0] + [b + 1 for b in breaks]
+    ends = breaks + [pos.numel() - 1]
+    return [(int(pos[s]), int(pos[e]) + 1) for s, e in zip(starts, ends)]
+
+
+# ----------------------------------------------------------------------------------------------
+# The one communication primitive: a differentiable all-to-all of (rows x heads) pieces
+# ----------------------------------------------------------------------------------------------
+class _Exchange(torch.autograd.Function):
+    """x (B, n, H, D) -> (B, out_rows, out_heads, D). `plan[p]` = (send_rows, send_heads, recv_rows,
+    recv_heads): what this rank sends to rank p (x[:, send_rows][:, :, send_heads]) and where the piece
+    from p lands. Receivers' pieces do not overlap; a (row, head) sent to several ranks gets the sum of
+    their gradients back."""
+
+    @staticmethod
+    def forward(ctx, x, plan, group, out_rows, out_heads):
+        B, D = x.shape[0], x.shape[-1]
+        ctx.plan, ctx.group, ctx.in_shape = plan, group, x.shape
+        send = [x[:, sr[:, None], sh[None, :]].reshape(-1) for sr, sh, _, _ in plan]
+        recv_sizes = [B * rr.numel() * rh.numel() * D for _, _, rr, rh in plan]
+        out = x.new_zeros(B, out_rows, out_heads, D)
+        recv = _all_to_all(torch.cat(send), [s.numel() for s in send], recv_sizes, group)
+        for (_, _, rr, rh), piece in zip(plan, recv):
+            out[:, rr[:, None], rh[None, :]] = piece.view(B, rr.numel(), rh.numel(), D)
+        return out
+
+    @staticmethod
+    def backward(ctx, g):
+        plan, group = ctx.plan, ctx.group
+        B, D = g.shape[0], g.shape[-1]
+        g = g.contiguous()
+        send = [g[:, rr[:, None], rh[None, :]].reshape(-1) for _, _, rr, rh in plan]
+        recv_sizes = [B * sr.numel() * sh.numel() * D for sr, sh, _, _ in plan]
+        gx = g.new_zeros(ctx.in_shape)
+        recv = _all_to_all(torch.cat(send), [s.numel() for s in send], recv_sizes, group)
+        for (sr, sh, _, _), piece in zip(plan, recv):
+            gx[:, sr[:, None], sh[None, :]] += piece.view(B, sr.numel(), sh.numel(), D)
+        return gx, None, None, None, None
+
+
+def _all_to_all(send, send_sizes, recv_sizes, group):
+    recv = send.new_empty(sum(recv_sizes))
+    dist.all_to_all_single(recv, send, recv_sizes, send_sizes, group=group)
+    return recv.split(recv_sizes)
+
+
+class _AllReduceSum(torch.autograd.Function):
+    """Sum over the group; the backward sums the gradients of every rank (torch.distributed.nn's rule)."""
+
+    @staticmethod
+    def forward(ctx, x, group):
+        ctx.group = group
+        y = x.clone()
+        dist.all_reduce(y, group=group)
+        return y
+
+    @staticmethod
+    def backward(ctx, g):
+        g = g.clone()
+        dist.all_reduce(g, group=ctx.group)
+        return g, None
+
+
+def _route(x, group, rank, src_pos, dst_pos, send_heads, recv_heads, out_heads):
+    """Moves rows between two distributions of positions over the ranks: src_pos[p] / dst_pos[p] are the
+    positions rank p holds before / after, ascending. This rank sends rank p the heads send_heads[p] of
+    x; the heads it receives from rank p land at recv_heads[p] of its out_heads."""
+    dev = x.device
+    plan = []
+    me_src, me_dst = src_pos[rank], dst_pos[rank]
+    for p in range(len(src_pos)):
+        send = _intersect(me_src, dst_pos[p])
+        recv = _intersect(src_pos[p], me_dst)
+        plan.append((torch.searchsorted(me_src, send).to(dev), send_heads[p].to(dev),
+                     torch.searchsorted(me_dst, recv).to(dev), recv_heads[p].to(dev)))
+    return _Exchange.apply(x, plan, group, me_dst.numel(), out_heads)
+
+
+def _scatter_heads(x, group, rank, src_pos, dst_pos, heads_of):
+    """Owners -> compute ranks: rank p gets the heads heads_of[p] (global indices) at positions dst_pos[p]."""
+    mine = torch.arange(len(heads_of[rank]))
+    return _route(x, group, rank, src_pos, dst_pos, heads_of, [mine] * len(heads_of), len(mine))
+
+
+def _intersect(a, b):
+    return a[torch.isin(a, b)]
+
+
+# ----------------------------------------------------------------------------------------------
+# Public: shard / gather
+# ----------------------------------------------------------------------------------------------
+def shard_sequence(x, group=None, *, layout="zigzag", dim=1):
+    """This rank's shard of a full tensor (dim `dim` is the sequence, N divisible by P, or by 2P for
+    zigzag), in the layout `msa_attention_cp` expects. A slice: gradients flow back into x."""
+    P, rank = _world(group)
+    N = x.shape[dim]
+    if N % (2 * P if layout == "zigzag" else P):
+        raise ValueError(f"x: expected a sequence length divisible by {2 * P if layout == 'zigzag' else P} "
+                         f"({layout} layout over {P} ranks), got {N}")
+    _check_layout(layout, N // P, P)
+    return x.index_select(dim, _owned(layout, N, P, rank).to(x.device))
+
+
+def gather_sequence(y, group=None, *, layout="zigzag", dim=1):
+    """The full tensor from every rank's shard (the inverse of shard_sequence), differentiable: the
+    gradient of a rank's shard is the sum of every rank's gradient of those positions."""
+    P, rank = _world(group)
+    n = y.shape[dim]
+    _check_layout(layout, n, P)
+    N = n * P
+    x = y.movedim(dim, 1)
+    lead, rest = x.shape[0], x.shape[2:]
+    x4 = x.reshape(lead, n, 1, math.prod(rest))
+    one = [torch.arange(1)] * P
+    full = _route(x4, group, rank, [_owned(layout, N, P, p) for p in range(P)], [torch.arange(N)] * P, one, one, 1)
+    return full.reshape(lead, N, *rest).movedim(1, dim)
+
+
+# ----------------------------------------------------------------------------------------------
+# Public: the attention
+# ----------------------------------------------------------------------------------------------
+def _head_range(shard, shards, users, heads):
+    """Heads of a tensor with `heads` heads read by user heads [shard * users / shards, +users / shards)
+    (query heads of kv heads, index groups of index-key heads), as a contiguous range."""
+    per = users // shards
+    ratio = users // heads  # users per head
+    first, last = shard * per // ratio, ((shard + 1) * per - 1) // ratio
+    return torch.arange(first, last + 1)
+
+
+def _head_shards(P, mode, hq, hkv, hi, hki):
+    def fits(ph):
+        """Index groups split evenly; kv (index-key) heads split evenly, or each shard's query heads (index
+        groups) read one of them."""
+        if hi % ph:
+            return False
+        kv = hkv % ph == 0 or (ph % hkv == 0 and (hq // hkv) % (hq // ph) == 0)
+        ki = hki % ph == 0 or (ph % hki == 0 and (hi // hki) % (hi // ph) == 0)
+        return kv and ki
+    if mode not in MODES:
+        raise ValueError(f"mode: expected one of {MODES}, got {mode!r}")
+    if mode == "query":
+        return 1
+    if mode == "head":
+        if not fits(P):
+            raise ValueError(f"mode: 'head' needs the {P} ranks to split the Hi = {hi} index groups (and the "
+                             f"Hkv = {hkv}, Hki = {hki} heads they read) evenly; use mode='auto' or 'query'")
+        return P
+    return max(ph for ph in range(1, P + 1) if P % ph == 0 and fits(ph))
+
+
+def msa_attention_cp(q, k, v, q_idx, k_idx, *, group=None, layout="zigzag", mode="auto", topk=16, block_size=128,
+                     softmax_scale=None, index_scale=None, warmup=False, deterministic=None):
+    """`msa_attention` over a sequence sharded across the ranks of `group` (module docstring).
+
+    q (B, N/P, Hq, D), k, v (B, N/P, Hkv, D), q_idx (B, N/P, Hi, Di), k_idx (B, N/P, Hki, Di): this rank's
+    shard in `layout`, every rank the same shapes. mode: "head" (Ph = P), "query" (Ph = 1) or "auto" (the
+    most head shards the heads allow). Returns (out, kl): out (B, N/P, Hq, D) this rank's shard, kl the
+    mean over all B * N * Hi rows (the same value on every rank).
+    """
+    P, rank = _world(group)
+    for name, x in (("k", k), ("v", v), ("q_idx", q_idx), ("k_idx", k_idx)):
+        if not isinstance(x, torch.Tensor) or x.dim() != 4 or x.shape[:2] != q.shape[:2]:
+            raise ValueError(f"{name}: expected a (B, N/P, H, D) shard with the leading dims {tuple(q.shape[:2])} "
+                             f"of q, got {tuple(x.shape) if isinstance(x, torch.Tensor) else type(x).__name__}")
+    if q.dim() != 4:
+        raise ValueError(f"q: expected a (B, N/P, Hq, D) shard, got shape {tuple(q.shape)}")
+    B, n = q.shape[:2]
+    _check_layout(layout, n, P)
+    N = n * P
+    hq, hkv, hi, hki = q.shape[2], k.shape[2], q_idx.shape[2], k_idx.shape[2]
+    if hq % hi or hi % hki or hq % hkv:
+        raise ValueError(f"q_idx: expected heads with Hi | Hq, Hki | Hi and Hkv | Hq, got Hq={hq}, Hkv={hkv}, "
+                         f"Hi={hi}, Hki={hki}")
+    ph = _head_shards(P, mode, hq, hkv, hi, hki)
+    pq = P // ph
+    owned = [_owned(layout, N, P, p) for p in range(P)]
+    # rank p: query shard p // ph, head shard p % ph; a query shard's positions are its ranks' positions
+    col = [torch.cat([owned[c * ph + j] for j in range(ph)]).sort().values for c in range(pq)]
+    q_pos = [col[p // ph] for p in range(P)]
+    ends = [max(e for _, e in _ranges(col[p // ph])) for p in range(P)]
+    k_pos = [torch.arange(ends[p]) for p in range(P)]
+
+    def heads(users, count):
+        return [_head_range(p % ph, ph, users, count) for p in range(P)]
+
+    hq_of, hkv_of, hi_of, hki_of = heads(hq, hq), heads(hq, hkv), heads(hi, hi), heads(hi, hki)
+    ql = _scatter_heads(q, group, rank, owned, q_pos, hq_of)
+    qil = _scatter_heads(q_idx, group, rank, owned, q_pos, hi_of)
+    kl_ = _scatter_heads(k, group, rank, owned, k_pos, hkv_of)
+    vl = _scatter_heads(v, group, rank, owned, k_pos, hkv_of)
+    kil = _scatter_heads(k_idx, group, rank, owned, k_pos, hki_of)
+
+    kw = dict(topk=topk, block_size=block_size, softmax_scale=softmax_scale, index_scale=index_scale, warmup=warmup,
+              deterministic=deterministic)
+    runs = _ranges(q_pos[rank])
+    if len(runs) == 1:  # one range [a, e): the square call (a = 0) or its suffix form
+        out, kl_local = msa_attention(ql, kl_, vl, qil, kil, **kw)
+    else:
+        lens = [e - a for a, e in runs]
+        ks = [e for _, e in runs]
+        cu_q = _offsets(lens * B, q.device)
+        cu_k = _offsets(ks * B, q.device)
+        flat_q = [t.reshape(B * t.shape[1], *t.shape[2:]) for t in (ql, qil)]
+        flat_k = [torch.cat([t[b, :e] for b in range(B) for e in ks]) for t in (kl_, vl, kil)]
+        o, kl_local = msa_attention_varlen(flat_q[0], flat_k[0], flat_k[1], flat_q[1], flat_k[2], cu_q, max(lens),
+                                           cu_seqlens_k=cu_k, max_seqlen_k=max(ks), **kw)
+        out = o.view(B, -1, *o.shape[1:])
+    # back to the owners: each rank's rows of its query shard, the heads of rank p placed at hq_of[p]
+    local = [torch.arange(len(hq_of[rank]))] * P
+    out = _route(out, group, rank, q_pos, owned, local, hq_of, hq)
+    rows_local = B * q_pos[rank].numel() * len(hi_of[rank])
+    kl = _AllReduceSum.apply(kl_local * (rows_local / (B * N * hi)), group)
+    return out, kl
+
+
+def _offsets(lengths, device):
+    return torch.tensor([0] + torch.tensor(lengths).cumsum(0).tolist(), dtype=torch.int32, device=device)

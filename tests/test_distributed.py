@@ -1,0 +1,100 @@
+"""msa.distributed on the CPU with gloo: 2 and 4 processes (torch.multiprocessing) against the
+single-process call on the full sequence: out, kl and all five gradients, both modes and layouts,
+fp64 and bf16. One spawn runs several configurations (a spawn costs a few seconds of imports)."""
+import os
+import tempfile
+import traceback
+
+import pytest
+import torch
+import torch.distributed as dist
+import torch.multiprocessing as mp
+
+import msa
+from helpers import make_inputs
+
+# (heads (Hq, Hkv, Hi, Hki), mode, layout, dtype, warmup)
+CONFIGS = {
+    2: [((8, 2, 4, 1), "head", "zigzag", torch.float64, False),
+        ((8, 2, 4, 1), "query", "zigzag", torch.float64, False),
+        ((8, 2, 4, 1), "query", "contiguous", torch.bfloat16, False),
+        ((8, 4, 2, 1), "auto", "contiguous", torch.float64, True),
+        ((4, 1, 1, 1), "auto", "zigzag", torch.float64, False)],     # Hi = 1 < P: query-split
+    4: [((8, 2, 4, 1), "head", "zigzag", torch.float64, False),     # kv heads replicated over 2 ranks each
+        ((8, 4, 2, 1), "auto", "zigzag", torch.float64, False),     # 2 head shards x 2 query shards
+        ((8, 2, 4, 1), "query", "zigzag", torch.bfloat16, False),
+        ((16, 2, 4, 2), "auto", "contiguous", torch.float64, True)],
+}
+B, N, TOPK, BS = 2, 512, 3, 64
+
+
+def _close(got, want, dtype, what):
+    tol = dict(rtol=1e-9, atol=1e-10) if dtype == torch.float64 else dict(rtol=2e-2, atol=2e-2)
+    try:
+        torch.testing.assert_close(got.double(), want.double(), **tol)
+    except AssertionError as e:
+        raise AssertionError(f"{what}: {e}") from None
+
+
+def _check(rank, P, heads, mode, layout, dtype, warmup):
+    full = make_inputs(B, N, heads, 64, 64, dtype=dtype, seed=17, requires_grad=True)
+    g = torch.randn(B, N, heads[0], 64, generator=torch.Generator().manual_seed(3), dtype=torch.float64).to(dtype)
+    kw = dict(topk=TOPK, block_size=BS, warmup=warmup)
+    out, kl = msa.msa_attention(*full, **kw)
+    ((out * g).sum() + kl).backward()
+    want = [x.grad.clone() for x in full]
+    for x in full:
+        x.grad = None
+    shards = [msa.distributed.shard_sequence(x, layout=layout) for x in full]
+    out_r, kl_r = msa.distributed.msa_attention_cp(*shards, layout=layout, mode=mode, **kw)
+    g_r = msa.distributed.shard_sequence(g, layout=layout)
+    ((out_r * g_r).sum() + kl_r / P).backward()
+    name = f"P={P} heads={heads} mode={mode} layout={layout} {dtype} warmup={warmup}"
+    _close(msa.distributed.gather_sequence(out_r.detach(), layout=layout), out.detach(), dtype, f"{name}: out")
+    assert abs(kl_r.item() - kl.item()) <= (1e-12 if dtype == torch.float64 else 1e-4) * max(1.0, abs(kl.item())), \
+        f"{name}: kl {kl_r.item()} vs {kl.item()}"
+    for x, w, label in zip(full, want, ("dq", "dk", "dv", "dq_idx", "dk_idx")):
+        grad = x.grad.double()  # this rank's shard only: the slice's gradient
+        dist.all_reduce(grad)
+        _close(grad, w, dtype, f"{name}: {label}")
+
+
+def _worker(rank, P, path, errors):
+    torch.set_num_threads(1)
+    dist.init_process_group("gloo", init_method=f"file://{path}", rank=rank, world_size=P)
+    try:
+        for cfg in CONFIGS[P]:
+            _check(rank, P, *cfg)
+        # gather_sequence undoes shard_sequence, and its backward sums every rank's gradient
+        x = torch.randn(3, 8 * P, 5, generator=torch.Generator().manual_seed(1), dtype=torch.float64).requires_grad_()
+        for layout in ("zigzag", "contiguous"):
+            y = msa.distributed.gather_sequence(msa.distributed.shard_sequence(x, layout=layout), layout=layout)
+            assert torch.equal(y, x)
+            (y * (rank + 1)).sum().backward()
+        want = 2 * sum(range(1, P + 1))
+        gx = x.grad.clone()
+        dist.all_reduce(gx)
+        assert torch.equal(gx, torch.full_like(gx, float(want))), gx.unique()
+    except Exception:
+        with open(f"{errors}.{rank}", "w") as f:
+            f.write(traceback.format_exc())
+        raise
+    finally:
+        dist.destroy_process_group()
+
+
+@pytest.mark.parametrize("P", [2, 4])
+def test_cp_matches_single_process(P):
+    with tempfile.TemporaryDirectory() as d:
+        errors = os.path.join(d, "err")
+        try:
+            mp.spawn(_worker, args=(P, os.path.join(d, "store"), errors), nprocs=P, join=True)
+        except Exception:
+            logs = [open(os.path.join(d, f)).read() for f in sorted(os.listdir(d)) if f.startswith("err")]
+            pytest.fail("\n".join(logs) or "a worker failed")
+
+
+def test_cp_errors_without_a_process_group():
+    x = torch.zeros(1, 4, 1, 64)
+    with pytest.raises(RuntimeError, match="torch.distributed is not initialized"):
+        msa.distributed.shard_sequence(x)
