@@ -36,9 +36,10 @@ def _close(got, want, dtype, what):
         raise AssertionError(f"{what}: {e}") from None
 
 
-def _check(rank, P, heads, mode, layout, dtype, warmup):
-    full = make_inputs(B, N, heads, 64, 64, dtype=dtype, seed=17, requires_grad=True)
-    g = torch.randn(B, N, heads[0], 64, generator=torch.Generator().manual_seed(3), dtype=torch.float64).to(dtype)
+def _check(rank, P, heads, mode, layout, dtype, warmup, device="cpu", n=N, d=64):
+    full = make_inputs(B, n, heads, d, d, dtype=dtype, device=device, seed=17, requires_grad=True)
+    g = torch.randn(B, n, heads[0], d, generator=torch.Generator().manual_seed(3), dtype=torch.float64)
+    g = g.to(dtype=dtype, device=device)
     kw = dict(topk=TOPK, block_size=BS, warmup=warmup)
     out, kl = msa.msa_attention(*full, **kw)
     ((out * g).sum() + kl).backward()
@@ -59,12 +60,18 @@ def _check(rank, P, heads, mode, layout, dtype, warmup):
         _close(grad, w, dtype, f"{name}: {label}")
 
 
-def _worker(rank, P, path, errors):
+def _worker(rank, P, path, errors, configs=None):
+    """configs None: the gloo configurations of CONFIGS[P] on the CPU; else NCCL on GPU `rank`."""
     torch.set_num_threads(1)
-    dist.init_process_group("gloo", init_method=f"file://{path}", rank=rank, world_size=P)
+    if configs is not None:
+        torch.cuda.set_device(rank)
+    dist.init_process_group("gloo" if configs is None else "nccl", init_method=f"file://{path}", rank=rank,
+                            world_size=P)
     try:
-        for cfg in CONFIGS[P]:
+        for cfg in CONFIGS[P] if configs is None else configs:
             _check(rank, P, *cfg)
+        if configs is not None:
+            return
         # gather_sequence undoes shard_sequence, and its backward sums every rank's gradient
         x = torch.randn(3, 8 * P, 5, generator=torch.Generator().manual_seed(1), dtype=torch.float64).requires_grad_()
         for layout in ("zigzag", "contiguous"):
@@ -83,18 +90,35 @@ def _worker(rank, P, path, errors):
         dist.destroy_process_group()
 
 
-@pytest.mark.parametrize("P", [2, 4])
-def test_cp_matches_single_process(P):
+def spawn(P, configs=None):
+    """Runs _worker on P processes; a worker's traceback fails the calling test."""
     with tempfile.TemporaryDirectory() as d:
         errors = os.path.join(d, "err")
         try:
-            mp.spawn(_worker, args=(P, os.path.join(d, "store"), errors), nprocs=P, join=True)
+            mp.spawn(_worker, args=(P, os.path.join(d, "store"), errors, configs), nprocs=P, join=True)
         except Exception:
             logs = [open(os.path.join(d, f)).read() for f in sorted(os.listdir(d)) if f.startswith("err")]
             pytest.fail("\n".join(logs) or "a worker failed")
+
+
+@pytest.mark.parametrize("P", [2, 4])
+def test_cp_matches_single_process(P):
+    spawn(P)
 
 
 def test_cp_errors_without_a_process_group():
     x = torch.zeros(1, 4, 1, 64)
     with pytest.raises(RuntimeError, match="torch.distributed is not initialized"):
         msa.distributed.shard_sequence(x)
+
+
+def test_bench_cp_runs_under_torchrun(tmp_path):
+    """The CP benchmark (python -m msa.bench_cp under torchrun) runs end to end on the CPU with gloo."""
+    import subprocess
+    import sys
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node=2", "--master_port=0", "-m",
+           "msa.bench_cp", "--seqlen", "256", "--reps", "1", "--save", str(tmp_path)]
+    r = subprocess.run(cmd, capture_output=True, text=True, timeout=600, env={**os.environ, "OMP_NUM_THREADS": "1"})
+    assert r.returncode == 0, r.stdout + r.stderr
+    saved = list(tmp_path.iterdir())
+    assert len(saved) == 1 and "| 256 |" in saved[0].read_text()

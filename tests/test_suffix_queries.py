@@ -212,3 +212,35 @@ def test_suffix_on_cuda_says_not_implemented():
         msa.msa_attention_varlen(flat[0][-5:], flat[1], flat[2], flat[3][-5:], flat[4],
                                  torch.tensor([0, 5], dtype=torch.int32, device="cuda"), 5, cu_seqlens_k=cu,
                                  max_seqlen_k=300)
+
+
+def test_opcheck_with_a_key_layout():
+    """torch.library.opcheck (schema, fake, autograd registration) of the ops taking cu_seqlens_k."""
+    x = _suffix_packed([3, 40], [70, 90], (8, 2, 4, 1), 64, 64, dtype=torch.float32)
+    q, k, v, qi, ki = (t.detach().requires_grad_() for t in (x["q"], x["k"], x["v"], x["qi"], x["ki"]))
+    key = (x["cu_k"], x["mx_k"])
+    for warmup, grad in ((False, True), (True, False)):
+        torch.library.opcheck(ops.msa_fwd, (q, k, v, qi, ki, x["cu_q"], x["mx_q"], 2, 64, 0.125, 0.125, warmup, False,
+                                            grad, False, *key))
+    idx = ops.select_blocks(qi.detach(), ki.detach(), x["cu_q"], x["mx_q"], 2, 64, 0.125, *key)
+    torch.library.opcheck(ops.select_blocks, (qi, ki, x["cu_q"], x["mx_q"], 2, 64, 0.125, *key))
+    torch.library.opcheck(ops.sparse_fwd, (q, k, v, idx, x["cu_q"], x["mx_q"], 64, 0.125, False, *key))
+    out, kl, idx, lse, lse_idx, g_q, g_k, _ = ops.msa_fwd(q.detach(), k.detach(), v.detach(), qi.detach(), ki.detach(),
+                                                        x["cu_q"], x["mx_q"], 2, 64, 0.125, 0.125, False, False, True,
+                                                        False, *key)
+    assert g_k.shape == ki.shape and lse.shape == (8, 43)
+    torch.library.opcheck(ops.msa_bwd, (torch.randn_like(out), torch.tensor(1.5), q.detach(), k.detach(), v.detach(),
+                                        out, lse, qi.detach(), ki.detach(), lse_idx, idx, g_q, g_k, x["cu_q"],
+                                        x["mx_q"], 64, 0.125, 0.125, False, False, *key))
+    torch.library.opcheck(ops.sparse_bwd, (torch.randn_like(out), q.detach(), k.detach(), v.detach(), out, lse[:, :],
+                                           idx, x["cu_q"], x["mx_q"], 64, 0.125, False, *key))
+
+
+def test_compile_fullgraph_suffix():
+    B, Nq, Nk = 1, 20, 150
+    q, k, v, qi, ki = make_inputs(B, Nk, (8, 2, 4, 1), 64, 64, dtype=torch.float32, seed=12)
+    f = torch.compile(lambda *t: msa.msa_attention(*t, topk=2, block_size=64), fullgraph=True, backend="eager")
+    out, kl = f(q[:, -Nq:], k, v, qi[:, -Nq:], ki)
+    want, kl_want = msa.msa_attention(q[:, -Nq:], k, v, qi[:, -Nq:], ki, topk=2, block_size=64)
+    torch.testing.assert_close(out, want, rtol=0, atol=0)
+    assert kl.item() == kl_want.item()

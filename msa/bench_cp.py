@@ -1,0 +1,118 @@
+"""torchrun --nproc_per_node=P -m msa.bench_cp: context parallelism against one GPU.
+
+Per N: fwd+bwd of `msa.distributed.msa_attention_cp` with the sequence of N tokens sharded over the P
+ranks (bench configuration of SPEC 8, bf16), and of `msa_attention` on one GPU (rank 0 alone) at N / P;
+tokens per second = tokens of the sequence / time of the step. Without CUDA it runs the CPU reference with
+gloo (a smoke run of the code path: those figures are no performance claim). `--save` writes the table
+with date, commit, devices and command under benchmarks/results/ (rank 0).
+"""
+from __future__ import annotations
+
+import argparse
+import datetime
+import os
+import sys
+
+import torch
+import torch.distributed as dist
+
+import msa
+import msa.distributed as cp
+from msa.bench import CONFIG, Timer, git_commit, make_inputs
+
+
+def _step_cp(group, layout, mode):
+    def step(q, k, v, qi, ki):
+        out, kl = cp.msa_attention_cp(q, k, v, qi, ki, group=group, layout=layout, mode=mode, topk=CONFIG["topk"],
+                                      block_size=CONFIG["block_size"])
+        torch.autograd.grad((out.float().sum() + kl,), (q, k, v, qi, ki))
+    return step
+
+
+def _step_one(q, k, v, qi, ki):
+    out, kl = msa.msa_attention(q, k, v, qi, ki, topk=CONFIG["topk"], block_size=CONFIG["block_size"])
+    torch.autograd.grad((out.float().sum() + kl,), (q, k, v, qi, ki))
+
+
+def _shard(x, layout):
+    return cp.shard_sequence(x.detach(), layout=layout).detach().requires_grad_()
+
+
+def run(args, device, P, rank):
+    dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
+    timer = Timer(device, args.reps)
+    rows = []
+    for N in args.seqlen:
+        sets = [[_shard(x, args.layout) for x in make_inputs(N, device, dtype, seed)] for seed in range(2)]
+        dist.barrier()
+        t_cp = timer(_step_cp(None, args.layout, args.mode), sets)
+        del sets
+        t_one = None
+        if rank == 0:
+            one = [make_inputs(N // P, device, dtype, seed) for seed in range(2)]
+            t_one = timer(_step_one, one)
+            del one
+        dist.barrier()
+        if device.type == "cuda":
+            torch.cuda.empty_cache()
+        rows.append((N, t_cp, t_one))
+    return rows
+
+
+def table(rows, P):
+    lines = [f"| N | CP over {P} (ms) | CP tokens/s | 1 device at N/{P} (ms) | 1 device tokens/s | CP / 1 device "
+             f"(tokens/s) |", "|---|---|---|---|---|---|"]
+    for N, t_cp, t_one in rows:
+        a, b = N / t_cp * 1e3, (N // P) / t_one * 1e3
+        lines.append(f"| {N} | {t_cp:.2f} | {a:,.0f} | {t_one:.2f} | {b:,.0f} | {a / b:.2f}x |")
+    return "\n".join(lines)
+
+
+def main(argv=None):
+    p = argparse.ArgumentParser(prog="torchrun --nproc_per_node=P -m msa.bench_cp", description=__doc__,
+                                formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--seqlen", type=int, nargs="*", help="sequence lengths (default: 64K..256K on CUDA, 1K on CPU)")
+    p.add_argument("--layout", default="zigzag", choices=cp.LAYOUTS)
+    p.add_argument("--mode", default="auto", choices=cp.MODES)
+    p.add_argument("--reps", type=int, help="timed repetitions (median reported)")
+    p.add_argument("--save", nargs="?", const="benchmarks/results", help="write the table to this folder")
+    args = p.parse_args(argv)
+    on_gpu = torch.cuda.is_available()
+    os.environ.setdefault("NCCL_NVLS_ENABLE", "0")  # NVLink multicast off (it can take a shared host's GPUs down)
+    dist.init_process_group("nccl" if on_gpu else "gloo")
+    P, rank = dist.get_world_size(), dist.get_rank()
+    device = torch.device("cuda", int(os.environ.get("LOCAL_RANK", rank))) if on_gpu else torch.device("cpu")
+    if on_gpu:
+        torch.cuda.set_device(device)
+    args.seqlen = args.seqlen or ([65536, 131072, 262144] if on_gpu else [1024])
+    args.reps = args.reps or (5 if on_gpu else 2)
+    try:
+        rows = run(args, device, P, rank)
+    finally:
+        dist.destroy_process_group()
+    if rank:
+        return 0
+    what = (f"{P} x {torch.cuda.get_device_name(device)}" if on_gpu else f"{P} CPU processes (gloo; a smoke run, "
+            f"no performance claim)")
+    cmd = f"torchrun --nproc_per_node={P} -m msa.bench_cp {' '.join(argv if argv is not None else sys.argv[1:])}"
+    text = "\n".join([
+        "# msa context-parallel benchmark", "",
+        f"- date: {datetime.datetime.now(datetime.timezone.utc).strftime('%Y-%m-%d %H:%M UTC')}",
+        f"- commit: {git_commit()}", f"- devices: {what}; torch {torch.__version__}", f"- command: `{cmd.strip()}`",
+        f"- config: SPEC 8 bench configuration (B=1, Hq={CONFIG['Hq']}, Hkv={CONFIG['Hkv']}, Hi={CONFIG['Hi']}, "
+        f"Hki={CONFIG['Hki']}, D={CONFIG['D']}, block {CONFIG['block_size']}, top-{CONFIG['topk']}), fwd+bwd median "
+        f"ms, layout {args.layout}, mode {args.mode}; tokens/s = tokens of one sequence / step time", "",
+        table(rows, P), ""])
+    print(text)
+    if args.save:
+        os.makedirs(args.save, exist_ok=True)
+        stamp = datetime.datetime.now(datetime.timezone.utc).strftime("%Y%m%d-%H%M")
+        path = os.path.join(args.save, f"{stamp}-cp{P}-{'gpu' if on_gpu else 'cpu'}-{git_commit()}.md")
+        with open(path, "w") as f:
+            f.write(text)
+        print(f"saved {path}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
