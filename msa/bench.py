@@ -325,14 +325,20 @@ def main(argv=None):
     text = f"# msa benchmark\n\n{header(device, cmd)}\n\n{table(rows, device)}\n"
     print(text)
     if args.save:
-        os.makedirs(args.save, exist_ok=True)
-        stamp = datetime.datetime.now(datetime.timezone.utc).strftime("%Y%m%d-%H%M")
         tag = "cpu" if device.type == "cpu" else torch.cuda.get_device_name(device).split()[-1].lower()
-        path = os.path.join(args.save, f"{stamp}-{tag}-{git_commit()}.md")
-        with open(path, "w") as f:
-            f.write(text)
-        print(f"saved {path}")
+        save_result(text, args.save, tag)
     return 0
+
+
+def save_result(text, folder, tag):
+    """Writes a result table to folder/<UTC date-time>-<tag>-<commit>.md and says where."""
+    os.makedirs(folder, exist_ok=True)
+    stamp = datetime.datetime.now(datetime.timezone.utc).strftime("%Y%m%d-%H%M")
+    path = os.path.join(folder, f"{stamp}-{tag}-{git_commit()}.md")
+    with open(path, "w") as f:
+        f.write(text)
+    print(f"saved {path}")
+    return path
 
 
 if __name__ == "__main__":

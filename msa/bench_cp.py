@@ -18,7 +18,7 @@ import torch.distributed as dist
 
 import msa
 import msa.distributed as cp
-from msa.bench import CONFIG, Timer, git_commit, make_inputs
+from msa.bench import CONFIG, Timer, git_commit, make_inputs, save_result
 
 
 def _step_cp(group, layout, mode):
@@ -105,12 +105,7 @@ def main(argv=None):
         table(rows, P), ""])
     print(text)
     if args.save:
-        os.makedirs(args.save, exist_ok=True)
-        stamp = datetime.datetime.now(datetime.timezone.utc).strftime("%Y%m%d-%H%M")
-        path = os.path.join(args.save, f"{stamp}-cp{P}-{'gpu' if on_gpu else 'cpu'}-{git_commit()}.md")
-        with open(path, "w") as f:
-            f.write(text)
-        print(f"saved {path}")
+        save_result(text, args.save, f"cp{P}-{'gpu' if on_gpu else 'cpu'}")
     return 0
 
 

@@ -7,7 +7,6 @@ import os
 import pytest
 import torch
 
-import msa
 from test_distributed import spawn
 
 pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")]

@@ -4,7 +4,6 @@ sequence's len_q queries are its last len_q of len_k positions, causal aligned b
 Checked against the independent brute force (tests/brute.py), against the square call whose last rows
 are the suffix (out, lse, indices, dk / dv / dk_idx of those rows' loss), by finite differences, and for
 its errors. The CUDA kernels do not take this case yet: a clear NotImplementedError (GPU test)."""
-import math
 
 import numpy as np
 import pytest
