@@ -226,14 +226,35 @@ def _head_shards(P, mode, hq, hkv, hi, hki):
     return max(ph for ph in range(1, P + 1) if P % ph == 0 and fits(ph))
 
 
+def _check_ranks_agree(group, q, k, q_idx, k_idx, layout, mode, topk, block_size, warmup):
+    """One all-reduce of the call's signature (shapes, dtype, options): ranks that disagree would route
+    different plans (a hang or a wrong answer); here every rank raises the same ValueError instead."""
+    dtypes = (torch.bfloat16, torch.float16, torch.float32, torch.float64)
+    sig = [*q.shape, *k.shape, *q_idx.shape, *k_idx.shape, LAYOUTS.index(layout) if layout in LAYOUTS else -1,
+           MODES.index(mode) if mode in MODES else -1, int(topk), int(block_size), int(bool(warmup)),
+           dtypes.index(q.dtype) if q.dtype in dtypes else -1]
+    dev = q.device if dist.get_backend(group) == "nccl" else torch.device("cpu")
+    x = torch.tensor(sig + [-v for v in sig], dtype=torch.int64, device=dev)
+    dist.all_reduce(x, op=dist.ReduceOp.MAX, group=group)
+    hi, lo = x[:len(sig)].tolist(), [-v for v in x[len(sig):].tolist()]
+    if hi != lo:
+        names = ["q"] * 4 + ["k"] * 4 + ["q_idx"] * 4 + ["k_idx"] * 4 + ["layout", "mode", "topk", "block_size",
+                                                                          "warmup", "dtype"]
+        bad = sorted({n for n, a, b in zip(names, lo, hi) if a != b})
+        raise ValueError(f"{', '.join(bad)}: expected the same on every rank of the group (shapes, dtype and options "
+                         f"of msa_attention_cp), got different values on different ranks")
+
+
 def msa_attention_cp(q, k, v, q_idx, k_idx, *, group=None, layout="zigzag", mode="auto", topk=16, block_size=128,
-                     softmax_scale=None, index_scale=None, warmup=False, deterministic=None):
+                     softmax_scale=None, index_scale=None, warmup=False, deterministic=None, check_ranks=True):
     """`msa_attention` over a sequence sharded across the ranks of `group` (module docstring).
 
     q (B, N/P, Hq, D), k, v (B, N/P, Hkv, D), q_idx (B, N/P, Hi, Di), k_idx (B, N/P, Hki, Di): this rank's
     shard in `layout`, every rank the same shapes. mode: "head" (Ph = P), "query" (Ph = 1) or "auto" (the
     most head shards the heads allow). Returns (out, kl): out (B, N/P, Hq, D) this rank's shard, kl the
-    mean over all B * N * Hi rows (the same value on every rank).
+    mean over all B * N * Hi rows (the same value on every rank). Every rank must use out and kl the same
+    way in its loss (the backward runs collectives too). check_ranks: first compare the shapes and options
+    of every rank (one small all-reduce and a read back; pass False inside CUDA graphs or compiled steps).
     """
     P, rank = _world(group)
     for name, x in (("k", k), ("v", v), ("q_idx", q_idx), ("k_idx", k_idx)):
@@ -242,6 +263,8 @@ def msa_attention_cp(q, k, v, q_idx, k_idx, *, group=None, layout="zigzag", mode
                              f"of q, got {tuple(x.shape) if isinstance(x, torch.Tensor) else type(x).__name__}")
     if q.dim() != 4:
         raise ValueError(f"q: expected a (B, N/P, Hq, D) shard, got shape {tuple(q.shape)}")
+    if check_ranks:
+        _check_ranks_agree(group, q, k, q_idx, k_idx, layout, mode, topk, block_size, warmup)
     B, n = q.shape[:2]
     _check_layout(layout, n, P)
     N = n * P
@@ -257,6 +280,12 @@ def msa_attention_cp(q, k, v, q_idx, k_idx, *, group=None, layout="zigzag", mode
     q_pos = [col[p // ph] for p in range(P)]
     ends = [max(e for _, e in _ranges(col[p // ph])) for p in range(P)]
     k_pos = [torch.arange(ends[p]) for p in range(P)]
+    if q.device.type == "cuda" and any(_ranges(c)[0][0] != 0 or len(_ranges(c)) > 1 for c in col):
+        # every rank decides alike (one plan), before any exchange: no rank waits for one that raised
+        raise NotImplementedError(
+            "msa: query-split context parallelism (mode='query', or more ranks than the heads split into) needs queries "
+            "that are a suffix of the keys, which have no CUDA kernel in this build yet (issue 18); mode='head' with "
+            "P dividing Hi runs on CUDA")
 
     def heads(users, count):
         return [_head_range(p % ph, ph, users, count) for p in range(P)]

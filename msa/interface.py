@@ -193,19 +193,20 @@ def _check_cu_seqlens(cu_seqlens, device, name="cu_seqlens"):
         _fail(name, f"device {device} (that of q)", cu_seqlens.device)
 
 
-def _key_layout(q, k, cu_seqlens, cu_seqlens_k, max_seqlen_k):
+def _key_layout(q, k, cu_seqlens, cu_seqlens_k, max_seqlen_k, names=("q", "k")):
     """The ops' trailing (cu_seqlens_k, max_seqlen_k): () where the keys have the queries' layout, else the
     key layout (batched: None and N_k). Queries that are a suffix of the keys have no CUDA kernel yet: a
     NotImplementedError here, before anything runs."""
     if cu_seqlens is None:  # batched (B, N, H, D): N_k >= N_q checked by _check_lead
-        if cu_seqlens_k is not None or max_seqlen_k is not None:
-            _fail("cu_seqlens_k", "None in the batched layout (N_k is k.shape[1])", "a key layout", TypeError)
+        for name, value in (("cu_seqlens_k", cu_seqlens_k), ("max_seqlen_k", max_seqlen_k)):
+            if value is not None:
+                _fail(name, f"None in the batched layout (N_k is {names[1]}.shape[1])", "a value", TypeError)
         layout = () if k.shape[1] == q.shape[1] else (None, k.shape[1])
     elif cu_seqlens_k is None:
         if max_seqlen_k is not None:
             _fail("max_seqlen_k", "None without cu_seqlens_k", repr(max_seqlen_k), TypeError)
         if k.shape[0] != q.shape[0]:
-            _fail("k", f"T = {q.shape[0]} rows (those of q; keys of another layout need cu_seqlens_k)",
+            _fail(names[1], f"T = {q.shape[0]} rows (those of {names[0]}; keys of another layout need cu_seqlens_k)",
                   f"shape {tuple(k.shape)}")
         layout = ()
     else:
@@ -320,10 +321,10 @@ def select_blocks(q_idx, k_idx, *, topk=16, block_size=128, index_scale=None, cu
     iscale = _scale("index_scale", index_scale, Di)
     if rank == 3:
         _check_varlen(cu_seqlens, max_seqlen, q_idx, q_idx.shape[0])
-        key = _key_layout(q_idx, k_idx, cu_seqlens, cu_seqlens_k, max_seqlen_k)
+        key = _key_layout(q_idx, k_idx, cu_seqlens, cu_seqlens_k, max_seqlen_k, ("q_idx", "k_idx"))
         return ops.select_blocks(q_idx, k_idx, cu_seqlens, max_seqlen, topk, block_size, iscale, *key)
     B, N, Hi = q_idx.shape[:3]
-    key = _key_layout(q_idx, k_idx, None, cu_seqlens_k, max_seqlen_k)
+    key = _key_layout(q_idx, k_idx, None, cu_seqlens_k, max_seqlen_k, ("q_idx", "k_idx"))
     idx = ops.select_blocks(_flat(q_idx), _flat(k_idx), None, N, topk, block_size, iscale, *key)
     return idx.view(Hi, B, N, topk).permute(1, 0, 2, 3).contiguous()
 

@@ -23,7 +23,9 @@ CONFIGS = {
     4: [((8, 2, 4, 1), "head", "zigzag", torch.float64, False),     # kv heads replicated over 2 ranks each
         ((8, 4, 2, 1), "auto", "zigzag", torch.float64, False),     # 2 head shards x 2 query shards
         ((8, 2, 4, 1), "query", "zigzag", torch.bfloat16, False),
-        ((16, 2, 4, 2), "auto", "contiguous", torch.float64, True)],
+        ((16, 2, 4, 2), "auto", "contiguous", torch.float64, True),
+        ((8, 4, 2, 1), "auto", "contiguous", torch.float64, False)],   # 2 x 2 in the contiguous layout
+    3: [((8, 2, 4, 1), "auto", "zigzag", torch.float64, False, "cpu", 576)],   # 3 does not divide Hi = 4: query-split
 }
 B, N, TOPK, BS = 2, 512, 3, 64
 
@@ -60,6 +62,29 @@ def _check(rank, P, heads, mode, layout, dtype, warmup, device="cpu", n=N, d=64)
         _close(grad, w, dtype, f"{name}: {label}")
 
 
+def _expect(exc, match, fn):
+    try:
+        fn()
+    except exc as e:
+        assert match in str(e), str(e)
+    else:
+        raise AssertionError(f"expected {exc.__name__} ({match})")
+
+
+def _check_errors(rank, P):
+    """Bad calls raise the same clear error on every rank, before any exchange (no rank left waiting)."""
+    x = make_inputs(1, 24 * P, (8, 2, 4, 1), 64, 64, dtype=torch.float64)
+    shards = [msa.distributed.shard_sequence(t) for t in x]
+    other = "contiguous" if rank == 0 else "zigzag"
+    _expect(ValueError, "layout: expected the same on every rank", lambda: msa.distributed.msa_attention_cp(
+        *shards, layout=other, topk=2, block_size=64))
+    _expect(ValueError, "layout: expected one of", lambda: msa.distributed.msa_attention_cp(*shards, layout="ring"))
+    if 4 % P:
+        _expect(ValueError, "mode: 'head' needs", lambda: msa.distributed.msa_attention_cp(*shards, mode="head"))
+    _expect(ValueError, "needs an even number of rows", lambda: msa.distributed.msa_attention_cp(
+        *[t[:, :-1] for t in shards]))
+
+
 def _worker(rank, P, path, errors, configs=None):
     """configs None: the gloo configurations of CONFIGS[P] on the CPU; else NCCL on GPU `rank`."""
     torch.set_num_threads(1)
@@ -72,6 +97,7 @@ def _worker(rank, P, path, errors, configs=None):
             _check(rank, P, *cfg)
         if configs is not None:
             return
+        _check_errors(rank, P)
         # gather_sequence undoes shard_sequence, and its backward sums every rank's gradient
         x = torch.randn(3, 8 * P, 5, generator=torch.Generator().manual_seed(1), dtype=torch.float64).requires_grad_()
         for layout in ("zigzag", "contiguous"):
@@ -101,7 +127,7 @@ def spawn(P, configs=None):
             pytest.fail("\n".join(logs) or "a worker failed")
 
 
-@pytest.mark.parametrize("P", [2, 4])
+@pytest.mark.parametrize("P", [2, 3, 4])
 def test_cp_matches_single_process(P):
     spawn(P)
 
@@ -116,9 +142,9 @@ def test_bench_cp_runs_under_torchrun(tmp_path):
     """The CP benchmark (python -m msa.bench_cp under torchrun) runs end to end on the CPU with gloo."""
     import subprocess
     import sys
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node=2", "--master_port=0", "-m",
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2", "-m",
            "msa.bench_cp", "--seqlen", "256", "--reps", "1", "--save", str(tmp_path)]
-    r = subprocess.run(cmd, capture_output=True, text=True, timeout=600, env={**os.environ, "OMP_NUM_THREADS": "1"})
+    r = subprocess.run(cmd, capture_output=True, text=True, timeout=300, env={**os.environ, "OMP_NUM_THREADS": "1"})
     assert r.returncode == 0, r.stdout + r.stderr
     saved = list(tmp_path.iterdir())
     assert len(saved) == 1 and "| 256 |" in saved[0].read_text()

@@ -27,6 +27,8 @@ def test_cp_nccl_head_parallel():
 
 
 @pytest.mark.skipif(torch.cuda.device_count() < 2, reason="needs 2 GPUs")
-def test_cp_nccl_query_split_says_not_implemented():
-    with pytest.raises(BaseException, match="NotImplementedError|suffix of the keys"):
-        spawn(2, [((16, 2, 4, 1), "query", "zigzag", torch.bfloat16, False, "cuda", 4096, 128)])
+@pytest.mark.parametrize("layout", ["zigzag", "contiguous"])
+def test_cp_nccl_query_split_says_not_implemented(layout):
+    """Every rank raises before any exchange (contiguous: query shard 0 alone could run; it must not wait)."""
+    with pytest.raises(BaseException, match="suffix of the keys"):
+        spawn(2, [((16, 2, 4, 1), "query", layout, torch.bfloat16, False, "cuda", 4096, 128)])

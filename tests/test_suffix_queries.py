@@ -59,8 +59,8 @@ def test_suffix_matches_brute_force(case, warmup):
 @pytest.mark.parametrize("warmup", [False, True])
 def test_suffix_equals_the_square_call_on_its_rows(warmup):
     """The square call over all key positions, restricted to the query rows: the same out, lse, indices and
-    kl rows; and the gradients of a loss on those rows: the same dq (of the rows), dk, dv; the suffix's
-    kl gradient equals the square call's for a d_kl that weights only those rows."""
+    kl rows (so the same kl); and the gradients of a loss on out's rows: the same dq (of the rows), dk, dv
+    (the KL's gradients: test_suffix_gradcheck)."""
     lq, lk, heads = [1, 70, 0, 129], [200, 70, 30, 300], (8, 2, 4, 1)
     x = _suffix_packed(lq, lk, heads, 64, 64, seed=4)
     args = dict(topk=2, block_size=64, softmax_scale=0.125, index_scale=0.125)
@@ -89,7 +89,8 @@ def test_suffix_equals_the_square_call_on_its_rows(warmup):
     assert abs(kl.item() - f[7][:, rows].mean().item()) < 1e-12
 
 
-def test_suffix_gradcheck():
+@pytest.mark.parametrize("warmup,topk", [(False, 1), (False, 2), (True, 2)])
+def test_suffix_gradcheck(warmup, topk):
     """All five gradients by finite differences: out -> q, k, v; kl -> q_idx, k_idx (dk, dv, dk_idx over
     every key row, those of positions no query sees included: zero)."""
     x = _suffix_packed([1, 30, 0], [140, 70, 20], (8, 2, 4, 1), 64, 64, seed=6)
@@ -97,7 +98,7 @@ def test_suffix_gradcheck():
 
     def f(*t):
         return msa.msa_attention_varlen(*t, x["cu_q"], x["mx_q"], cu_seqlens_k=x["cu_k"], max_seqlen_k=x["mx_k"],
-                                        topk=1, block_size=64)
+                                        topk=topk, block_size=64, warmup=warmup)
     q, k, v, qi, ki = (t.detach().requires_grad_() for t in base)
     assert gradcheck(lambda q, k, v: f(q, k, v, qi.detach(), ki.detach())[0], (q, k, v), fast_mode=True)
     assert gradcheck(lambda qi, ki: f(q.detach(), k.detach(), v.detach(), qi, ki)[1], (qi, ki), fast_mode=True)
@@ -185,7 +186,19 @@ def test_suffix_errors():
         call(cu_seqlens_k=x["cu_k"].long(), max_seqlen_k=30)
     with pytest.raises(ValueError, match="k: expected T = 14 rows"):
         call()  # keys of another length without their layout
+    with pytest.raises(ValueError, match="cu_seqlens_k: expected cu_seqlens_k\\[0\\] == 0"):
+        call(cu_seqlens_k=torch.tensor([1, 20, 50], dtype=torch.int32), max_seqlen_k=30)
+    with pytest.raises(ValueError, match="cu_seqlens_k: expected non-decreasing"):
+        call(cu_seqlens_k=torch.tensor([0, 51, 50], dtype=torch.int32), max_seqlen_k=51)
+    with pytest.raises(TypeError, match="max_seqlen_k: expected None without cu_seqlens_k"):
+        call(max_seqlen_k=30)
     q, k, v, qi, ki = make_inputs(2, 40, (8, 2, 4, 1), 64, 64)
+    with pytest.raises(TypeError, match="max_seqlen_k: expected None in the batched layout"):
+        msa.select_blocks(qi, ki, max_seqlen_k=40)
+    with pytest.raises(TypeError, match="cu_seqlens_k: expected None in the batched layout"):
+        msa.sparse_attention(q, k, v, msa.select_blocks(qi, ki), cu_seqlens_k=x["cu_k"])
+    with pytest.raises(ValueError, match="k_idx: expected T = 14 rows \\(those of q_idx"):
+        msa.select_blocks(x["qi"], x["ki"], cu_seqlens=x["cu_q"], max_seqlen=x["mx_q"])
     with pytest.raises(ValueError, match=r"k: expected leading dims \(B, N_k\) with B = 2 and N_k >= N_q = 40"):
         msa.msa_attention(q, k[:, :30], v[:, :30], qi, ki[:, :30])
     with pytest.raises(ValueError, match=r"v: expected leading dims \(2, 40\) \(those of k\)"):
