@@ -1,4 +1,4 @@
-"""msa.distributed on the CPU with gloo: 2 and 4 processes (torch.multiprocessing) against the
+"""msa.distributed on the CPU with gloo: 2, 3 and 4 processes (torch.multiprocessing) against the
 single-process call on the full sequence: out, kl and all five gradients, both modes and layouts,
 fp64 and bf16. One spawn runs several configurations (a spawn costs a few seconds of imports)."""
 import os
