@@ -40,7 +40,7 @@ from .interface import msa_attention, msa_attention_varlen
 LAYOUTS = ("zigzag", "contiguous")
 MODES = ("auto", "head", "query")
 
-__all__ = ["shard_sequence", "gather_sequence", "msa_attention_cp", "LAYOUTS", "MODES"]
+__all__ = ["shard_sequence", "gather_sequence", "shard_positions", "msa_attention_cp", "LAYOUTS", "MODES"]
 
 
 # ----------------------------------------------------------------------------------------------
@@ -176,6 +176,14 @@ def shard_sequence(x, group=None, *, layout="zigzag", dim=1):
                          f"({layout} layout over {P} ranks), got {N}")
     _check_layout(layout, N // P, P)
     return x.index_select(dim, _owned(layout, N, P, rank).to(x.device))
+
+
+def shard_positions(n_local, group=None, *, layout="zigzag", device=None):
+    """int64 (n_local,): the positions in the full sequence of this rank's rows (rotary embeddings of a
+    sharded sequence take these, not 0..n_local-1)."""
+    P, rank = _world(group)
+    _check_layout(layout, n_local, P)
+    return _owned(layout, n_local * P, P, rank).to(device)
 
 
 def gather_sequence(y, group=None, *, layout="zigzag", dim=1):

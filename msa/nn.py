@@ -115,6 +115,11 @@ class MSAAttention(nn.Module):
         bias: bias in the q/k/v/o projections (the index projections have none).
         compute_dtype: the kernels' dtype for float32 activations on CUDA outside autocast (bf16).
         deterministic: passed to msa_attention (None follows torch.use_deterministic_algorithms).
+        cp_group, cp_layout, cp_mode: context parallelism (msa.distributed, README "Long sequences on several
+            GPUs"): with a process group (torch.distributed.group.WORLD for every rank), x is this rank's
+            (B, N / P, hidden) shard in cp_layout, the
+            rotary positions default to the shard's positions in the whole sequence, and the attention is
+            msa_attention_cp over the group (`set_context_parallel` sets them later).
 
     forward(x, cu_seqlens=None, max_seqlen=None, positions=None) -> (y, kl)
         x (B, N, hidden), or packed (T, hidden) with cu_seqlens int32 (S+1,) and max_seqlen;
@@ -129,7 +134,7 @@ class MSAAttention(nn.Module):
                  rope_theta: float = 10000.0, rope_dim: int | None = None, index_rope_dim: int | None = None,
                  softmax_scale: float | None = None, index_scale: float | None = None, bias: bool = False,
                  norm_eps: float = 1e-6, compute_dtype: torch.dtype = torch.bfloat16, deterministic=None,
-                 device=None, dtype=None):
+                 cp_group=None, cp_layout: str = "zigzag", cp_mode: str = "auto", device=None, dtype=None):
         super().__init__()
         _check_layer_args(hidden, num_heads, num_kv_heads, head_dim, index_heads, index_head_dim, index_key_heads,
                           rope_dim, index_rope_dim, topk, block_size)
@@ -141,6 +146,7 @@ class MSAAttention(nn.Module):
         self.compute_dtype, self.deterministic = compute_dtype, deterministic
         self.warmup = False
         self.msa_kl = None
+        self.set_context_parallel(cp_group, cp_layout, cp_mode)
         self.q_proj = nn.Linear(hidden, num_heads * head_dim, bias=bias, **f)
         self.k_proj = nn.Linear(hidden, num_kv_heads * head_dim, bias=bias, **f)
         self.v_proj = nn.Linear(hidden, num_kv_heads * head_dim, bias=bias, **f)
@@ -156,9 +162,20 @@ class MSAAttention(nn.Module):
     def __getstate__(self):
         # The last forward's KL is a tensor of that forward's graph: not part of a copy.deepcopy (EMA
         # copies, which would raise on it) or a pickle.
+        # A process group belongs to this process: a copy runs without context parallelism until
+        # set_context_parallel is called on it.
         state = super().__getstate__()
         state["msa_kl"] = None
+        state["cp_group"] = None
         return state
+
+    def set_context_parallel(self, group, layout: str = "zigzag", mode: str = "auto"):
+        """Shard the sequence over `group` (None: no context parallelism): see the class docstring."""
+        from .distributed import LAYOUTS, MODES
+        if layout not in LAYOUTS or mode not in MODES:
+            raise ValueError(f"MSAAttention: cp_layout / cp_mode: expected one of {LAYOUTS} / {MODES}, got "
+                             f"{layout!r} / {mode!r}")
+        self.cp_group, self.cp_layout, self.cp_mode = group, layout, mode
 
     def extra_repr(self):
         return (f"heads={self.num_heads}/{self.num_kv_heads}x{self.head_dim}, index={self.index_heads}/"
@@ -180,7 +197,12 @@ class MSAAttention(nn.Module):
                              f"hidden={self.hidden}, got shape {tuple(x.shape)}")
         if packed and max_seqlen is None:
             raise ValueError("MSAAttention: max_seqlen: expected an int with cu_seqlens, got None")
-        if positions is None:
+        if packed and self.cp_group is not None:
+            raise ValueError("MSAAttention: cu_seqlens: context parallelism takes the batched layout (B, N / P, hidden)")
+        if positions is None and self.cp_group is not None:
+            from .distributed import shard_positions
+            positions = shard_positions(x.shape[1], self.cp_group, layout=self.cp_layout, device=x.device)
+        elif positions is None:
             positions = (positions_from_cu_seqlens(cu_seqlens, x.shape[0]) if packed
                          else torch.arange(x.shape[1], device=x.device))
         rope = self.rotary(positions) if self.rotary is not None else None
@@ -196,7 +218,11 @@ class MSAAttention(nn.Module):
             q, k, v, qi, ki = (t.to(self.compute_dtype) for t in (q, k, v, qi, ki))
         kw = dict(topk=self.topk, block_size=self.block_size, softmax_scale=self.softmax_scale,
                   index_scale=self.index_scale, warmup=bool(self.warmup), deterministic=self.deterministic)
-        if packed:
+        if self.cp_group is not None:
+            from .distributed import msa_attention_cp
+            out, kl = msa_attention_cp(q, k, v, qi, ki, group=self.cp_group, layout=self.cp_layout, mode=self.cp_mode,
+                                       **kw)
+        elif packed:
             out, kl = msa_attention_varlen(q, k, v, qi, ki, cu_seqlens, max_seqlen, **kw)
         else:
             out, kl = msa_attention(q, k, v, qi, ki, **kw)

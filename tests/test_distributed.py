@@ -1,6 +1,7 @@
 """msa.distributed on the CPU with gloo: 2, 3 and 4 processes (torch.multiprocessing) against the
 single-process call on the full sequence: out, kl and all five gradients, both modes and layouts,
 fp64 and bf16. One spawn runs several configurations (a spawn costs a few seconds of imports)."""
+import copy
 import os
 import tempfile
 import traceback
@@ -11,6 +12,7 @@ import torch.distributed as dist
 import torch.multiprocessing as mp
 
 import msa
+import msa.nn
 from helpers import make_inputs
 
 # (heads (Hq, Hkv, Hi, Hki), mode, layout, dtype, warmup)
@@ -87,6 +89,29 @@ def _check_errors(rank, P):
         *[t[:, :-1] for t in shards]))
 
 
+def _check_layer(rank, P):
+    """msa.nn.MSAAttention with cp_group: this rank's shard of x in, its shard of y out; y, kl and the weight
+    gradients (summed over ranks) those of the layer on the whole sequence (rotary at the global positions)."""
+    torch.manual_seed(5)
+    layer = msa.nn.MSAAttention(96, 8, 2, 64, 4, 64, topk=3, block_size=64, dtype=torch.float64)
+    x = torch.randn(2, 64 * P, 96, generator=torch.Generator().manual_seed(6), dtype=torch.float64)
+    y, kl = layer(x)
+    (y.square().sum() + kl).backward()
+    want = {n: p.grad.clone() for n, p in layer.named_parameters()}
+    layer.zero_grad()
+    layer.set_context_parallel(dist.group.WORLD, "zigzag")
+    x_r = msa.distributed.shard_sequence(x)
+    y_r, kl_r = layer(x_r)
+    (y_r.square().sum() + kl_r / P).backward()
+    _close(msa.distributed.gather_sequence(y_r.detach()), y.detach(), torch.float64, "layer: y")
+    assert abs(kl_r.item() - kl.item()) < 1e-12, (kl_r.item(), kl.item())
+    for n, p in layer.named_parameters():
+        g = p.grad.clone()
+        dist.all_reduce(g)
+        _close(g, want[n], torch.float64, f"layer: d{n}")
+    assert copy.deepcopy(layer).cp_group is None
+
+
 def _worker(rank, P, path, errors, configs=None):
     """configs None: the gloo configurations of CONFIGS[P] on the CPU; else NCCL on GPU `rank`."""
     torch.set_num_threads(1)
@@ -100,6 +125,7 @@ def _worker(rank, P, path, errors, configs=None):
         if configs is not None:
             return
         _check_errors(rank, P)
+        _check_layer(rank, P)
         # gather_sequence undoes shard_sequence, and its backward sums every rank's gradient
         x = torch.randn(3, 8 * P, 5, generator=torch.Generator().manual_seed(1), dtype=torch.float64).requires_grad_()
         for layout in ("zigzag", "contiguous"):
