@@ -30,6 +30,7 @@ are averaged over the group, as DDP / FSDP do).
 """
 from __future__ import annotations
 
+import functools
 import math
 
 import torch
@@ -62,22 +63,44 @@ def _check_layout(layout, n_local, P):
 
 
 def _owned(layout, N, P, rank):
-    """The positions rank `rank` holds, ascending (its local row order)."""
+    """The positions rank `rank` holds, as ascending (start, end) ranges (its local rows in that order).
+    Position sets stay ranges throughout: plans are built from range overlaps, never from N-long sets."""
     if layout == "contiguous":
         c = N // P
-        return torch.arange(rank * c, (rank + 1) * c)
+        return ((rank * c, (rank + 1) * c),)
     c = N // (2 * P)
-    return torch.cat([torch.arange(rank * c, (rank + 1) * c), torch.arange((2 * P - 1 - rank) * c, (2 * P - rank) * c)])
+    return _merge([(rank * c, (rank + 1) * c), ((2 * P - 1 - rank) * c, (2 * P - rank) * c)])
 
 
-def _ranges(pos):
-    """Ascending positions -> [(start, end)] of maximal runs."""
-    if pos.numel() == 0:
-        return []
-    breaks = torch.nonzero(pos[1:] != pos[:-1] + 1).flatten().tolist()
-    starts = [0] + [b + 1 for b in breaks]
-    ends = breaks + [pos.numel() - 1]
-    return [(int(pos[s]), int(pos[e]) + 1) for s, e in zip(starts, ends)]
+def _merge(ranges):
+    """Ascending, disjoint (start, end) ranges -> the same set with adjacent ranges joined (empty ones dropped)."""
+    out = []
+    for a, e in sorted(r for r in ranges if r[1] > r[0]):
+        if out and out[-1][1] == a:
+            out[-1] = (out[-1][0], e)
+        else:
+            out.append((a, e))
+    return tuple(out)
+
+
+def _count(ranges):
+    return sum(e - a for a, e in ranges)
+
+
+def _positions(ranges):
+    return torch.cat([torch.arange(a, e) for a, e in ranges]) if ranges else torch.zeros(0, dtype=torch.int64)
+
+
+def _rows_of(ranges, sub):
+    """Indices, in the concatenated rows of `ranges`, of the positions of `ranges` that `sub` holds, ascending."""
+    out, base = [], 0
+    for a, e in ranges:
+        for s0, s1 in sub:
+            lo, hi = max(a, s0), min(e, s1)
+            if lo < hi:
+                out.append(torch.arange(base + lo - a, base + hi - a))
+        base += e - a
+    return torch.cat(out) if out else torch.zeros(0, dtype=torch.int64)
 
 
 # ----------------------------------------------------------------------------------------------
@@ -140,27 +163,29 @@ class _AllReduceSum(torch.autograd.Function):
 
 def _route(x, group, rank, src_pos, dst_pos, send_heads, recv_heads, out_heads):
     """Moves rows between two distributions of positions over the ranks: src_pos[p] / dst_pos[p] are the
-    positions rank p holds before / after, ascending. This rank sends rank p the heads send_heads[p] of
-    x; the heads it receives from rank p land at recv_heads[p] of its out_heads."""
-    dev = x.device
+    positions rank p holds before / after, as ascending ranges. This rank sends rank p the heads
+    send_heads[p] of x; the heads it receives from rank p land at recv_heads[p] of its out_heads."""
+    heads = tuple(tuple(int(h) for h in hs) for hs in (*send_heads, *recv_heads))
+    plan = _plan(tuple(src_pos), tuple(dst_pos), heads, rank, x.device)
+    return _Exchange.apply(x, plan, group, _count(dst_pos[rank]), out_heads)
+
+
+@functools.lru_cache(maxsize=64)
+def _plan(src_pos, dst_pos, heads, rank, device):
+    """The index tensors of a route (cached: every layer of a model routes the same plan)."""
+    P = len(src_pos)
+    send_heads, recv_heads = heads[:P], heads[P:]
     plan = []
-    me_src, me_dst = src_pos[rank], dst_pos[rank]
-    for p in range(len(src_pos)):
-        send = _intersect(me_src, dst_pos[p])
-        recv = _intersect(src_pos[p], me_dst)
-        plan.append((torch.searchsorted(me_src, send).to(dev), send_heads[p].to(dev),
-                     torch.searchsorted(me_dst, recv).to(dev), recv_heads[p].to(dev)))
-    return _Exchange.apply(x, plan, group, me_dst.numel(), out_heads)
+    for p in range(P):
+        plan.append((_rows_of(src_pos[rank], dst_pos[p]).to(device), torch.tensor(send_heads[p], device=device),
+                     _rows_of(dst_pos[rank], src_pos[p]).to(device), torch.tensor(recv_heads[p], device=device)))
+    return plan
 
 
 def _scatter_heads(x, group, rank, src_pos, dst_pos, heads_of):
     """Owners -> compute ranks: rank p gets the heads heads_of[p] (global indices) at positions dst_pos[p]."""
     mine = torch.arange(len(heads_of[rank]))
     return _route(x, group, rank, src_pos, dst_pos, heads_of, [mine] * len(heads_of), len(mine))
-
-
-def _intersect(a, b):
-    return a[torch.isin(a, b)]
 
 
 # ----------------------------------------------------------------------------------------------
@@ -175,7 +200,7 @@ def shard_sequence(x, group=None, *, layout="zigzag", dim=1):
         raise ValueError(f"x: expected a sequence length divisible by {2 * P if layout == 'zigzag' else P} "
                          f"({layout} layout over {P} ranks), got {N}")
     _check_layout(layout, N // P, P)
-    return x.index_select(dim, _owned(layout, N, P, rank).to(x.device))
+    return x.index_select(dim, _positions(_owned(layout, N, P, rank)).to(x.device))
 
 
 def shard_positions(n_local, group=None, *, layout="zigzag", device=None):
@@ -183,7 +208,7 @@ def shard_positions(n_local, group=None, *, layout="zigzag", device=None):
     sharded sequence take these, not 0..n_local-1)."""
     P, rank = _world(group)
     _check_layout(layout, n_local, P)
-    return _owned(layout, n_local * P, P, rank).to(device)
+    return _positions(_owned(layout, n_local * P, P, rank)).to(device)
 
 
 def gather_sequence(y, group=None, *, layout="zigzag", dim=1):
@@ -197,7 +222,7 @@ def gather_sequence(y, group=None, *, layout="zigzag", dim=1):
     lead, rest = x.shape[0], x.shape[2:]
     x4 = x.reshape(lead, n, 1, math.prod(rest))
     one = [torch.arange(1)] * P
-    full = _route(x4, group, rank, [_owned(layout, N, P, p) for p in range(P)], [torch.arange(N)] * P, one, one, 1)
+    full = _route(x4, group, rank, [_owned(layout, N, P, p) for p in range(P)], [((0, N),)] * P, one, one, 1)
     return full.reshape(lead, N, *rest).movedim(1, dim)
 
 
@@ -284,11 +309,10 @@ def msa_attention_cp(q, k, v, q_idx, k_idx, *, group=None, layout="zigzag", mode
     pq = P // ph
     owned = [_owned(layout, N, P, p) for p in range(P)]
     # rank p: query shard p // ph, head shard p % ph; a query shard's positions are its ranks' positions
-    col = [torch.cat([owned[c * ph + j] for j in range(ph)]).sort().values for c in range(pq)]
+    col = [_merge([r for j in range(ph) for r in owned[c * ph + j]]) for c in range(pq)]
     q_pos = [col[p // ph] for p in range(P)]
-    ends = [max(e for _, e in _ranges(col[p // ph])) for p in range(P)]
-    k_pos = [torch.arange(ends[p]) for p in range(P)]
-    if q.device.type == "cuda" and any(_ranges(c)[0][0] != 0 or len(_ranges(c)) > 1 for c in col):
+    k_pos = [((0, col[p // ph][-1][1]),) for p in range(P)]
+    if q.device.type == "cuda" and any(c != ((0, N),) for c in col):
         # every rank decides alike (one plan), before any exchange: no rank waits for one that raised
         raise NotImplementedError(
             "msa: query-split context parallelism (mode='query', or more ranks than the heads split into) needs queries "
@@ -307,7 +331,7 @@ def msa_attention_cp(q, k, v, q_idx, k_idx, *, group=None, layout="zigzag", mode
 
     kw = dict(topk=topk, block_size=block_size, softmax_scale=softmax_scale, index_scale=index_scale, warmup=warmup,
               deterministic=deterministic)
-    runs = _ranges(q_pos[rank])
+    runs = q_pos[rank]
     if len(runs) == 1:  # one range [a, e): the square call (a = 0) or its suffix form
         out, kl_local = msa_attention(ql, kl_, vl, qil, kil, **kw)
     else:
@@ -323,7 +347,7 @@ def msa_attention_cp(q, k, v, q_idx, k_idx, *, group=None, layout="zigzag", mode
     # back to the owners: each rank's rows of its query shard, the heads of rank p placed at hq_of[p]
     local = [torch.arange(len(hq_of[rank]))] * P
     out = _route(out, group, rank, q_pos, owned, local, hq_of, hq)
-    rows_local = B * q_pos[rank].numel() * len(hi_of[rank])
+    rows_local = B * _count(q_pos[rank]) * len(hi_of[rank])
     kl = _AllReduceSum.apply(kl_local * (rows_local / (B * N * hi)), group)
     return out, kl
 
