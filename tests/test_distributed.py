@@ -176,3 +176,18 @@ def test_bench_cp_runs_under_torchrun(tmp_path):
     assert r.returncode == 0, r.stdout + r.stderr
     saved = list(tmp_path.iterdir())
     assert len(saved) == 1 and "| 256 |" in saved[0].read_text()
+
+
+def test_context_parallel_example_runs_under_torchrun():
+    """examples/context_parallel.py (the README's torchrun example) runs and matches the single-process call."""
+    import subprocess
+    import sys
+    here = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2",
+           os.path.join(here, "examples", "context_parallel.py")]
+    r = subprocess.run(cmd, capture_output=True, text=True, timeout=300, env={**os.environ, "OMP_NUM_THREADS": "1"})
+    assert r.returncode == 0, r.stdout + r.stderr
+    out_diff = float(r.stdout.split("max |out - single| = ")[1].split(",")[0])
+    assert out_diff < 1e-6, r.stdout
+    diffs = [float(line.split("max |diff| = ")[1].split()[0]) for line in r.stdout.splitlines() if "max |diff|" in line]
+    assert len(diffs) == 5 and max(diffs) < 1e-8, r.stdout
