@@ -388,13 +388,13 @@ def _msa_backward(ctx, dout, dkl, _dindices, _dlse, _dlse_idx, _dg_q, _dg_k, _dk
         return (None,) * len(need)
     dq, dk, dv, dq_idx, dk_idx = ops.msa_bwd(
         dout, dkl, q, k, v, out, lse, q_idx, k_idx, lse_idx, indices, kl_dq_idx, kl_dk_idx, cu_seqlens, max_seqlen,
-        block_size, scale, iscale, warmup, det, *_key_layout(cu_k, max_k))
+        block_size, scale, iscale, warmup, det, *_key_args(cu_k, max_k))
     main = (dq, dk, dv) if dout is not None else (None, None, None)
     index = (dq_idx, dk_idx) if dkl is not None else (None, None)
     return (*main, *index) + (None,) * (len(need) - 5)
 
 
-def _key_layout(cu_k, max_k):
+def _key_args(cu_k, max_k):
     """The trailing (cu_seqlens_k, max_seqlen_k) of a backward call: none where the forward had none (the CUDA
     kernels take the schemas' defaults only)."""
     return () if cu_k is None and max_k is None else (cu_k, max_k)
@@ -420,7 +420,7 @@ def _sparse_backward(ctx, dout, _dlse):
         return (None,) * n
     max_seqlen, block_size, scale, det, max_k = ctx.args
     dq, dk, dv = ops.sparse_bwd(dout, q, k, v, out, lse, indices, cu_seqlens, max_seqlen, block_size, scale, det,
-                                *_key_layout(cu_k, max_k))
+                                *_key_args(cu_k, max_k))
     return (dq, dk, dv) + (None,) * (n - 3)
 
 

@@ -165,8 +165,7 @@ def _route(x, group, rank, src_pos, dst_pos, send_heads, recv_heads, out_heads):
     """Moves rows between two distributions of positions over the ranks: src_pos[p] / dst_pos[p] are the
     positions rank p holds before / after, as ascending ranges. This rank sends rank p the heads
     send_heads[p] of x; the heads it receives from rank p land at recv_heads[p] of its out_heads."""
-    heads = tuple(tuple(int(h) for h in hs) for hs in (*send_heads, *recv_heads))
-    plan = _plan(tuple(src_pos), tuple(dst_pos), heads, rank, x.device)
+    plan = _plan(tuple(src_pos), tuple(dst_pos), (*send_heads, *recv_heads), rank, x.device)
     return _Exchange.apply(x, plan, group, _count(dst_pos[rank]), out_heads)
 
 
@@ -175,16 +174,16 @@ def _plan(src_pos, dst_pos, heads, rank, device):
     """The index tensors of a route (cached: every layer of a model routes the same plan)."""
     P = len(src_pos)
     send_heads, recv_heads = heads[:P], heads[P:]
-    plan = []
-    for p in range(P):
-        plan.append((_rows_of(src_pos[rank], dst_pos[p]).to(device), torch.tensor(send_heads[p], device=device),
-                     _rows_of(dst_pos[rank], src_pos[p]).to(device), torch.tensor(recv_heads[p], device=device)))
-    return plan
+
+    def heads_on(hs):
+        return torch.tensor(hs, dtype=torch.int64, device=device)
+    return [(_rows_of(src_pos[rank], dst_pos[p]).to(device), heads_on(send_heads[p]),
+             _rows_of(dst_pos[rank], src_pos[p]).to(device), heads_on(recv_heads[p])) for p in range(P)]
 
 
 def _scatter_heads(x, group, rank, src_pos, dst_pos, heads_of):
     """Owners -> compute ranks: rank p gets the heads heads_of[p] (global indices) at positions dst_pos[p]."""
-    mine = torch.arange(len(heads_of[rank]))
+    mine = tuple(range(len(heads_of[rank])))
     return _route(x, group, rank, src_pos, dst_pos, heads_of, [mine] * len(heads_of), len(mine))
 
 
@@ -221,7 +220,7 @@ def gather_sequence(y, group=None, *, layout="zigzag", dim=1):
     x = y.movedim(dim, 1)
     lead, rest = x.shape[0], x.shape[2:]
     x4 = x.reshape(lead, n, 1, math.prod(rest))
-    one = [torch.arange(1)] * P
+    one = [(0,)] * P
     full = _route(x4, group, rank, [_owned(layout, N, P, p) for p in range(P)], [((0, N),)] * P, one, one, 1)
     return full.reshape(lead, N, *rest).movedim(1, dim)
 
@@ -231,11 +230,12 @@ def gather_sequence(y, group=None, *, layout="zigzag", dim=1):
 # ----------------------------------------------------------------------------------------------
 def _head_range(shard, shards, users, heads):
     """Heads of a tensor with `heads` heads read by user heads [shard * users / shards, +users / shards)
-    (query heads of kv heads, index groups of index-key heads), as a contiguous range."""
+    (query heads of kv heads, index groups of index-key heads), as a tuple of head indices (they key the
+    plan cache)."""
     per = users // shards
     ratio = users // heads  # users per head
     first, last = shard * per // ratio, ((shard + 1) * per - 1) // ratio
-    return torch.arange(first, last + 1)
+    return tuple(range(first, last + 1))
 
 
 def _head_shards(P, mode, hq, hkv, hi, hki):
@@ -315,9 +315,9 @@ def msa_attention_cp(q, k, v, q_idx, k_idx, *, group=None, layout="zigzag", mode
     if q.device.type == "cuda" and any(c != ((0, N),) for c in col):
         # every rank decides alike (one plan), before any exchange: no rank waits for one that raised
         raise NotImplementedError(
-            "msa: query-split context parallelism (mode='query', or more ranks than the heads split into) needs queries "
-            "that are a suffix of the keys, which have no CUDA kernel in this build yet (issue 18); mode='head' with "
-            "P dividing Hi runs on CUDA")
+            "msa: query-split context parallelism (mode='query', or more ranks than the heads split into) needs "
+            "queries that are a suffix of the keys, which have no CUDA kernel in this build yet (issue 18); "
+            "mode='head' with P dividing Hi runs on CUDA")
 
     def heads(users, count):
         return [_head_range(p % ph, ph, users, count) for p in range(P)]
@@ -345,7 +345,7 @@ def msa_attention_cp(q, k, v, q_idx, k_idx, *, group=None, layout="zigzag", mode
                                            cu_seqlens_k=cu_k, max_seqlen_k=max(ks), **kw)
         out = o.view(B, -1, *o.shape[1:])
     # back to the owners: each rank's rows of its query shard, the heads of rank p placed at hq_of[p]
-    local = [torch.arange(len(hq_of[rank]))] * P
+    local = [tuple(range(len(hq_of[rank])))] * P
     out = _route(out, group, rank, q_pos, owned, local, hq_of, hq)
     rows_local = B * _count(q_pos[rank]) * len(hi_of[rank])
     kl = _AllReduceSum.apply(kl_local * (rows_local / (B * N * hi)), group)

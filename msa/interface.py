@@ -118,17 +118,18 @@ def _flat(x):
     return x.reshape(x.shape[0] * x.shape[1], *x.shape[2:])
 
 
-def _check_lead(q, k, rank, others):
+def _check_lead(q, k, rank, others, names=("q", "k")):
     """Leading dims: the q-side and k-side tensors each agree among themselves; batched, k has q's batch and
-    N_k >= N_q (the queries are the last N_q positions); packed, T_k is checked against cu_seqlens_k."""
+    N_k >= N_q (the queries are the last N_q positions); packed, T_k is checked against cu_seqlens_k.
+    names: what the caller calls q and k (select_blocks: q_idx, k_idx)."""
     lead, lead_k = q.shape[:-2], k.shape[:-2]
     if any(s < 1 for s in lead):
-        _fail("q", "at least one token" + (" and batch >= 1" if rank == 4 else ""), f"shape {tuple(q.shape)}")
+        _fail(names[0], "at least one token" + (" and batch >= 1" if rank == 4 else ""), f"shape {tuple(q.shape)}")
     if any(s < 1 for s in lead_k):
-        _fail("k", "at least one token" + (" and batch >= 1" if rank == 4 else ""), f"shape {tuple(k.shape)}")
+        _fail(names[1], "at least one token" + (" and batch >= 1" if rank == 4 else ""), f"shape {tuple(k.shape)}")
     if rank == 4 and (lead_k[0] != lead[0] or lead_k[1] < lead[1]):
-        _fail("k", f"leading dims (B, N_k) with B = {lead[0]} and N_k >= N_q = {lead[1]} (those of q: the queries "
-                   f"are the last N_q positions)", f"shape {tuple(k.shape)}")
+        _fail(names[1], f"leading dims (B, N_k) with B = {lead[0]} and N_k >= N_q = {lead[1]} (those of {names[0]}: "
+                        f"the queries are the last N_q positions)", f"shape {tuple(k.shape)}")
     for name, x, side in others:
         want, whose = (lead, "q") if side == "q" else (lead_k, "k")
         if x.shape[:-2] != want:
@@ -304,11 +305,7 @@ def select_blocks(q_idx, k_idx, *, topk=16, block_size=128, index_scale=None, cu
     rank = 3 if cu_seqlens is not None else 4
     layout = "(B, N, H, Di)" if rank == 4 else "(T, H, Di)"
     _check_common([("q_idx", q_idx), ("k_idx", k_idx)], rank, layout)
-    try:
-        _check_lead(q_idx, k_idx, rank, ())
-    except ValueError as e:  # the same checks, named for this function's arguments
-        raise ValueError(str(e).replace("k:", "k_idx:", 1).replace("q:", "q_idx:", 1)
-                         .replace("those of q)", "those of q_idx)")) from None
+    _check_lead(q_idx, k_idx, rank, (), ("q_idx", "k_idx"))
     Di = q_idx.shape[-1]
     _check_dim("q_idx", Di)
     if k_idx.shape[-1] != Di:
