@@ -35,7 +35,7 @@ def _step_one(q, k, v, qi, ki):
 
 
 def _shard(x, layout):
-    return cp.shard_sequence(x.detach(), layout=layout).detach().requires_grad_()
+    return cp.shard_sequence(x.detach(), layout=layout).requires_grad_()
 
 
 def run(args, device, P, rank):
