@@ -10,8 +10,11 @@ namespace msa {
 // Reverse index (kv block -> tokens that selected it). See torch_bindings.cpp for the layout.
 struct ReverseIndexParams {
   const int32_t* indices;     // (num_heads, total_tokens, topk), -1 = unused slot
-  const int32_t* cu_seqlens;  // (num_seqs + 1)
-  int32_t* block_offsets;     // out (num_seqs + 1): first global block of each sequence
+  const int32_t* cu_seqlens;  // (num_seqs + 1) queries
+  // (num_seqs + 1) keys: cu_seqlens itself where the keys have the queries' layout; else each sequence's
+  // queries are the last positions of its keys (docs/semantics.md), and blocks are key blocks.
+  const int32_t* cu_seqlens_k;
+  int32_t* block_offsets;     // out (num_seqs + 1): first global (key) block of each sequence
   int32_t* offsets;           // out (num_heads * max_blocks + 1)
   int32_t* rows;              // out (num_heads * total_tokens * topk): tokens, grouped by key
   int32_t* keys_in;           // workspace, as rows
@@ -24,7 +27,7 @@ struct ReverseIndexParams {
   int topk;
   int num_seqs;
   int block_size;
-  int max_blocks;             // total_tokens / block_size + num_seqs: bound on the global blocks
+  int max_blocks;             // key tokens / block_size + num_seqs: bound on the global blocks
   // Only the tokens [token_begin, token_end) enter (the sparse kernels work per query chunk); the
   // positions in rows/keys are then local to the chunk.
   int token_begin;
@@ -55,15 +58,17 @@ struct ReverseIndexParams {
 
 namespace msa {
 
-// Index top-k (SPEC 2). q_idx (T, Hi, Di) and k_idx (T, Hki, Di) with 16-byte aligned rows.
+// Index top-k (SPEC 2). q_idx (T, Hi, Di) and k_idx (Tk, Hki, Di) with 16-byte aligned rows.
 struct IndexTopkParams {
   const void* q_idx;
   const void* k_idx;
-  const int32_t* cu_seqlens;  // (num_seqs + 1)
+  const int32_t* cu_seqlens;    // (num_seqs + 1) queries
+  const int32_t* cu_seqlens_k;  // (num_seqs + 1) keys (cu_seqlens itself: the queries' layout)
   int32_t* indices;           // out (Hi, T, topk)
   int64_t q_stride_t, q_stride_h;  // in elements
   int64_t k_stride_t, k_stride_h;
   int total_tokens;
+  int total_tokens_k;         // Tk (rows of k_idx)
   int num_heads;              // Hi
   int num_key_heads;          // Hki
   int num_seqs;
@@ -106,7 +111,8 @@ struct SparseFwdParams {
   const void* k_idx;
   int64_t q_stride_t, q_stride_h, k_stride_t, k_stride_h, v_stride_t, v_stride_h;
   int64_t qi_stride_t, qi_stride_h, ki_stride_t, ki_stride_h;  // in elements
-  const int32_t* cu_seqlens;
+  const int32_t* cu_seqlens;    // queries
+  const int32_t* cu_seqlens_k;  // keys (k, v, k_idx rows; cu_seqlens itself: the queries' layout)
   SparseWork work;
   int total_tokens;
   int num_seqs;
@@ -155,8 +161,9 @@ struct IndexDkParams {
   int64_t qi_stride_t, qi_stride_h;
   const void* dsi_part;
   const int32_t* cu_seqlens;
+  const int32_t* cu_seqlens_k;
   SparseWork work;          // whole keys: offsets / entries / block_offsets
-  float* dki_accum;         // (T, Hki, Di) fp32
+  float* dki_accum;         // (Tk, Hki, Di) fp32
   // Deterministic mode (nullptr: off): CTA i takes work item i of the chunk and stores its scaled sum
   // in dki_part[i] (128 x Di fp32) instead of adding it; item_reduce then adds the items in order.
   float* dki_part;
@@ -205,6 +212,7 @@ struct SparseBwdParams {
   const float* lse;    // (Hq, T) natural log
   const float* delta;  // (Hq, T) rowsum(dO * O)
   const int32_t* cu_seqlens;
+  const int32_t* cu_seqlens_k;   // keys: dk_accum, dv_accum are (Tk, Hkv, D)
   const int32_t* offsets;        // (Hi * max_blocks + 1)
   const int32_t* tokens;         // tokens per key, ascending
   const int32_t* block_offsets;  // (num_seqs + 1)
@@ -288,6 +296,7 @@ struct ItemReduceParams {
   const int32_t* item_offsets;   // (num_keys + 1)
   const int32_t* block_offsets;  // (num_seqs + 1)
   const int32_t* cu_seqlens;
+  const int32_t* cu_seqlens_k;   // the rows of out: key rows
   float* out[2];
   int ntensors;
   int width;
@@ -304,22 +313,23 @@ namespace msa {
 // query tiles, index-key head); every index group of that key head in turn.
 struct DenseKlParams {
   const void* q;      // (T, Hq, D)
-  const void* k;      // (T, Hkv, D)
+  const void* k;      // (Tk, Hkv, D)
   const void* q_idx;  // (T, Hi, Di)
-  const void* k_idx;  // (T, Hki, Di)
+  const void* k_idx;  // (Tk, Hki, Di)
   int64_t q_stride_t, q_stride_h, k_stride_t, k_stride_h;  // in elements
   int64_t qi_stride_t, qi_stride_h, ki_stride_t, ki_stride_h;
-  const int32_t* cu_seqlens;    // (S + 1)
-  const int32_t* tile_offsets;  // (S + 1): first 128-key tile of each sequence (launch_block_offsets)
+  const int32_t* cu_seqlens;    // (S + 1) queries
+  const int32_t* cu_seqlens_k;  // (S + 1) keys (cu_seqlens itself: the queries' layout)
+  const int32_t* tile_offsets;  // (S + 1): first 128-key tile of each sequence (launch_block_offsets of cu_seqlens_k)
   const float* lse;             // (Hq, T) natural log
   const float* lse_idx;         // (Hi, T) natural log
   float* dq_idx;                // (T, Hi, Di) fp32, accumulated (zeroed by the caller); nullable: no grad
-  float* dk_idx;                // (T, Hki, Di) fp32, accumulated (zeroed by the caller); with dq_idx
+  float* dk_idx;                // (Tk, Hki, Di) fp32, accumulated (zeroed by the caller); with dq_idx
   unsigned long long* kl_fixed;  // (Hi, T) KL row sums (log2 units) in fixed point 2^-32, zeroed
   unsigned int* kl_bad;          // (Hi, T) nonzero: a non-finite partial sum reached the row, zeroed
-  int total_tokens;
+  int total_tokens;    // T (query rows)
   int num_seqs;
-  int num_tiles;       // >= tile_offsets[S] (T / 128 + S); grid.x = num_tiles * max_chunks, grid.y = Hki
+  int num_tiles;       // >= tile_offsets[S] (Tk / 128 + S); grid.x = num_tiles * max_chunks, grid.y = Hki
   int chunk_tiles;     // 64-row query tiles per CTA
   int max_chunks;      // ceil(ceil(max_seqlen / 64) / chunk_tiles)
   int hq, hkv, hi, hki;

@@ -5,8 +5,8 @@
 // nothing to read back from the device). `deterministic` makes the gradients bitwise reproducible.
 // cu_seqlens_k / max_seqlen_k (None: the layout of the queries) split the key-side tensors (k, v, k_idx
 // and their gradients) where the queries are a suffix of the keys: sequence s's len_q queries are its
-// last len_q of len_k >= len_q positions (docs/semantics.md). The CPU path computes that case; the CUDA
-// kernels take None only so far.
+// last len_q of len_k >= len_q positions (docs/semantics.md). Both paths compute that case, warmup
+// included.
 #include <torch/csrc/stable/library.h>
 
 STABLE_TORCH_LIBRARY(msa, m) {
@@ -22,7 +22,7 @@ STABLE_TORCH_LIBRARY(msa, m) {
   // SPEC 2-5 in one op: selection, sparse (or warmup dense) attention, exact KL value, index LSE.
   // indices is (Hi, T, topk); in warmup mode it is (Hi, T, 0) unless return_indices. With index_grad
   // the pass that computes kl also yields its gradient for d_kl = 1 (SPEC 4: kl is linear in d_kl):
-  // kl_dq_idx (T, Hi, Di) and kl_dk_idx (T, Hki, Di) in fp32; without, both are empty (0,). kl_rows
+  // kl_dq_idx (T, Hi, Di) and kl_dk_idx (T_k, Hki, Di) in fp32; without, both are empty (0,). kl_rows
   // (Hi, T) fp32 holds each row's KL term (kl is their mean).
   m.def("msa_fwd(Tensor q, Tensor k, Tensor v, Tensor q_idx, Tensor k_idx, Tensor? cu_seqlens, "
         "SymInt max_seqlen, int topk, int block_size, float softmax_scale, float index_scale, bool warmup, "
@@ -55,9 +55,12 @@ STABLE_TORCH_LIBRARY(msa, m) {
   // sequence holds T / (number of sequences) tokens (the batched layout, or one packed sequence), which
   // the cuDNN kernels need; lse is (H, T) in either case. lse_only: the caller reads lse alone (the index
   // branch), and out may hold fewer columns than v (cuDNN runs with a narrow V, the same lse).
+  // cu_seqlens_k / max_seqlen_k: the keys' layout where the queries are a suffix of the keys (then
+  // flash, causal aligned bottom-right; None: the queries' layout).
   m.def("_dense_fwd(Tensor q, Tensor k, Tensor v, Tensor cu_seqlens, SymInt max_seqlen, float softmax_scale, "
-        "bool uniform=False, bool deterministic=False, bool lse_only=False) -> (Tensor out, Tensor lse)");
+        "bool uniform=False, bool deterministic=False, bool lse_only=False, Tensor? cu_seqlens_k=None, "
+        "SymInt? max_seqlen_k=None) -> (Tensor out, Tensor lse)");
   m.def("_dense_bwd(Tensor dout, Tensor q, Tensor k, Tensor v, Tensor out, Tensor lse, Tensor cu_seqlens, "
-        "SymInt max_seqlen, float softmax_scale, bool deterministic, bool uniform=False) -> "
-        "(Tensor dq, Tensor dk, Tensor dv)");
+        "SymInt max_seqlen, float softmax_scale, bool deterministic, bool uniform=False, Tensor? cu_seqlens_k=None, "
+        "SymInt? max_seqlen_k=None) -> (Tensor dq, Tensor dk, Tensor dv)");
 }

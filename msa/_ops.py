@@ -200,6 +200,10 @@ def _validate_cu_seqlens_cpu(cu_seqlens, total_tokens, max_seqlen):
 # deterministic=True). Both return lse (H, T), the natural-log logsumexp of the scaled logits, and
 # either backward takes either forward's.
 # cuDNN rejects sequences of one token (s_q = s_kv = 1): those take flash too.
+# A key layout (cu_seqlens_k, max_seqlen_k: queries that are a suffix of the keys) takes flash: its causal
+# mask is aligned bottom-right where a sequence has more keys than queries (flash-attn >= 2.1), our
+# convention; that of cuDNN's for s_q < s_kv is not established. The C++ callers pass a key layout only
+# where it differs from the queries' (the square path's calls are unchanged).
 # ----------------------------------------------------------------------------------------------
 _CUDNN_FAILED: set = set()  # shapes whose cuDNN call raised: flash for them from then on (warned once)
 
@@ -262,10 +266,12 @@ _LSE_ONLY_DV = 16
 
 @torch.library.register_kernel("msa::_dense_fwd", "cuda")
 def _dense_fwd_cuda(q, k, v, cu_seqlens, max_seqlen, softmax_scale, uniform=False, deterministic=False,
-                    lse_only=False):
+                    lse_only=False, cu_seqlens_k=None, max_seqlen_k=None):
     T, H = q.shape[0], q.shape[1]
     batch = cu_seqlens.shape[0] - 1  # sequences, all of T / batch tokens when uniform
-    if _dense_backend(q, k, T // max(batch, 1), uniform, deterministic) == "cudnn":
+    suffix = cu_seqlens_k is not None  # a key layout: flash (not uniform)
+    cu_k, max_k = (cu_seqlens_k, max_seqlen_k) if suffix else (cu_seqlens, max_seqlen)
+    if _dense_backend(q, k, T // max(batch, 1), uniform and not suffix, deterministic) == "cudnn":
         vc = v[..., :_LSE_ONLY_DV] if lse_only and v.shape[-1] > _LSE_ONLY_DV else v
         r = _try_cudnn(lambda: torch.ops.aten._scaled_dot_product_cudnn_attention(
             _bhnd(q, batch), _bhnd(k, batch), _bhnd(vc, batch), None, True, 0.0, True, False, scale=softmax_scale),
@@ -274,17 +280,24 @@ def _dense_fwd_cuda(q, k, v, cu_seqlens, max_seqlen, softmax_scale, uniform=Fals
             out, lse = r[:2]
             # lse (B, H, N[, 1]) -> (H, T): a view for one sequence
             return _thd(out), lse.reshape(batch, H, T // batch).transpose(0, 1).reshape(H, T)
+    # With max_seqlen_q = 1 and GQA, flash views q as one row per sequence (its decode path), which a layout
+    # with empty query sequences (T < batch: suffix queries with len_q = 0) does not have; 2 is an upper bound
+    # too and keeps flash on its general path.
+    max_q = 2 if max_seqlen == 1 and T != batch else max_seqlen
     out, lse = torch.ops.aten._flash_attention_forward(
-        q, k, v, cu_seqlens, cu_seqlens, max_seqlen, max_seqlen, 0.0, True, False, scale=softmax_scale)[:2]
+        q, k, v, cu_seqlens, cu_k, max_q, max_k, 0.0, True, False, scale=softmax_scale)[:2]
     return out, lse.contiguous()
 
 
 @torch.library.register_kernel("msa::_dense_bwd", "cuda")
-def _dense_bwd_cuda(dout, q, k, v, out, lse, cu_seqlens, max_seqlen, softmax_scale, deterministic, uniform=False):
+def _dense_bwd_cuda(dout, q, k, v, out, lse, cu_seqlens, max_seqlen, softmax_scale, deterministic, uniform=False,
+                    cu_seqlens_k=None, max_seqlen_k=None):
     dout = dout.contiguous()
     T, H = q.shape[0], q.shape[1]
     batch = cu_seqlens.shape[0] - 1
-    if _dense_backend(q, k, T // max(batch, 1), uniform, deterministic) == "cudnn":
+    suffix = cu_seqlens_k is not None  # a key layout: flash (not uniform)
+    cu_k, max_k = (cu_seqlens_k, max_seqlen_k) if suffix else (cu_seqlens, max_seqlen)
+    if _dense_backend(q, k, T // max(batch, 1), uniform and not suffix, deterministic) == "cudnn":
         zero = torch.zeros((), dtype=torch.int64, device=q.device)  # no dropout: the philox state is not read
         lse4 = lse.view(H, batch, T // batch).transpose(0, 1).contiguous().unsqueeze(-1)
         grads = _try_cudnn(lambda: torch.ops.aten._scaled_dot_product_cudnn_attention_backward(
@@ -299,7 +312,7 @@ def _dense_bwd_cuda(dout, q, k, v, out, lse, cu_seqlens, max_seqlen, softmax_sca
         torch.use_deterministic_algorithms(True)
     try:
         dq, dk, dv = torch.ops.aten._flash_attention_backward(
-            dout, q, k, v, out, lse, cu_seqlens, cu_seqlens, max_seqlen, max_seqlen, 0.0, True, rng,
+            dout, q, k, v, out, lse, cu_seqlens, cu_k, max_seqlen, max_k, 0.0, True, rng,
             unused, scale=softmax_scale)
     finally:
         torch.use_deterministic_algorithms(was, warn_only=warn_only)
@@ -395,8 +408,8 @@ def _msa_backward(ctx, dout, dkl, _dindices, _dlse, _dlse_idx, _dg_q, _dg_k, _dk
 
 
 def _key_args(cu_k, max_k):
-    """The trailing (cu_seqlens_k, max_seqlen_k) of a backward call: none where the forward had none (the CUDA
-    kernels take the schemas' defaults only)."""
+    """The trailing (cu_seqlens_k, max_seqlen_k) of a backward call: none where the forward had none (the
+    square call's schema defaults, as before the key layout)."""
     return () if cu_k is None and max_k is None else (cu_k, max_k)
 
 

@@ -95,6 +95,15 @@ def msa_fwd_bwd_det(q, k, v, qi, ki):
     msa_fwd_bwd(q, k, v, qi, ki, deterministic=True)
 
 
+def suffix_inputs(x):
+    """The last half of the queries of inputs x (make_inputs) over all their keys, as new leaves: the query
+    shard of the last rank in a two-way contiguous query split (msa.distributed), the heaviest one."""
+    half = x[0].shape[1] // 2
+    q, k, v, qi, ki = (t.detach() for t in x)
+    return [q[:, half:].contiguous().requires_grad_(True), k.requires_grad_(True), v.requires_grad_(True),
+            qi[:, half:].contiguous().requires_grad_(True), ki.requires_grad_(True)]
+
+
 def msa_fwd_bwd_bhnd(q, k, v, qi, ki):
     """fwd+bwd from (B, H, N, D) tensors seen as (B, N, H, D), as Hugging Face models hand them over:
     the cost of the one internal copy of each input (and of the gradients' layout)."""
@@ -209,6 +218,8 @@ def run(args):
                 progress(f"[{step}/{steps}] N={N}: msa fwd+bwd, warmup=True")
                 row["msa_fwdbwd_warmup"] = timer(msa_fwd_bwd_warmup, sets)
                 row["warmup_over_dense"] = row["msa_fwdbwd_warmup"] / row["dense_fwdbwd"]
+                progress(f"[{step}/{steps}] N={N}: msa fwd+bwd, queries the last N/2 of the keys")
+                row["msa_fwdbwd_suffix"] = timer(msa_fwd_bwd, [suffix_inputs(x) for x in sets])
                 if on_gpu:
                     progress(f"[{step}/{steps}] N={N}: msa fwd+bwd from (B, H, N, D) views")
                     bhnd = [[x.detach().transpose(1, 2).contiguous().requires_grad_(True) for x in st] for st in sets]
@@ -271,7 +282,8 @@ def table(rows, device):
             ("dense/msa fwd", "fwd_ratio", ".2f"), ("msa fwd+bwd ms", "msa_fwdbwd", ".3f"), ("msa attended TFLOP/s", "attended_tflops", ".3g"),
             ("dense/msa fwd+bwd", "ratio", ".2f"), ("msa fwd+bwd deterministic ms", "msa_fwdbwd_det", ".3f"),
             ("deterministic cost", "det_cost", ".1%"), ("msa fwd+bwd warmup ms", "msa_fwdbwd_warmup", ".3f"),
-            ("warmup / dense fwd+bwd", "warmup_over_dense", ".2f")]
+            ("warmup / dense fwd+bwd", "warmup_over_dense", ".2f"),
+            ("msa fwd+bwd, last N/2 queries ms", "msa_fwdbwd_suffix", ".3f")]
     if device.type == "cuda":
         cols += [("msa fwd+bwd from (B,H,N,D) views ms", "msa_fwdbwd_bhnd", ".3f"), ("index top-k ms", "index_topk", ".3f"), ("index TFLOP/s", "index_tflops", ".3g"),
                  ("reverse index ms", "reverse_index", ".3f"), ("sparse fwd ms", "sparse_fwd", ".3f"),
@@ -306,7 +318,9 @@ def header(device, argv):
         f"selection with block 0 in every row (one key per index group selected by every token); deterministic = "
         f"msa fwd+bwd with deterministic=True (bitwise reproducible gradients), cost = its extra time; (B,H,N,D) "
         f"views = the inputs as transposes of (B, H, N, D) tensors (one internal copy each); warmup = msa fwd+bwd "
-        f"with warmup=True (dense main branch, KL over the full causal set), and its time over dense fwd+bwd",
+        f"with warmup=True (dense main branch, KL over the full causal set), and its time over dense fwd+bwd; last N/2 "
+        f"queries = msa fwd+bwd of queries N/2..N-1 over all N keys (suffix queries, bottom-right causal: a query "
+        f"shard of context parallelism; dk, dv, dk_idx over all N)",
         *[f"- note: {n}" for n in notes]])
 
 

@@ -312,12 +312,6 @@ def msa_attention_cp(q, k, v, q_idx, k_idx, *, group=None, layout="zigzag", mode
     col = [_merge([r for j in range(ph) for r in owned[c * ph + j]]) for c in range(pq)]
     q_pos = [col[p // ph] for p in range(P)]
     k_pos = [((0, col[p // ph][-1][1]),) for p in range(P)]
-    if q.device.type == "cuda" and any(c != ((0, N),) for c in col):
-        # every rank decides alike (one plan), before any exchange: no rank waits for one that raised
-        raise NotImplementedError(
-            "msa: query-split context parallelism (mode='query', or more ranks than the heads split into) needs "
-            "queries that are a suffix of the keys, which have no CUDA kernel in this build yet (issue 18); "
-            "mode='head' with P dividing Hi runs on CUDA")
 
     def heads(users, count):
         return [_head_range(p % ph, ph, users, count) for p in range(P)]

@@ -164,7 +164,7 @@ def _check_varlen(cu_seqlens, max_seqlen, x, total=None, side=""):
         _check_values_cuda(cu_seqlens, max_seqlen, total)
 
 
-_VALUE_ERROR = re.compile(r"(cu_seqlens|max_seqlen): expected")
+_VALUE_ERROR = re.compile(r"(cu_seqlens|max_seqlen)(_k)?: expected")
 
 
 def _check_values_cuda(cu_seqlens, max_seqlen, total):
@@ -175,6 +175,21 @@ def _check_values_cuda(cu_seqlens, max_seqlen, total):
     _require_kernel("validate_cu_seqlens", cu_seqlens)
     try:
         ops.validate_cu_seqlens(cu_seqlens, total, max_seqlen)
+    except RuntimeError as e:
+        m = _VALUE_ERROR.search(str(e))
+        if m is None:
+            raise
+        raise ValueError(str(e)[m.start():]) from None
+
+
+def _values_checked(op, *args):
+    """op(*args) for ops given a key layout: the compiled module checks cu_seqlens_k's values against the
+    queries' (same S, len_k >= len_q) where it reads them; in eager mode its RuntimeError about those values
+    becomes SPEC 7's ValueError, as in _check_values_cuda."""
+    if torch.compiler.is_compiling():
+        return op(*args)
+    try:
+        return op(*args)
     except RuntimeError as e:
         m = _VALUE_ERROR.search(str(e))
         if m is None:
@@ -196,8 +211,7 @@ def _check_cu_seqlens(cu_seqlens, device, name="cu_seqlens"):
 
 def _key_layout(q, k, cu_seqlens, cu_seqlens_k, max_seqlen_k, names=("q", "k")):
     """The ops' trailing (cu_seqlens_k, max_seqlen_k): () where the keys have the queries' layout, else the
-    key layout (batched: None and N_k). Queries that are a suffix of the keys have no CUDA kernel yet: a
-    NotImplementedError here, before anything runs."""
+    key layout (batched: None and N_k)."""
     if cu_seqlens is None:  # batched (B, N, H, D): N_k >= N_q checked by _check_lead
         for name, value in (("cu_seqlens_k", cu_seqlens_k), ("max_seqlen_k", max_seqlen_k)):
             if value is not None:
@@ -214,14 +228,9 @@ def _key_layout(q, k, cu_seqlens, cu_seqlens_k, max_seqlen_k, names=("q", "k")):
         if max_seqlen_k is None:
             _fail("max_seqlen_k", "an int with cu_seqlens_k", "None", TypeError)
         _check_varlen(cu_seqlens_k, max_seqlen_k, k, side="_k")
-        same = cu_seqlens_k is cu_seqlens and k.shape[0] == q.shape[0]
-        if not same and q.device.type == "cuda" and k.shape[0] == q.shape[0] and not torch.compiler.is_compiling():
-            same = bool(torch.equal(cu_seqlens_k, cu_seqlens))  # one read back; pass one tensor to avoid it
-        layout = () if same else (cu_seqlens_k, max_seqlen_k)
-    if layout and q.device.type == "cuda":
-        raise NotImplementedError(
-            "msa: queries that are a suffix of the keys (N_k > N_q, or cu_seqlens_k other than cu_seqlens) have no "
-            "CUDA kernel in this build yet (issue 18); the CPU path computes them (tensors on the CPU)")
+        # Equal offsets in another tensor: the ops find that themselves (csrc/api/cu_seqlens.cpp takes the square
+        # path), so nothing is read back here.
+        layout = () if cu_seqlens_k is cu_seqlens and k.shape[0] == q.shape[0] else (cu_seqlens_k, max_seqlen_k)
     return layout
 
 
@@ -232,8 +241,9 @@ def _msa(q, k, v, q_idx, k_idx, cu_seqlens, max_seqlen, topk, block_size, softma
     iscale = _scale("index_scale", index_scale, q_idx.shape[-1])
     # The KL's index gradient is computed with the KL itself when autograd will ask for it (SPEC 4).
     index_grad = torch.is_grad_enabled() and (q_idx.requires_grad or k_idx.requires_grad)
-    return ops.msa_fwd(q, k, v, q_idx, k_idx, cu_seqlens, max_seqlen, topk, block_size, scale, iscale,
-                       bool(warmup), bool(return_indices), index_grad, _deterministic(deterministic), *key_layout)
+    return _values_checked(ops.msa_fwd, q, k, v, q_idx, k_idx, cu_seqlens, max_seqlen, topk, block_size, scale,
+                           iscale, bool(warmup), bool(return_indices), index_grad, _deterministic(deterministic),
+                           *key_layout)
 
 
 def msa_attention(q, k, v, q_idx, k_idx, *, topk=16, block_size=128, softmax_scale=None, index_scale=None,
@@ -319,7 +329,7 @@ def select_blocks(q_idx, k_idx, *, topk=16, block_size=128, index_scale=None, cu
     if rank == 3:
         _check_varlen(cu_seqlens, max_seqlen, q_idx, q_idx.shape[0])
         key = _key_layout(q_idx, k_idx, cu_seqlens, cu_seqlens_k, max_seqlen_k, ("q_idx", "k_idx"))
-        return ops.select_blocks(q_idx, k_idx, cu_seqlens, max_seqlen, topk, block_size, iscale, *key)
+        return _values_checked(ops.select_blocks, q_idx, k_idx, cu_seqlens, max_seqlen, topk, block_size, iscale, *key)
     B, N, Hi = q_idx.shape[:3]
     key = _key_layout(q_idx, k_idx, None, cu_seqlens_k, max_seqlen_k, ("q_idx", "k_idx"))
     idx = ops.select_blocks(_flat(q_idx), _flat(k_idx), None, N, topk, block_size, iscale, *key)
@@ -367,7 +377,8 @@ def sparse_attention(q, k, v, indices, *, block_size=128, softmax_scale=None, re
     if rank == 3:
         _check_varlen(cu_seqlens, max_seqlen, q, q.shape[0])
         key = _key_layout(q, k, cu_seqlens, cu_seqlens_k, max_seqlen_k)
-        out, lse = ops.sparse_fwd(q, k, v, indices.contiguous(), cu_seqlens, max_seqlen, block_size, scale, det, *key)
+        out, lse = _values_checked(ops.sparse_fwd, q, k, v, indices.contiguous(), cu_seqlens, max_seqlen, block_size,
+                                   scale, det, *key)
         return (out, lse) if return_lse else out
     B, N = lead
     key = _key_layout(q, k, None, cu_seqlens_k, max_seqlen_k)
@@ -384,7 +395,8 @@ def validate_cu_seqlens(cu_seqlens, max_seqlen, total_tokens):
     The CUDA ops read cu_seqlens on the host to check it; the values are remembered per tensor version,
     so later calls on the same unchanged tensor read nothing back. That read cannot happen while a CUDA
     graph is being captured: call this on the tensor you will capture with (or run the step once
-    eagerly) before `torch.cuda.graph`. Values written into it afterwards are not checked on replay.
+    eagerly) before `torch.cuda.graph`. Values written into it afterwards are not checked on replay. With
+    keys of another layout, validate `cu_seqlens_k` the same way (with `max_seqlen_k` and T_k).
     """
     if not isinstance(cu_seqlens, torch.Tensor):
         _fail("cu_seqlens", "an int32 tensor", type(cu_seqlens).__name__, TypeError)

@@ -6,6 +6,7 @@ same-precision baseline is the same reference with its accumulation dtype forced
 A kernel passes when its error against the exact reference is at most twice the baseline's plus atol.
 """
 from contextlib import contextmanager
+from functools import partial
 
 import torch
 
@@ -66,13 +67,14 @@ def assert_lse_close(name, got, exact, rtol=1e-4):
     assert (err <= bound).all(), f"{name}: max error {err.max().item():.3g}"
 
 
-def reference_forward(q, k, v, qi, ki, idx, cu, bs, scale, iscale):
+def reference_forward(q, k, v, qi, ki, idx, cu, bs, scale, iscale, cu_k=None):
     """Exact (out, lse, kl, lse_idx) and the same-precision out and lse over selection `idx` (None: the
-    dense causal set of warmup)."""
-    exact_out, exact_lse = run_ref(ref.sparse_fwd, q, k, v, idx, cu, bs, scale)
-    exact_kl, exact_lse_idx = run_ref(ref.index_kl, q, k, exact_lse, qi, ki, idx, cu, bs, scale, iscale)
+    dense causal set of warmup). cu_k: the keys' layout (queries a suffix of the keys), None: cu's."""
+    sparse_fwd, index_kl = partial(ref.sparse_fwd, cu_seqlens_k=cu_k), partial(ref.index_kl, cu_seqlens_k=cu_k)
+    exact_out, exact_lse = run_ref(sparse_fwd, q, k, v, idx, cu, bs, scale)
+    exact_kl, exact_lse_idx = run_ref(index_kl, q, k, exact_lse, qi, ki, idx, cu, bs, scale, iscale)
     with low_precision():
-        lowp_out, lowp_lse = run_ref(ref.sparse_fwd, q, k, v, idx, cu, bs, scale, dtype=q.dtype)
+        lowp_out, lowp_lse = run_ref(sparse_fwd, q, k, v, idx, cu, bs, scale, dtype=q.dtype)
     return (exact_out, exact_lse, exact_kl, exact_lse_idx), (lowp_out, lowp_lse)
 
 
@@ -86,19 +88,21 @@ def assert_forward_close(out, kl, lse, lse_idx, exact, lowp_out):
     assert abs(kl.item() - exact_kl.item()) <= 1e-3 * abs(exact_kl.item()) + 1e-5, (kl.item(), exact_kl.item())
 
 
-def assert_grads_close(grads, dout, dkl, q, k, v, qi, ki, idx, cu, bs, scale, iscale):
+def assert_grads_close(grads, dout, dkl, q, k, v, qi, ki, idx, cu, bs, scale, iscale, cu_k=None):
     """The five gradients (dq, dk, dv, dq_idx, dk_idx) for (dout, dkl) against the exact reference, by
-    the STYLE rule; the KL's gradients on the scale d_kl / rows."""
+    the STYLE rule; the KL's gradients on the scale d_kl / rows. cu_k as in reference_forward."""
     dtype = q.dtype
-    _, lse = run_ref(ref.sparse_fwd, q, k, v, idx, cu, bs, scale)
-    exact = run_ref(ref.sparse_bwd, dout, q, k, v, lse, idx, cu, bs, scale)
-    _, lse_idx = run_ref(ref.index_kl, q, k, lse, qi, ki, idx, cu, bs, scale, iscale)
-    exact += run_ref(ref.index_kl_bwd, dkl, q, k, lse, qi, ki, lse_idx, idx, cu, bs, scale, iscale)
+    sparse_fwd, sparse_bwd = partial(ref.sparse_fwd, cu_seqlens_k=cu_k), partial(ref.sparse_bwd, cu_seqlens_k=cu_k)
+    index_kl, index_kl_bwd = partial(ref.index_kl, cu_seqlens_k=cu_k), partial(ref.index_kl_bwd, cu_seqlens_k=cu_k)
+    _, lse = run_ref(sparse_fwd, q, k, v, idx, cu, bs, scale)
+    exact = run_ref(sparse_bwd, dout, q, k, v, lse, idx, cu, bs, scale)
+    _, lse_idx = run_ref(index_kl, q, k, lse, qi, ki, idx, cu, bs, scale, iscale)
+    exact += run_ref(index_kl_bwd, dkl, q, k, lse, qi, ki, lse_idx, idx, cu, bs, scale, iscale)
     with low_precision():
-        _, lse_l = run_ref(ref.sparse_fwd, q, k, v, idx, cu, bs, scale, dtype=dtype)
-        lowp = run_ref(ref.sparse_bwd, dout, q, k, v, lse_l, idx, cu, bs, scale, dtype=dtype)
-        _, lse_idx_l = run_ref(ref.index_kl, q, k, lse_l, qi, ki, idx, cu, bs, scale, iscale, dtype=dtype)
-        lowp += run_ref(ref.index_kl_bwd, dkl, q, k, lse_l, qi, ki, lse_idx_l, idx, cu, bs, scale, iscale,
+        _, lse_l = run_ref(sparse_fwd, q, k, v, idx, cu, bs, scale, dtype=dtype)
+        lowp = run_ref(sparse_bwd, dout, q, k, v, lse_l, idx, cu, bs, scale, dtype=dtype)
+        _, lse_idx_l = run_ref(index_kl, q, k, lse_l, qi, ki, idx, cu, bs, scale, iscale, dtype=dtype)
+        lowp += run_ref(index_kl_bwd, dkl, q, k, lse_l, qi, ki, lse_idx_l, idx, cu, bs, scale, iscale,
                         dtype=dtype)
     kl_unit = abs(dkl.item()) / (q.shape[0] * qi.shape[1])  # d_kl / rows
     for name, got, e, lp in zip(("dq", "dk", "dv", "dq_idx", "dk_idx"), grads, exact, lowp):

@@ -29,3 +29,17 @@ def kernel_choice(request, monkeypatch):
     else:
         monkeypatch.delenv("MSA_PORTABLE_KERNELS", raising=False)
     return request.param
+
+
+@pytest.fixture
+def backends(monkeypatch):
+    """The dense backends the warmup path chose during the test (msa._ops._dense_backend's answers)."""
+    from msa import _ops
+    taken = []
+    choose = _ops._dense_backend
+
+    def record(*args):
+        taken.append(choose(*args))
+        return taken[-1]
+    monkeypatch.setattr(_ops, "_dense_backend", record)
+    return taken

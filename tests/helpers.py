@@ -23,6 +23,17 @@ def make_packed(lengths, heads, D, Di, dtype=torch.float64, device="cpu", seed=0
     return (*tensors, cu, max(lengths))
 
 
+def suffix_packed(lq, lk, heads, D, Di, dtype=torch.float64, device="cpu", seed=0):
+    """q-side (q, q_idx) and k-side (k, v, k_idx) packed tensors with their offsets: sequence s has lk[s]
+    keys and its last lq[s] positions as queries; the q-side rows are those positions' rows of a square
+    draw, so the square call on the keys' layout is the oracle for the suffix rows."""
+    q, k, v, qi, ki, cu_k, mx_k = make_packed(lk, heads, D, Di, dtype=dtype, device=device, seed=seed)
+    rows = torch.cat([torch.arange(b - n, b) for n, b in zip(lq, cu_k[1:].tolist())]).to(device)
+    cu_q = torch.tensor([0] + torch.tensor(lq).cumsum(0).tolist(), dtype=torch.int32, device=device)
+    return dict(q=q[rows].clone(), qi=qi[rows].clone(), k=k, v=v, ki=ki, cu_q=cu_q, mx_q=max(max(lq), 1),
+                cu_k=cu_k, mx_k=mx_k, rows=rows, q_full=q, qi_full=qi)
+
+
 def packed(x):
     """(B, N, H, D) -> (B*N, H, D) float64 numpy."""
     return x.detach().double().reshape(-1, *x.shape[2:]).cpu().numpy()

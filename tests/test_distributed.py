@@ -112,13 +112,15 @@ def _check_layer(rank, P):
     assert copy.deepcopy(layer).cp_group is None
 
 
-def _worker(rank, P, path, errors, configs=None):
-    """configs None: the gloo configurations of CONFIGS[P] on the CPU; else NCCL on GPU `rank`."""
+def _worker(rank, P, path, errors, configs=None, backend=None):
+    """configs None: the gloo configurations of CONFIGS[P] on the CPU; else the given CUDA configurations,
+    with NCCL on GPU `rank` (backend None) or with gloo, whose collectives take CUDA tensors too, on GPU
+    `rank % device_count` (so several ranks can share one GPU)."""
     torch.set_num_threads(1)
     if configs is not None:
-        torch.cuda.set_device(rank)
-    dist.init_process_group("gloo" if configs is None else "nccl", init_method=f"file://{path}", rank=rank,
-                            world_size=P)
+        torch.cuda.set_device(rank % torch.cuda.device_count())
+    backend = backend or ("gloo" if configs is None else "nccl")
+    dist.init_process_group(backend, init_method=f"file://{path}", rank=rank, world_size=P)
     try:
         for cfg in CONFIGS[P] if configs is None else configs:
             _check(rank, P, *cfg)
@@ -144,12 +146,12 @@ def _worker(rank, P, path, errors, configs=None):
         dist.destroy_process_group()
 
 
-def spawn(P, configs=None):
+def spawn(P, configs=None, backend=None):
     """Runs _worker on P processes; a worker's traceback fails the calling test."""
     with tempfile.TemporaryDirectory() as d:
         errors = os.path.join(d, "err")
         try:
-            mp.spawn(_worker, args=(P, os.path.join(d, "store"), errors, configs), nprocs=P, join=True)
+            mp.spawn(_worker, args=(P, os.path.join(d, "store"), errors, configs, backend), nprocs=P, join=True)
         except Exception:
             logs = [open(os.path.join(d, f)).read() for f in sorted(os.listdir(d)) if f.startswith("err")]
             pytest.fail("\n".join(logs) or "a worker failed")

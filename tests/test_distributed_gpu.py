@@ -1,7 +1,6 @@
 """msa.distributed on CUDA with NCCL: one process per GPU against the single-GPU call (out, kl, all five
 gradients). NVLink multicast stays off (NCCL_NVLS_ENABLE=0: it can take a shared host's GPUs out of
-service). Query-split needs queries that are a suffix of the keys, which the CUDA kernels do not take yet:
-it raises NotImplementedError there (tested), and the multi-GPU test runs head-parallel."""
+service). Query-split runs each query shard as queries that are a suffix of the keys, warmup included."""
 import os
 
 import pytest
@@ -19,6 +18,19 @@ def test_cp_one_gpu_is_the_plain_call():
               ((16, 2, 4, 1), "auto", "contiguous", torch.bfloat16, True, "cuda", 4096, 128)])
 
 
+@pytest.mark.parametrize("P", [2, 4])
+def test_cp_gloo_ranks_on_one_gpu(P):
+    """Both modes on the CUDA kernels with the ranks sharing one GPU (gloo's collectives take CUDA tensors;
+    NCCL needs a GPU per rank): each rank's share of the work (head shards, query shards as suffix queries
+    of the keys, warmup) runs on the H200 and matches the single-GPU call's out, kl and gradients. What it
+    cannot show is NCCL and the speed of several GPUs (test_cp_nccl_* below)."""
+    spawn(P, [((16, 2, 4, 1), "query", "zigzag", torch.bfloat16, False, "cuda", 4096, 128),
+              ((16, 2, 4, 1), "query", "contiguous", torch.bfloat16, True, "cuda", 4096, 128),
+              ((8, 4, 2, 1), "auto", "zigzag", torch.float16, False, "cuda", 2048, 64),
+              ((8, 4, 2, 1), "query", "contiguous", torch.float16, True, "cuda", 2048, 64),
+              ((16, 2, 4, 1), "head", "zigzag", torch.bfloat16, False, "cuda", 4096, 128)], backend="gloo")
+
+
 @pytest.mark.skipif(torch.cuda.device_count() < 2, reason="needs 2 GPUs")
 def test_cp_nccl_head_parallel():
     P = 4 if torch.cuda.device_count() >= 4 else 2
@@ -28,7 +40,16 @@ def test_cp_nccl_head_parallel():
 
 @pytest.mark.skipif(torch.cuda.device_count() < 2, reason="needs 2 GPUs")
 @pytest.mark.parametrize("layout", ["zigzag", "contiguous"])
-def test_cp_nccl_query_split_says_not_implemented(layout):
-    """Every rank raises before any exchange (contiguous: query shard 0 alone could run; it must not wait)."""
-    with pytest.raises(BaseException, match="suffix of the keys"):
-        spawn(2, [((16, 2, 4, 1), "query", layout, torch.bfloat16, False, "cuda", 4096, 128)])
+def test_cp_nccl_query_split(layout):
+    """Query shards as suffix queries on the CUDA kernels: the single-GPU call's out, kl and gradients."""
+    spawn(2, [((16, 2, 4, 1), "query", layout, torch.bfloat16, False, "cuda", 4096, 128),
+              ((8, 4, 2, 1), "query", layout, torch.float16, False, "cuda", 2048, 64)])
+
+
+@pytest.mark.skipif(torch.cuda.device_count() < 2, reason="needs 2 GPUs")
+@pytest.mark.parametrize("layout", ["zigzag", "contiguous"])
+def test_cp_nccl_query_split_warmup(layout):
+    """Warmup on the query shards (flash with the key layout, the dense KL kernel or, Hkv > Hi, the dense
+    mode): the single-GPU call's out, kl and gradients."""
+    spawn(2, [((16, 2, 4, 1), "query", layout, torch.bfloat16, True, "cuda", 4096, 128),
+              ((8, 4, 2, 1), "query", layout, torch.float16, True, "cuda", 2048, 64)])

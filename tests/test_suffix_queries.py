@@ -3,7 +3,8 @@ sequence's len_q queries are its last len_q of len_k positions, causal aligned b
 
 Checked against the independent brute force (tests/brute.py), against the square call whose last rows
 are the suffix (out, lse, indices, dk / dv / dk_idx of those rows' loss), by finite differences, and for
-its errors. The CUDA kernels do not take this case yet: a clear NotImplementedError (GPU test)."""
+its errors. On CUDA (tests/test_suffix_queries_gpu.py for the kernels), warmup included: its results against
+this CPU path (GPU test below)."""
 
 import numpy as np
 import pytest
@@ -12,20 +13,9 @@ from torch.autograd import gradcheck
 
 import brute
 import msa
-from helpers import make_inputs, make_packed
+from helpers import make_inputs, suffix_packed as _suffix_packed
 
 ops = torch.ops.msa
-
-
-def _suffix_packed(lq, lk, heads, D, Di, dtype=torch.float64, seed=0):
-    """q-side (q, q_idx) and k-side (k, v, k_idx) packed tensors with their offsets: sequence s has lk[s]
-    keys and its last lq[s] positions as queries; the q-side rows are those positions' rows of a square
-    draw, so the square call on the keys' layout is the oracle for the suffix rows."""
-    q, k, v, qi, ki, cu_k, mx_k = make_packed(lk, heads, D, Di, dtype=dtype, seed=seed)
-    rows = torch.cat([torch.arange(b - n, b) for n, b in zip(lq, cu_k[1:].tolist())])
-    cu_q = torch.tensor([0] + np.cumsum(lq).tolist(), dtype=torch.int32)
-    return dict(q=q[rows].clone(), qi=qi[rows].clone(), k=k, v=v, ki=ki, cu_q=cu_q, mx_q=max(max(lq), 1),
-                cu_k=cu_k, mx_k=mx_k, rows=rows, q_full=q, qi_full=qi)
 
 
 def _np(x):
@@ -209,21 +199,31 @@ def test_suffix_errors():
 
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
-def test_suffix_on_cuda_says_not_implemented():
-    """No CUDA kernel takes suffix queries yet: NotImplementedError before any launch, the square case as before,
-    and a cu_seqlens_k equal to cu_seqlens (another tensor) is the square case."""
+def test_suffix_warmup_on_cuda_matches_cpu():
+    """Warmup takes suffix queries on CUDA (through the Python layer and the op itself): out and kl close to
+    this CPU path on the same bf16 inputs; a cu_seqlens_k equal to cu_seqlens (another tensor) is bitwise the
+    square case."""
     q, k, v, qi, ki = make_inputs(1, 300, (8, 2, 4, 1), 128, 128, dtype=torch.bfloat16, device="cuda")
-    with pytest.raises(NotImplementedError, match="suffix of the keys"):
-        msa.msa_attention(q[:, -100:], k, v, qi[:, -100:], ki)
+
+    def close(got, want):  # (out, kl): out to bf16 rounding, the KL to 1e-3 relative
+        torch.testing.assert_close(got[0].cpu(), want[0], rtol=2e-2, atol=2e-2)
+        assert abs(got[1].item() - want[1].item()) <= 1e-3 * abs(want[1].item()) + 1e-5, (got[1].item(), want[1].item())
+
+    args = (q[:, -100:], k, v, qi[:, -100:], ki)
+    close(msa.msa_attention(*args, warmup=True), msa.msa_attention(*(t.cpu() for t in args), warmup=True))
     flat = [t[0] for t in (q, k, v, qi, ki)]
     cu = torch.tensor([0, 300], dtype=torch.int32, device="cuda")
-    out, kl = msa.msa_attention_varlen(*flat, cu, 300, cu_seqlens_k=cu.clone(), max_seqlen_k=300)
-    out2, kl2 = msa.msa_attention_varlen(*flat, cu, 300)
-    torch.testing.assert_close(out, out2, rtol=0, atol=0)
-    with pytest.raises(NotImplementedError, match="suffix of the keys"):
-        msa.msa_attention_varlen(flat[0][-5:], flat[1], flat[2], flat[3][-5:], flat[4],
-                                 torch.tensor([0, 5], dtype=torch.int32, device="cuda"), 5, cu_seqlens_k=cu,
-                                 max_seqlen_k=300)
+    for warmup in (False, True):
+        out, kl = msa.msa_attention_varlen(*flat, cu, 300, cu_seqlens_k=cu.clone(), max_seqlen_k=300, warmup=warmup)
+        out2, kl2 = msa.msa_attention_varlen(*flat, cu, 300, warmup=warmup)
+        torch.testing.assert_close(out, out2, rtol=0, atol=0)
+        torch.testing.assert_close(kl, kl2, rtol=0, atol=0)
+    cu_q = torch.tensor([0, 5], dtype=torch.int32, device="cuda")
+    call = (flat[0][-5:], flat[1], flat[2], flat[3][-5:], flat[4], cu_q, 5, 16, 128, 0.125, 0.125, True, False, False,
+            False, cu, 300)
+    got = ops.msa_fwd(*call)
+    want = ops.msa_fwd(*(a.cpu() if isinstance(a, torch.Tensor) else a for a in call))
+    close(got[:2], want[:2])
 
 
 def test_opcheck_with_a_key_layout():

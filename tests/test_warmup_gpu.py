@@ -15,20 +15,6 @@ pytestmark = [pytest.mark.gpu, pytest.mark.filterwarnings("error::RuntimeWarning
 ops = torch.ops.msa
 
 
-@pytest.fixture
-def backends(monkeypatch):
-    """The dense backends the warmup path chose during the test (msa._ops._dense_backend's answers)."""
-    from msa import _ops
-    taken = []
-    choose = _ops._dense_backend
-
-    def record(*args):
-        taken.append(choose(*args))
-        return taken[-1]
-    monkeypatch.setattr(_ops, "_dense_backend", record)
-    return taken
-
-
 def _check(q, k, v, qi, ki, cu, mx, topk, bs, seed, batched=False):
     """batched: the op without cu_seqlens (B = T / mx sequences of mx tokens) and the batched public API."""
     scale, iscale = 1 / math.sqrt(q.shape[-1]), 1 / math.sqrt(qi.shape[-1])

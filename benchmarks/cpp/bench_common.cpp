@@ -244,12 +244,14 @@ IndexTopkParams index_topk_params(const Problem& pb, const void* q_idx, const vo
   p.q_idx = q_idx;
   p.k_idx = k_idx;
   p.cu_seqlens = pb.cu.as<int32_t>();
+  p.cu_seqlens_k = p.cu_seqlens;  // keys of the queries' layout
   p.indices = indices;
   p.q_stride_t = int64_t(pb.hi) * pb.di;
   p.q_stride_h = pb.di;
   p.k_stride_t = int64_t(pb.hki) * pb.di;
   p.k_stride_h = pb.di;
   p.total_tokens = int(pb.tokens);
+  p.total_tokens_k = p.total_tokens;
   p.num_heads = pb.hi;
   p.num_key_heads = pb.hki;
   p.num_seqs = int(pb.b);

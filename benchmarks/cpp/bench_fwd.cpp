@@ -183,6 +183,7 @@ SparseFwdParams FwdBench::fwd_params(int set, int c) const {
     fp.ki_stride_h = pb.di;
   }
   fp.cu_seqlens = pb.cu.as<int32_t>();
+  fp.cu_seqlens_k = fp.cu_seqlens;  // keys of the queries' layout
   fp.work = sparse_work(ch.rp);
   fp.total_tokens = int(pb.tokens);
   fp.num_seqs = int(pb.b);
@@ -249,6 +250,7 @@ IndexDkParams FwdBench::dk_params(int set, int c) const {
   dp.qi_stride_h = fp.qi_stride_h;
   dp.dsi_part = fp.dsi_part;
   dp.cu_seqlens = fp.cu_seqlens;
+  dp.cu_seqlens_k = fp.cu_seqlens_k;
   dp.work = fp.work;
   dp.dki_accum = grad ? st.dki.as<float>() : nullptr;
   dp.scale = fp.dqi_scale;

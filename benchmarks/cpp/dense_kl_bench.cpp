@@ -126,6 +126,7 @@ int main(int argc, char** argv) {
       p.ki_stride_t = int64_t(pb.hki) * pb.di;
       p.ki_stride_h = pb.di;
       p.cu_seqlens = pb.cu.as<int32_t>();
+      p.cu_seqlens_k = p.cu_seqlens;  // keys of the queries' layout
       p.tile_offsets = tile_offsets.as<int32_t>();
       p.lse = lse.as<float>();
       p.lse_idx = lse_idx.as<float>();

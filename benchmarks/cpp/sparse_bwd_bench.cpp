@@ -117,6 +117,7 @@ int main(int argc, char** argv) {
       p.lse = b.lse.as<float>();
       p.delta = b.delta.as<float>();
       p.cu_seqlens = pb.cu.as<int32_t>();
+      p.cu_seqlens_k = p.cu_seqlens;  // keys of the queries' layout
       p.offsets = b.ri->p.offsets;
       p.tokens = b.ri->p.rows;
       p.block_offsets = b.ri->p.block_offsets;

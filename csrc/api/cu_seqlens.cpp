@@ -14,6 +14,7 @@
 #include <algorithm>
 #include <deque>
 #include <mutex>
+#include <string>
 #include <vector>
 
 #include "api/checks.h"
@@ -88,44 +89,96 @@ std::vector<int32_t> read_values(const Tensor& cu) {
 
 }  // namespace
 
-std::vector<int32_t> check_cu_seqlens(const Tensor& cu, int64_t total_tokens, int64_t max_seqlen) {
-  MSA_CHECK(cu.scalar_type() == kInt, "cu_seqlens: expected dtype int32, got ", dtype(cu));
-  MSA_CHECK(cu.dim() == 1 && cu.size(0) >= 2, "cu_seqlens: expected shape (S+1,) with S >= 1, got ", shape(cu));
+std::vector<int32_t> check_cu_seqlens(const Tensor& cu, int64_t total_tokens, int64_t max_seqlen,
+                                      const char* side) {
+  const char* tk = *side ? "T_k" : "T";
+  MSA_CHECK(cu.scalar_type() == kInt, "cu_seqlens", side, ": expected dtype int32, got ", dtype(cu));
+  MSA_CHECK(cu.dim() == 1 && cu.size(0) >= 2, "cu_seqlens", side, ": expected shape (S+1,) with S >= 1, got ",
+            shape(cu));
   const std::vector<int32_t> v = read_values(cu);
   // The checks below run on every call (they are host-only and cheap): a cached map is checked against
   // this call's total_tokens and max_seqlen.
-  MSA_CHECK(v.front() == 0, "cu_seqlens: expected cu_seqlens[0] == 0, got ", v.front());
+  MSA_CHECK(v.front() == 0, "cu_seqlens", side, ": expected cu_seqlens", side, "[0] == 0, got ", v.front());
   int64_t longest = 0;
   for (size_t s = 1; s < v.size(); ++s) {
-    MSA_CHECK(v[s] >= v[s - 1], "cu_seqlens: expected non-decreasing offsets, got ", v[s - 1],
-                      " then ", v[s], " at position ", s);
+    MSA_CHECK(v[s] >= v[s - 1], "cu_seqlens", side, ": expected non-decreasing offsets, got ", v[s - 1], " then ",
+              v[s], " at position ", s);
     longest = std::max<int64_t>(longest, v[s] - v[s - 1]);
   }
-  MSA_CHECK(v.back() == total_tokens, "cu_seqlens: expected cu_seqlens[-1] == T = ", total_tokens,
-                    ", got ", v.back());
-  MSA_CHECK(max_seqlen >= longest, "max_seqlen: expected >= the longest sequence (", longest,
-                    "), got ", max_seqlen);
+  MSA_CHECK(v.back() == total_tokens, "cu_seqlens", side, ": expected cu_seqlens", side, "[-1] == ", tk, " = ",
+            total_tokens, ", got ", v.back());
+  MSA_CHECK(max_seqlen >= longest, "max_seqlen", side, ": expected >= the longest sequence (", longest, "), got ",
+            max_seqlen);
   return v;
 }
 
-SeqMap seq_map(const std::optional<Tensor>& cu_seqlens, int64_t total_tokens, int64_t max_seqlen,
-               const Tensor& like) {
+namespace {
+
+// One side's sequences (SeqMap's cu, num_seqs, uniform) and their lengths on the host: read from
+// cu_seqlens, or for the batched layout S times max_seqlen (nothing read back).
+SeqMap side_map(const std::optional<Tensor>& cu_seqlens, int64_t total_tokens, int64_t max_seqlen,
+                const Tensor& like, const char* side, std::vector<int64_t>* lengths) {
   if (cu_seqlens.has_value()) {
-    check_cuda_int32(*cu_seqlens, "cu_seqlens", 1);
-    MSA_CHECK(same_device(*cu_seqlens, like), "cu_seqlens: expected device ", dev(like), ", got ", dev(*cu_seqlens));
-    check_cu_seqlens(*cu_seqlens, total_tokens, max_seqlen);
+    const std::string name = std::string("cu_seqlens") + side;
+    check_cuda_int32(*cu_seqlens, name.c_str(), 1);
+    MSA_CHECK(same_device(*cu_seqlens, like), name, ": expected device ", dev(like), ", got ", dev(*cu_seqlens));
+    const std::vector<int32_t> v = check_cu_seqlens(*cu_seqlens, total_tokens, max_seqlen, side);
+    if (lengths) {
+      for (size_t s = 1; s < v.size(); ++s) lengths->push_back(v[s] - v[s - 1]);
+    }
     return {*cu_seqlens, cu_seqlens->size(0) - 1, cu_seqlens->size(0) == 2};
   }
-  MSA_CHECK(max_seqlen >= 1 && total_tokens % max_seqlen == 0,
-                    "max_seqlen: without cu_seqlens (the batched layout) expected a divisor of T = ", total_tokens,
-                    ", got ", max_seqlen);
+  MSA_CHECK(max_seqlen >= 1 && total_tokens % max_seqlen == 0, "max_seqlen", side, ": without cu_seqlens", side,
+            " (the batched layout) expected a divisor of ", *side ? "T_k" : "T", " = ", total_tokens, ", got ",
+            max_seqlen);
   const int64_t S = total_tokens / max_seqlen;
-  MSA_CHECK(total_tokens < (int64_t(1) << 31), "q: expected fewer than 2^31 tokens, got ", total_tokens);
+  MSA_CHECK(total_tokens < (int64_t(1) << 31), *side ? "k" : "q", ": expected fewer than 2^31 tokens, got ",
+            total_tokens);
   const DeviceGuard guard(like.get_device_index());
   Tensor cu = empty({S + 1}, kInt, like);
   MSA_LAUNCH_CHECK(smxx::launch_iota_int32(ptr<int32_t>(cu), S + 1, int32_t(max_seqlen), current_stream(like)),
                    "cu_seqlens (batched offsets)");
+  if (lengths) lengths->assign(size_t(S), max_seqlen);
   return {cu, S, true};
+}
+
+}  // namespace
+
+SeqMap seq_map(const std::optional<Tensor>& cu_seqlens, int64_t total_tokens, int64_t max_seqlen,
+               const Tensor& like) {
+  SeqMap m = side_map(cu_seqlens, total_tokens, max_seqlen, like, "", nullptr);
+  m.cu_k = m.cu;
+  m.total_k = total_tokens;
+  m.max_k = max_seqlen;
+  return m;
+}
+
+SeqMap seq_map(const std::optional<Tensor>& cu_seqlens, int64_t total_tokens, int64_t max_seqlen,
+               const std::optional<Tensor>& cu_seqlens_k, std::optional<int64_t> max_seqlen_k, int64_t total_k,
+               const Tensor& like) {
+  if (!cu_seqlens_k.has_value() && !max_seqlen_k.has_value()) {
+    MSA_CHECK(total_k == total_tokens, "k: expected T = ", total_tokens,
+              " rows (those of q; cu_seqlens_k gives keys of another layout), got ", total_k);
+    return seq_map(cu_seqlens, total_tokens, max_seqlen, like);
+  }
+  MSA_CHECK(max_seqlen_k.has_value(), "max_seqlen_k: expected an int with cu_seqlens_k, got None");
+  std::vector<int64_t> lq, lk;
+  SeqMap m = side_map(cu_seqlens, total_tokens, max_seqlen, like, "", &lq);
+  const SeqMap k = side_map(cu_seqlens_k, total_k, *max_seqlen_k, like, "_k", &lk);
+  MSA_CHECK(k.num_seqs == m.num_seqs, "cu_seqlens_k: expected ", m.num_seqs, " sequences (those of the queries), got ",
+            k.num_seqs);
+  for (size_t s = 0; s < lq.size(); ++s) {
+    MSA_CHECK(lq[s] <= lk[s], "cu_seqlens_k: expected len_k >= len_q in every sequence (the queries are the last "
+              "len_q of its positions), got len_q = ", lq[s], " > len_k = ", lk[s], " in sequence ", s);
+  }
+  m.total_k = total_k;
+  // Keys of the queries' layout after all: the square path (its offsets, so the kernels see one pointer, and
+  // its max_seqlen, so the dense slot count and the work split are the square call's).
+  m.suffix = lq != lk;
+  m.max_k = m.suffix ? *max_seqlen_k : max_seqlen;
+  m.cu_k = m.suffix ? k.cu : m.cu;
+  m.uniform = m.uniform && !m.suffix;
+  return m;
 }
 
 namespace {

@@ -30,6 +30,7 @@ SparseForward dense_kl_cuda(const Tensor& q_in, const Tensor& k_in, const Tensor
 #ifdef MSA_WITH_SM90
   const int64_t T = q_in.size(0), Hq = q_in.size(1), D = q_in.size(2), Hkv = k_in.size(1);
   const int64_t Hi = q_idx_in.size(1), Hki = k_idx_in.size(1), Di = q_idx_in.size(2), S = seqs.num_seqs;
+  const int64_t Tk = seqs.total_k;
   const DeviceGuard guard(q_in.get_device_index());
   const cudaStream_t stream = current_stream(q_in);
   const Tensor q = aligned_rows(q_in), k = aligned_rows(k_in), qi = aligned_rows(q_idx_in), ki = aligned_rows(k_idx_in);
@@ -38,15 +39,15 @@ SparseForward dense_kl_cuda(const Tensor& q_in, const Tensor& k_in, const Tensor
   res.kl_rows = empty({Hi, T}, kFloat, q);
   if (index_grad) {
     res.kl_dq_idx = zeros({T, Hi, Di}, kFloat, q);
-    res.kl_dk_idx = zeros({T, Hki, Di}, kFloat, q);
+    res.kl_dk_idx = zeros({Tk, Hki, Di}, kFloat, q);
   }
   if (T == 0) return res;
   const int smem = sm90::dense_kl_smem_bytes(int(D), int(Di), int(Hq / Hi));
   check_smem(q_in, smem, "the dense KL pass");
   const Tensor kl_fixed = zeros({Hi, T}, kLong, q);
   const Tensor kl_bad = zeros({Hi, T}, kInt, q);
-  const Tensor tile_offsets = empty({S + 1}, kInt, q);
-  MSA_LAUNCH_CHECK(launch_block_offsets(ptr<int32_t>(seqs.cu), ptr<int32_t>(tile_offsets), int(S), 128, stream),
+  const Tensor tile_offsets = empty({S + 1}, kInt, q);  // 128-key tiles: of the keys' layout
+  MSA_LAUNCH_CHECK(launch_block_offsets(ptr<int32_t>(seqs.cu_k), ptr<int32_t>(tile_offsets), int(S), 128, stream),
                    "msa_fwd (dense KL tiles)");
 
   DenseKlParams p{};
@@ -63,6 +64,7 @@ SparseForward dense_kl_cuda(const Tensor& q_in, const Tensor& k_in, const Tensor
   p.ki_stride_t = ki.stride(0);
   p.ki_stride_h = ki.stride(1);
   p.cu_seqlens = ptr<int32_t>(seqs.cu);
+  p.cu_seqlens_k = ptr<int32_t>(seqs.cu_k);  // seqs.cu itself without a key layout
   p.tile_offsets = ptr<int32_t>(tile_offsets);
   p.lse = ptr<float>(res.lse);
   p.lse_idx = ptr<float>(res.lse_idx);
@@ -72,13 +74,13 @@ SparseForward dense_kl_cuda(const Tensor& q_in, const Tensor& k_in, const Tensor
   p.kl_bad = reinterpret_cast<unsigned int*>(ptr<int32_t>(kl_bad));
   p.total_tokens = int(T);
   p.num_seqs = int(S);
-  p.num_tiles = int(T / 128 + S);
+  p.num_tiles = int(Tk / 128 + S);
   // Query tiles per CTA: ~32 chunks per key tile's column, at least 4 (the dK_idx flush is per CTA).
   const int64_t n_qt = (std::min<int64_t>(max_seqlen, T) + 63) / 64;
   p.chunk_tiles = int(env_positive("MSA_DENSE_KL_CHUNK", std::max<int64_t>(4, n_qt / 32)));
   p.max_chunks = int((n_qt + p.chunk_tiles - 1) / p.chunk_tiles);
   MSA_CHECK(int64_t(p.num_tiles) * p.max_chunks < (int64_t(1) << 31) && Hki <= 65535,
-            "q: too many query tiles for the dense KL grid, T = ", T);
+            "q: too many query tiles for the dense KL grid, T = ", T, ", T_k = ", Tk);
   p.hq = int(Hq);
   p.hkv = int(Hkv);
   p.hi = int(Hi);

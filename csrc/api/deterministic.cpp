@@ -41,6 +41,7 @@ void item_reduce(const Tensor& part, const int32_t* item_offsets, const int32_t*
   r.item_offsets = item_offsets;
   r.block_offsets = block_offsets;
   r.cu_seqlens = ptr<int32_t>(seqs.cu);
+  r.cu_seqlens_k = ptr<int32_t>(seqs.cu_k);
   r.num_seqs = int(seqs.num_seqs);
   r.block_size = int(block_size);
   r.max_blocks = int(max_blocks);

@@ -20,7 +20,8 @@ Tensor select_blocks_cuda(const Tensor& q_idx, const Tensor& k_idx, const SeqMap
   MSA_CHECK(q_idx.dim() == 3 && k_idx.dim() == 3, "q_idx, k_idx: expected (T, H, Di), got ", shape(q_idx), " and ",
             shape(k_idx));
   const int64_t T = q_idx.size(0), Hi = q_idx.size(1), Di = q_idx.size(2), Hki = k_idx.size(1);
-  MSA_CHECK(k_idx.size(0) == T && k_idx.size(2) == Di, "k_idx: expected (", T, ", Hki, ", Di, "), got ",
+  const int64_t Tk = seqs.total_k;
+  MSA_CHECK(k_idx.size(0) == Tk && k_idx.size(2) == Di, "k_idx: expected (", Tk, ", Hki, ", Di, "), got ",
                     shape(k_idx));
   MSA_CHECK(Di == 64 || Di == 128, "q_idx: expected head dim 64 or 128, got ", Di);
   MSA_CHECK(Hki >= 1 && Hi % Hki == 0 && Hi / Hki <= 64, "k_idx: expected Hki dividing Hi = ", Hi,
@@ -37,12 +38,14 @@ Tensor select_blocks_cuda(const Tensor& q_idx, const Tensor& k_idx, const SeqMap
   p.q_idx = q.data_ptr();
   p.k_idx = k.data_ptr();
   p.cu_seqlens = ptr<int32_t>(seqs.cu);
+  p.cu_seqlens_k = ptr<int32_t>(seqs.cu_k);  // seqs.cu itself without a key layout
   p.indices = ptr<int32_t>(indices);
   p.q_stride_t = q.stride(0);
   p.q_stride_h = q.stride(1);
   p.k_stride_t = k.stride(0);
   p.k_stride_h = k.stride(1);
   p.total_tokens = int(T);
+  p.total_tokens_k = int(Tk);
   p.num_heads = int(Hi);
   p.num_key_heads = int(Hki);
   p.num_seqs = int(seqs.num_seqs);
@@ -73,10 +76,10 @@ namespace {
 Tensor select_blocks_op(const Tensor& q_idx, const Tensor& k_idx, const std::optional<Tensor>& cu_seqlens,
                         int64_t max_seqlen, int64_t topk, int64_t block_size, double index_scale,
                         const std::optional<Tensor>& cu_seqlens_k, std::optional<int64_t> max_seqlen_k) {
-  check_one_layout(cu_seqlens_k, max_seqlen_k);
   MSA_CHECK(q_idx.is_cuda() && q_idx.dim() == 3, "q_idx: expected a (T, Hi, Di) CUDA tensor, got ", shape(q_idx),
             " on ", dev(q_idx));
-  const SeqMap seqs = seq_map(cu_seqlens, q_idx.size(0), max_seqlen, q_idx);
+  const SeqMap seqs =
+      seq_map(cu_seqlens, q_idx.size(0), max_seqlen, cu_seqlens_k, max_seqlen_k, rows(k_idx), q_idx);
   return select_blocks_cuda(q_idx, k_idx, seqs, max_seqlen, topk, block_size, index_scale);
 }
 

@@ -21,13 +21,13 @@ struct SparseForward {
   Tensor lse_idx;  // (Hi, T) fp32, empty without the index branch
   Tensor kl_rows;  // (Hi, T) fp32 per-row KL, empty without the index branch
   Tensor kl_dq_idx;  // (T, Hi, Di) fp32 d kl / d q_idx, with index_grad only
-  Tensor kl_dk_idx;  // (T, Hki, Di) fp32 d kl / d k_idx, with index_grad only
+  Tensor kl_dk_idx;  // (Tk, Hki, Di) fp32 d kl / d k_idx, with index_grad only
 };
 SparseForward sparse_forward_cuda(const Tensor& q, const Tensor& k, const Tensor& v,
                                   const std::optional<Tensor>& q_idx, const std::optional<Tensor>& k_idx,
-                                  const Tensor& indices, const SeqMap& seqs, int64_t max_seqlen,
-                                  int64_t block_size, double softmax_scale, double index_scale, bool index_grad,
-                                  bool deterministic, bool dense = false, const std::optional<Tensor>& lse_given = std::nullopt,
+                                  const Tensor& indices, const SeqMap& seqs, int64_t block_size,
+                                  double softmax_scale, double index_scale, bool index_grad, bool deterministic,
+                                  bool dense = false, const std::optional<Tensor>& lse_given = std::nullopt,
                                   const std::optional<Tensor>& lse_idx_given = std::nullopt);
 // dense: warmup (SPEC 5), every block up to the token's own (indices is then only read for Hi); with
 // lse_given (Hq, T) the main branch's lse comes from elsewhere and only the KL part runs; with
@@ -61,9 +61,9 @@ struct ReverseIndex {
 // Allocates a reverse index (and its workspace) with room for `capacity` entries (all of `indices`, or
 // one query chunk's) and fills the params every build shares; callers set the chunk's token range,
 // emit_entries and dense. topk: slots per token (indices.size(2), or the dense mode's block count).
-// units_per_item > 0 adds the work list.
-ReverseIndex alloc_reverse_index(const Tensor& indices, const Tensor& cu_seqlens, int64_t topk,
-                                 int64_t block_size, int64_t capacity, int64_t units_per_item);
+// units_per_item > 0 adds the work list. Keys are (index group, global block of seqs' key layout).
+ReverseIndex alloc_reverse_index(const Tensor& indices, const SeqMap& seqs, int64_t topk, int64_t block_size,
+                                 int64_t capacity, int64_t units_per_item);
 // Whether the work list gets a launch order, largest items first (default; MSA_ITEM_ORDER=0: key order).
 bool item_order_enabled();
 ReverseIndex build_reverse_index(const Tensor& indices, const SeqMap& seqs, int64_t block_size,

@@ -12,11 +12,12 @@ namespace msa::api {
 
 bool item_order_enabled() { return !env_is("MSA_ITEM_ORDER", "0"); }
 
-ReverseIndex alloc_reverse_index(const Tensor& indices, const Tensor& cu_seqlens, int64_t topk,
-                                 int64_t block_size, int64_t capacity, int64_t units_per_item) {
+ReverseIndex alloc_reverse_index(const Tensor& indices, const SeqMap& seqs, int64_t topk, int64_t block_size,
+                                 int64_t capacity, int64_t units_per_item) {
   // Sizes and params: csrc/common/workspace.h (shared with the C++ microbenchmarks).
-  const ReverseIndexSizes s = reverse_index_sizes(indices.size(0), indices.size(1), topk, cu_seqlens.size(0) - 1,
-                                                  block_size, capacity, units_per_item, item_order_enabled());
+  const ReverseIndexSizes s = reverse_index_sizes(indices.size(0), indices.size(1), seqs.total_k, topk,
+                                                  seqs.num_seqs, block_size, capacity, units_per_item,
+                                                  item_order_enabled());
   const Tensor& like = indices;
   ReverseIndex ri;
   ri.max_blocks = s.max_blocks;
@@ -45,7 +46,7 @@ ReverseIndex alloc_reverse_index(const Tensor& indices, const Tensor& cu_seqlens
     b.items = reinterpret_cast<int2*>(ptr<int32_t>(ri.items));
     if (s.order) b.order = ptr<int32_t>(ri.order);
   }
-  ri.params = reverse_index_params(s, b, ptr<int32_t>(indices), ptr<int32_t>(cu_seqlens));
+  ri.params = reverse_index_params(s, b, ptr<int32_t>(indices), ptr<int32_t>(seqs.cu), ptr<int32_t>(seqs.cu_k));
   return ri;
 }
 
@@ -55,14 +56,14 @@ ReverseIndex build_reverse_index(const Tensor& indices, const SeqMap& seqs, int6
   MSA_CHECK(block_size == 64 || block_size == 128, "block_size: expected 64 or 128, got ", block_size);
   const int64_t heads = indices.size(0), tokens = indices.size(1), topk = indices.size(2);
   const int64_t num_seqs = seqs.num_seqs;
-  const int64_t max_blocks = tokens / block_size + num_seqs;
+  const int64_t max_blocks = seqs.total_k / block_size + num_seqs;  // key blocks
   const int64_t entries = heads * tokens * topk;
   const int64_t num_keys = heads * max_blocks;
   MSA_CHECK(entries < (int64_t(1) << 31) && num_keys < (int64_t(1) << 30),
                     "indices: too many entries for the int32 reverse index, shape ", shape(indices));
 
   const DeviceGuard guard(indices.get_device_index());
-  ReverseIndex ri = alloc_reverse_index(indices, seqs.cu, topk, block_size, entries, units_per_item);
+  ReverseIndex ri = alloc_reverse_index(indices, seqs, topk, block_size, entries, units_per_item);
   MSA_LAUNCH_CHECK(run_reverse_index(ri.params, current_stream(indices)), "reverse_index");
   // Only the outputs outlive the build: the workspace goes back to the caching allocator now (stream
   // ordered), not when the caller (the backward) drops the result.

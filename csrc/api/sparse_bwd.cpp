@@ -29,14 +29,14 @@ std::tuple<Tensor, Tensor, Tensor> sparse_backward_cuda(const Tensor& dout_in, c
                                                         const Tensor& v_in, const Tensor& out_in, const Tensor& lse,
                                                         const Tensor& indices, const SeqMap& seqs, int64_t block_size,
                                                         double softmax_scale, bool deterministic) {
-  check_qkv_cuda(q_in, k_in, v_in);
+  check_qkv_cuda(q_in, k_in, v_in, seqs.total_k);
   MSA_CHECK(same_device(dout_in, q_in) && same_device(out_in, q_in) && same_device(lse, q_in),
             "dout, out, lse: expected the device of q, ", dev(q_in));
   MSA_CHECK(same_shape(dout_in, q_in) && same_shape(out_in, q_in), "dout, out: expected the shape of q ", shape(q_in),
             ", got ", shape(dout_in), " and ", shape(out_in));
   MSA_CHECK(dout_in.scalar_type() == q_in.scalar_type() && out_in.scalar_type() == q_in.scalar_type(),
             "dout, out: expected dtype ", dtype(q_in));
-  const int64_t T = q_in.size(0), Hq = q_in.size(1), D = q_in.size(2), Hkv = k_in.size(1);
+  const int64_t T = q_in.size(0), Hq = q_in.size(1), D = q_in.size(2), Hkv = k_in.size(1), Tk = seqs.total_k;
   MSA_CHECK(lse.scalar_type() == kFloat && lse.dim() == 2 && lse.size(0) == Hq && lse.size(1) == T,
             "lse: expected float32 (", Hq, ", ", T, "), got ", dtype(lse), " ", shape(lse));
   check_cuda_int32(indices, "indices", 3);
@@ -56,8 +56,8 @@ std::tuple<Tensor, Tensor, Tensor> sparse_backward_cuda(const Tensor& dout_in, c
   const Tensor lse_c = contig(lse);
   const Tensor delta = empty({Hq, T}, kFloat, q);
   Tensor dq = zeros({T, Hq, D}, kFloat, q);
-  const Tensor dk = zeros({T, Hkv, D}, kFloat, q);
-  const Tensor dv = zeros({T, Hkv, D}, kFloat, q);
+  const Tensor dk = zeros({Tk, Hkv, D}, kFloat, q);
+  const Tensor dv = zeros({Tk, Hkv, D}, kFloat, q);
   Tensor dq_lo, dq_grid, dkv_part;  // deterministic mode
   if (T > 0) {
     BwdDeltaParams dp{};
@@ -89,6 +89,7 @@ std::tuple<Tensor, Tensor, Tensor> sparse_backward_cuda(const Tensor& dout_in, c
     p.lse = ptr<float>(lse_c);
     p.delta = ptr<float>(delta);
     p.cu_seqlens = ptr<int32_t>(seqs.cu);
+    p.cu_seqlens_k = ptr<int32_t>(seqs.cu_k);  // seqs.cu itself without a key layout
     p.offsets = ptr<int32_t>(ri.offsets);
     p.tokens = ptr<int32_t>(ri.rows);
     p.block_offsets = ptr<int32_t>(ri.block_offsets);
@@ -154,23 +155,26 @@ std::tuple<Tensor, Tensor, Tensor> sparse_bwd_cuda(const Tensor& dout, const Ten
                                                    int64_t max_seqlen, int64_t block_size, double softmax_scale,
                                                    bool deterministic, const std::optional<Tensor>& cu_seqlens_k,
                                                    std::optional<int64_t> max_seqlen_k) {
-  check_one_layout(cu_seqlens_k, max_seqlen_k);
-  check_qkv_cuda(q, k, v);
-  const SeqMap seqs = seq_map(cu_seqlens, q.size(0), max_seqlen, q);
+  check_qkv_cuda(q, k, v, rows(k));  // the key rows against the layout: seq_map
+  const SeqMap seqs = seq_map(cu_seqlens, q.size(0), max_seqlen, cu_seqlens_k, max_seqlen_k, k.size(0), q);
   return sparse_backward_cuda(dout, q, k, v, out, lse, indices, seqs, block_size, softmax_scale, deterministic);
 }
 
 // PyTorch's cuDNN or flash backward (the dense main branch of warmup, SPEC 5), through msa::_dense_bwd
 // (msa/_ops.py): aten::_flash_attention_backward is deterministic when PyTorch's global flag says so,
 // and the stable ABI cannot set that flag, so the Python side sets it for this call when
-// deterministic=True (and takes flash then: cuDNN's backward is not repeatable).
+// deterministic=True (and takes flash then: cuDNN's backward is not repeatable). With a key layout
+// (seqs.suffix, never uniform: flash) the keys' offsets go along, as in the forward.
 std::tuple<Tensor, Tensor, Tensor> dense_attention_backward(const Tensor& dout, const Tensor& q, const Tensor& k,
                                                             const Tensor& v, const Tensor& out, const Tensor& lse,
-                                                            const Tensor& cu, int64_t max_seqlen,
-                                                            double softmax_scale, bool deterministic, bool uniform) {
-  std::array<StableIValue, 11> st{from(dout), from(q),          from(k),             from(v),
-                                  from(out),  from(lse),        from(cu),            from(max_seqlen),
-                                  from(softmax_scale), from(deterministic), from(uniform)};
+                                                            const SeqMap& seqs, int64_t max_seqlen,
+                                                            double softmax_scale, bool deterministic) {
+  const std::optional<Tensor> cu_k = seqs.suffix ? std::optional<Tensor>(seqs.cu_k) : std::nullopt;
+  const std::optional<int64_t> max_k = seqs.suffix ? std::optional<int64_t>(seqs.max_k) : std::nullopt;
+  std::array<StableIValue, 13> st{from(dout),          from(q),             from(k),           from(v),
+                                  from(out),           from(lse),           from(seqs.cu),     from(max_seqlen),
+                                  from(softmax_scale), from(deterministic), from(seqs.uniform), from(cu_k),
+                                  from(max_k)};
   detail::call_op("msa::_dense_bwd", "", st);
   using torch::stable::detail::to;
   return {to<Tensor>(st[0]), to<Tensor>(st[1]), to<Tensor>(st[2])};
@@ -183,18 +187,17 @@ std::tuple<Tensor, Tensor, Tensor, Tensor, Tensor> msa_bwd_cuda(
     const std::optional<Tensor>& cu_seqlens, int64_t max_seqlen, int64_t block_size, double softmax_scale,
     double index_scale, bool warmup, bool deterministic, const std::optional<Tensor>& cu_seqlens_k,
     std::optional<int64_t> max_seqlen_k) {
-  check_one_layout(cu_seqlens_k, max_seqlen_k);
   (void)lse_idx;
   (void)index_scale;
-  check_qkv_cuda(q, k, v);
+  check_qkv_cuda(q, k, v, rows(k));  // the key rows against the layout: seq_map
   Tensor dq, dk, dv, dq_idx, dk_idx;
   if (dout.has_value()) {
-    const SeqMap seqs = seq_map(cu_seqlens, q.size(0), max_seqlen, q);
+    const SeqMap seqs = seq_map(cu_seqlens, q.size(0), max_seqlen, cu_seqlens_k, max_seqlen_k, k.size(0), q);
     const DeviceGuard guard(q.get_device_index());
     if (warmup) {
       // SPEC 5: the dense main branch's gradients from PyTorch's flash backward.
-      std::tie(dq, dk, dv) = dense_attention_backward(*dout, q, k, v, out, lse, seqs.cu, max_seqlen, softmax_scale,
-                                                      deterministic, seqs.uniform);
+      std::tie(dq, dk, dv) =
+          dense_attention_backward(*dout, q, k, v, out, lse, seqs, max_seqlen, softmax_scale, deterministic);
     } else {
       std::tie(dq, dk, dv) =
           sparse_backward_cuda(*dout, q, k, v, out, lse, indices, seqs, block_size, softmax_scale, deterministic);

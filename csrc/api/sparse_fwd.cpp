@@ -54,12 +54,12 @@ namespace {
 // The index branch's inputs against the main branch's (SPEC 1, 7): dtype, device, shapes, Di, and the
 // head layout the CUDA kernels take. Before any launch of msa_fwd (both of its branches).
 void check_index_cuda(const Tensor& q, const Tensor& k, const Tensor& qi, const Tensor& ki) {
-  const int64_t T = q.size(0), Hq = q.size(1), Hkv = k.size(1);
+  const int64_t T = q.size(0), Tk = k.size(0), Hq = q.size(1), Hkv = k.size(1);
   MSA_CHECK(qi.scalar_type() == q.scalar_type() && ki.scalar_type() == q.scalar_type(), "q_idx, k_idx: expected dtype ",
             dtype(q));
   MSA_CHECK(same_device(qi, q) && same_device(ki, q), "q_idx, k_idx: expected device ", dev(q));
-  MSA_CHECK(qi.dim() == 3 && ki.dim() == 3 && qi.size(0) == T && ki.size(0) == T && ki.size(2) == qi.size(2),
-            "q_idx, k_idx: expected (T, Hi, Di), (T, Hki, Di), got ", shape(qi), ", ", shape(ki));
+  MSA_CHECK(qi.dim() == 3 && ki.dim() == 3 && qi.size(0) == T && ki.size(0) == Tk && ki.size(2) == qi.size(2),
+            "q_idx, k_idx: expected (", T, ", Hi, Di), (", Tk, ", Hki, Di), got ", shape(qi), ", ", shape(ki));
   const int64_t Hi = qi.size(1), Hki = ki.size(1), Di = qi.size(2);
   MSA_CHECK(Di == 64 || Di == 128, "q_idx: expected head dim 64 or 128, got ", Di);
   check_group_heads("q_idx", Hq, Hkv, Hi);
@@ -70,21 +70,21 @@ void check_index_cuda(const Tensor& q, const Tensor& k, const Tensor& qi, const 
 
 SparseForward sparse_forward_cuda(const Tensor& q_in, const Tensor& k_in, const Tensor& v_in,
                                   const std::optional<Tensor>& q_idx_in, const std::optional<Tensor>& k_idx_in,
-                                  const Tensor& indices, const SeqMap& seqs, int64_t max_seqlen,
-                                  int64_t block_size, double softmax_scale, double index_scale, bool index_grad,
-                                  bool deterministic, bool dense, const std::optional<Tensor>& lse_given,
+                                  const Tensor& indices, const SeqMap& seqs, int64_t block_size,
+                                  double softmax_scale, double index_scale, bool index_grad, bool deterministic,
+                                  bool dense, const std::optional<Tensor>& lse_given,
                                   const std::optional<Tensor>& lse_idx_given) {
-  check_qkv_cuda(q_in, k_in, v_in);
+  check_qkv_cuda(q_in, k_in, v_in, seqs.total_k);
   check_cuda_int32(indices, "indices", 3);
   const bool kl_only = lse_given.has_value();
   // Both lse given (warmup): the stats pass would compute nothing else, so it does not run.
   const bool no_stats = kl_only && lse_idx_given.has_value();
   MSA_CHECK(same_device(indices, q_in), "indices: expected device ", dev(q_in));
   MSA_CHECK(block_size == 64 || block_size == 128, "block_size: expected 64 or 128, got ", block_size);
-  const int64_t T = q_in.size(0), Hq = q_in.size(1), D = q_in.size(2), Hkv = k_in.size(1);
+  const int64_t T = q_in.size(0), Hq = q_in.size(1), D = q_in.size(2), Hkv = k_in.size(1), Tk = seqs.total_k;
   const int64_t Hi = indices.size(0);
-  // Dense: one slot per block of the longest sequence.
-  const int64_t topk = dense ? std::max<int64_t>(1, (max_seqlen + block_size - 1) / block_size) : indices.size(2);
+  // Dense: one slot per block of the longest sequence's keys (a query sees up to all of them).
+  const int64_t topk = dense ? std::max<int64_t>(1, (seqs.max_k + block_size - 1) / block_size) : indices.size(2);
   MSA_CHECK(indices.size(1) == T && (dense || (topk >= 1 && topk <= 32)), "indices: expected (Hi, ", T,
                     ", 1..32), got ", shape(indices));
   check_group_heads("indices", Hq, Hkv, Hi);
@@ -97,7 +97,6 @@ SparseForward sparse_forward_cuda(const Tensor& q_in, const Tensor& k_in, const 
     Hki = k_idx_in->size(1);
   }
   const int64_t S = seqs.num_seqs;
-  const Tensor& cu_seqlens = seqs.cu;
 
   const DeviceGuard guard(q_in.get_device_index());
   const bool small = small_smem_config(q_in, D);
@@ -124,7 +123,7 @@ SparseForward sparse_forward_cuda(const Tensor& q_in, const Tensor& k_in, const 
   const bool grad = index && index_grad;
   if (grad) {
     res.kl_dq_idx = zeros({T, Hi, Di}, kFloat, q);
-    res.kl_dk_idx = zeros({T, Hki, Di}, kFloat, q);
+    res.kl_dk_idx = zeros({Tk, Hki, Di}, kFloat, q);
   }
   if (T == 0) return res;
 
@@ -138,10 +137,10 @@ SparseForward sparse_forward_cuda(const Tensor& q_in, const Tensor& k_in, const 
       fwd_bytes_per_token(Hi, topk, G, D, q.element_size(), kl_only, grad, det, Di, units_per_item);
   const int64_t chunk = fwd_chunk_tokens(T, per_token, partial_budget(T, Hq, D, grad));
   const int64_t entries = Hi * chunk * topk;
-  const int64_t max_blocks = T / block_size + S;
+  const int64_t max_blocks = Tk / block_size + S;  // key blocks
   const int64_t num_keys = Hi * max_blocks;
   MSA_CHECK(Hi * T * topk < (int64_t(1) << 31) && num_keys < (int64_t(1) << 30),
-                    "q: too many tokens for the int32 reverse index, T = ", T);
+                    "q: too many tokens for the int32 reverse index, T = ", T, ", T_k = ", Tk);
 
   const Tensor stats = empty({kl_only ? 0 : entries * G * 2}, kFloat, q);
   const Tensor idx_stats = empty({index && !no_stats ? entries * 2 : 0}, kFloat, q);
@@ -158,7 +157,7 @@ SparseForward sparse_forward_cuda(const Tensor& q_in, const Tensor& k_in, const 
     dki_part = empty({fwd_max_items(entries, units_per_item, num_keys) * 128 * Di}, kFloat, q);
   }
 
-  ReverseIndex ri = alloc_reverse_index(indices, cu_seqlens, topk, block_size, entries, units_per_item);
+  ReverseIndex ri = alloc_reverse_index(indices, seqs, topk, block_size, entries, units_per_item);
   ReverseIndexParams& rp = ri.params;
   rp.emit_entries = true;
   rp.dense = dense;
@@ -181,7 +180,8 @@ SparseForward sparse_forward_cuda(const Tensor& q_in, const Tensor& k_in, const 
     fp.ki_stride_t = ki.stride(0);
     fp.ki_stride_h = ki.stride(1);
   }
-  fp.cu_seqlens = ptr<int32_t>(cu_seqlens);
+  fp.cu_seqlens = ptr<int32_t>(seqs.cu);
+  fp.cu_seqlens_k = ptr<int32_t>(seqs.cu_k);  // seqs.cu itself without a key layout
   fp.work = sparse_work(rp);  // max_items: per chunk
   fp.total_tokens = int(T);
   fp.num_seqs = int(S);
@@ -229,6 +229,7 @@ SparseForward sparse_forward_cuda(const Tensor& q_in, const Tensor& k_in, const 
     dp.qi_stride_h = qi.stride(1);
     dp.dsi_part = dsi_part.data_ptr();
     dp.cu_seqlens = fp.cu_seqlens;
+    dp.cu_seqlens_k = fp.cu_seqlens_k;
     dp.work = fp.work;
     dp.dki_accum = ptr<float>(res.kl_dk_idx);
     dp.dki_part = det ? ptr<float>(dki_part) : nullptr;
@@ -319,12 +320,16 @@ using torch::stable::detail::from;
 // Dense causal attention over packed sequences with PyTorch's flash kernel (GQA native): out and the
 // lse (Hq, T) that the KL pass and the backward need. Through msa::_dense_fwd (msa/_ops.py), which
 // calls aten::_flash_attention_forward by keyword: that schema grows between torch releases. lse_only:
-// out is not read (it may come back narrower than v).
+// out is not read (it may come back narrower than v). seqs.uniform: equal sequence lengths, which the
+// cuDNN kernels need; with a key layout (seqs.suffix, never uniform) the keys' offsets go along.
 std::tuple<Tensor, Tensor> dense_attention_forward(const Tensor& q, const Tensor& k, const Tensor& v,
-                                                   const Tensor& cu_seqlens, int64_t max_seqlen, double scale,
-                                                   bool uniform, bool deterministic, bool lse_only = false) {
-  std::array<StableIValue, 9> st{from(q),           from(k),     from(v),       from(cu_seqlens),      from(max_seqlen),
-                                 from(scale),       from(uniform), from(deterministic), from(lse_only)};
+                                                   const SeqMap& seqs, int64_t max_seqlen, double scale,
+                                                   bool deterministic, bool lse_only = false) {
+  const std::optional<Tensor> cu_k = seqs.suffix ? std::optional<Tensor>(seqs.cu_k) : std::nullopt;
+  const std::optional<int64_t> max_k = seqs.suffix ? std::optional<int64_t>(seqs.max_k) : std::nullopt;
+  std::array<StableIValue, 11> st{from(q),           from(k),     from(v),           from(seqs.cu),
+                                  from(max_seqlen),  from(scale), from(seqs.uniform), from(deterministic),
+                                  from(lse_only),    from(cu_k),  from(max_k)};
   detail::call_op("msa::_dense_fwd", "", st);
   return {torch::stable::detail::to<Tensor>(st[0]), torch::stable::detail::to<Tensor>(st[1])};
 }
@@ -334,11 +339,10 @@ std::tuple<Tensor, Tensor> sparse_fwd_cuda(const Tensor& q, const Tensor& k, con
                                            int64_t block_size, double softmax_scale, bool deterministic,
                                            const std::optional<Tensor>& cu_seqlens_k,
                                            std::optional<int64_t> max_seqlen_k) {
-  check_one_layout(cu_seqlens_k, max_seqlen_k);
   (void)deterministic;  // the forward is deterministic; the flag is for its backward (msa/_ops.py)
-  check_qkv_cuda(q, k, v);
-  const SeqMap seqs = seq_map(cu_seqlens, q.size(0), max_seqlen, q);
-  SparseForward r = sparse_forward_cuda(q, k, v, std::nullopt, std::nullopt, indices, seqs, max_seqlen, block_size,
+  check_qkv_cuda(q, k, v, rows(k));  // the key rows against the layout: seq_map
+  const SeqMap seqs = seq_map(cu_seqlens, q.size(0), max_seqlen, cu_seqlens_k, max_seqlen_k, k.size(0), q);
+  SparseForward r = sparse_forward_cuda(q, k, v, std::nullopt, std::nullopt, indices, seqs, block_size,
                                         softmax_scale, 0.0, false, false);
   return {r.out, r.lse};
 }
@@ -349,10 +353,9 @@ msa_fwd_cuda(const Tensor& q, const Tensor& k, const Tensor& v, const Tensor& q_
              int64_t block_size, double softmax_scale, double index_scale, bool warmup, bool return_indices,
              bool index_grad, bool deterministic, const std::optional<Tensor>& cu_seqlens_k,
              std::optional<int64_t> max_seqlen_k) {
-  check_one_layout(cu_seqlens_k, max_seqlen_k);
-  check_qkv_cuda(q, k, v);
+  check_qkv_cuda(q, k, v, rows(k));  // the key rows against the layout: seq_map
   check_index_cuda(q, k, q_idx, k_idx);  // before the dense kernels of warmup, too
-  const SeqMap seqs = seq_map(cu_seqlens, q.size(0), max_seqlen, q);
+  const SeqMap seqs = seq_map(cu_seqlens, q.size(0), max_seqlen, cu_seqlens_k, max_seqlen_k, k.size(0), q);
   Tensor indices;
   SparseForward r;
   if (warmup) {
@@ -362,23 +365,21 @@ msa_fwd_cuda(const Tensor& q, const Tensor& k, const Tensor& v, const Tensor& q_
     indices = return_indices ? select_blocks_cuda(q_idx, k_idx, seqs, max_seqlen, topk, block_size, index_scale)
                              : empty({q_idx.size(1), q.size(0), 0}, kInt, q);
     // lse_idx from the same dense kernel on the index branch (its output unused, lse_only): faster than
-    // our stats pass over every block. seqs.uniform: equal sequence lengths, which the cuDNN kernels need
-    // (msa/_ops.py).
-    auto [out, lse] =
-        dense_attention_forward(q, k, v, seqs.cu, max_seqlen, softmax_scale, seqs.uniform, deterministic);
-    const Tensor lse_idx = std::get<1>(dense_attention_forward(q_idx, k_idx, k_idx, seqs.cu, max_seqlen, index_scale,
-                                                               seqs.uniform, deterministic, /*lse_only=*/true));
+    // our stats pass over every block.
+    auto [out, lse] = dense_attention_forward(q, k, v, seqs, max_seqlen, softmax_scale, deterministic);
+    const Tensor lse_idx = std::get<1>(dense_attention_forward(q_idx, k_idx, k_idx, seqs, max_seqlen, index_scale,
+                                                               deterministic, /*lse_only=*/true));
     if (dense_kl_applies(k, q_idx, deterministic)) {
       r = dense_kl_cuda(q, k, q_idx, k_idx, seqs, max_seqlen, softmax_scale, index_scale, index_grad, lse, lse_idx);
     } else {
       const Tensor shape_only = empty({q_idx.size(1), q.size(0), 1}, kInt, q);
-      r = sparse_forward_cuda(q, k, v, q_idx, k_idx, shape_only, seqs, max_seqlen, block_size, softmax_scale,
-                              index_scale, index_grad, deterministic, /*dense=*/true, lse, lse_idx);
+      r = sparse_forward_cuda(q, k, v, q_idx, k_idx, shape_only, seqs, block_size, softmax_scale, index_scale,
+                              index_grad, deterministic, /*dense=*/true, lse, lse_idx);
     }
     r.out = out;  // the KL-only pass returns the given lse and no output
   } else {
     indices = select_blocks_cuda(q_idx, k_idx, seqs, max_seqlen, topk, block_size, index_scale);
-    r = sparse_forward_cuda(q, k, v, q_idx, k_idx, indices, seqs, max_seqlen, block_size, softmax_scale, index_scale,
+    r = sparse_forward_cuda(q, k, v, q_idx, k_idx, indices, seqs, block_size, softmax_scale, index_scale,
                             index_grad, deterministic);
   }
   // SPEC 4: kl = sum over rows / rows, rows = T * Hi (a fixed-order reduction: deterministic).

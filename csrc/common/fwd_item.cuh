@@ -24,7 +24,7 @@ __device__ __forceinline__ bool fwd_item(const SparseFwdParams& p, FwdItem& f) {
   f.u_begin = it.y;
   f.n_units = min(f.u_begin + w.units_per_item, w.offsets[key + 1]) - f.u_begin;
   f.r = key / w.max_blocks;
-  f.span = block_span(w.block_offsets, p.cu_seqlens, p.num_seqs, key % w.max_blocks, p.block_size);
+  f.span = block_span(w.block_offsets, p.cu_seqlens, p.cu_seqlens_k, p.num_seqs, key % w.max_blocks, p.block_size);
   return true;
 }
 

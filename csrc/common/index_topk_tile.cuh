@@ -12,8 +12,11 @@ namespace msa {
 // blockIdx.x enumerates (tile, sequence) with the longest tiles (last in the sequence) first,
 // blockIdx.y the index key head kh. A tile is tm = rows / hr tokens x the hr = Hi / Hki index heads
 // that share kh (so one K tile feeds all of them): CTA row r is token tok0 + r / hr, head kh * hr + r % hr.
+// Tokens are query rows seq_start + tok (tok < n); token tok is at position tok + shift, whose keys are
+// the rows k_start + j (shift = len_k - len_q: queries are the last positions of their keys; 0 and
+// k_start = seq_start where the keys have the queries' layout).
 struct IndexTopkTile {
-  int hr, tm, kh, seq_start, n, tok0, rows_used, last_tok;
+  int hr, tm, kh, seq_start, n, tok0, rows_used, last_tok, k_start, shift;
   __device__ __forceinline__ static IndexTopkTile make(const IndexTopkParams& p, int rows) {
     IndexTopkTile t;
     t.hr = p.num_heads / p.num_key_heads;
@@ -24,6 +27,8 @@ struct IndexTopkTile {
     t.kh = blockIdx.y;
     t.seq_start = p.cu_seqlens[seq];
     t.n = p.cu_seqlens[seq + 1] - t.seq_start;
+    t.k_start = p.cu_seqlens_k[seq];
+    t.shift = p.cu_seqlens_k[seq + 1] - t.k_start - t.n;
     t.tok0 = tile * t.tm;
     t.rows_used = t.tm * t.hr;
     t.last_tok = min(t.tok0 + t.tm, t.n) - 1;
@@ -58,7 +63,7 @@ __device__ __forceinline__ void write_index_row(const IndexTopkParams& p, const 
   if (tok >= t.n) return;
   int32_t* out = p.indices + (int64_t(t.kh * t.hr + row % t.hr) * p.total_tokens + t.seq_start + tok) * p.topk;
   SmemTopHeap{sScore + row * SmemTopHeap::kSlots, sBlock + row * SmemTopHeap::kSlots, p.topk - 1}.write_sorted(
-      out, p.topk, tok / p.block_size);
+      out, p.topk, (tok + t.shift) / p.block_size);
 }
 
 }  // namespace msa

@@ -35,13 +35,13 @@ inline int64_t fwd_partial_budget(int64_t tokens, int64_t hq, int64_t d, bool tr
 
 // ---- reverse index -------------------------------------------------------------------------------------
 
-// Element counts and workspace bytes of one reverse index over `heads` x `tokens` x `topk` slots with room
-// for `capacity` entries (all of them, or one query chunk's); units_per_item > 0 adds the work list and
-// `order` its launch order.
+// Element counts and workspace bytes of one reverse index over `heads` x `tokens` x `topk` slots (query
+// tokens) of keys from `tokens_k` key rows, with room for `capacity` entries (all of them, or one query
+// chunk's); units_per_item > 0 adds the work list and `order` its launch order.
 struct ReverseIndexSizes {
-  int64_t heads = 0, tokens = 0, topk = 0, num_seqs = 0, block_size = 0;
+  int64_t heads = 0, tokens = 0, tokens_k = 0, topk = 0, num_seqs = 0, block_size = 0;
   int64_t capacity = 0;
-  int64_t max_blocks = 0;      // tokens / block_size + num_seqs: bound on the global blocks
+  int64_t max_blocks = 0;      // tokens_k / block_size + num_seqs: bound on the global (key) blocks
   int64_t num_keys = 0;        // heads * max_blocks
   int64_t units_per_item = 0;  // 0: no work list
   int64_t max_items = 0;       // capacity / units_per_item + num_keys (work list), else 0
@@ -51,26 +51,36 @@ struct ReverseIndexSizes {
   size_t temp_bytes() const { return std::max(sort_bytes, std::max(scan_bytes, order_bytes)); }
 };
 
-inline ReverseIndexSizes reverse_index_sizes(int64_t heads, int64_t tokens, int64_t topk, int64_t num_seqs,
-                                             int64_t block_size, int64_t capacity, int64_t units_per_item,
-                                             bool order) {
+inline ReverseIndexSizes reverse_index_sizes(int64_t heads, int64_t tokens, int64_t tokens_k, int64_t topk,
+                                             int64_t num_seqs, int64_t block_size, int64_t capacity,
+                                             int64_t units_per_item, bool order) {
   ReverseIndexSizes s;
   s.heads = heads;
   s.tokens = tokens;
+  s.tokens_k = tokens_k;
   s.topk = topk;
   s.num_seqs = num_seqs;
   s.block_size = block_size;
   s.capacity = capacity;
-  s.max_blocks = tokens / block_size + num_seqs;
+  s.max_blocks = tokens_k / block_size + num_seqs;
   s.num_keys = heads * s.max_blocks;
   s.units_per_item = units_per_item > 0 ? units_per_item : 0;
   s.order = s.units_per_item > 0 && order;
-  // The work list: sum over keys of ceil(count / per_item) <= capacity / per_item + num_keys items.
-  s.max_items = s.units_per_item > 0 ? capacity / s.units_per_item + s.num_keys : 0;
+  // The work list: sum over keys of ceil(count / per_item) <= capacity / per_item + the keys with an entry,
+  // and those are at most min(num_keys, capacity) (with few queries over many key blocks, the second term keeps
+  // the grid and the deterministic partials from growing with the keys; only idle CTAs change otherwise).
+  s.max_items = s.units_per_item > 0 ? capacity / s.units_per_item + std::min(s.num_keys, capacity) : 0;
   s.sort_bytes = reverse_index_sort_bytes(int(capacity), int(s.num_keys));
   s.scan_bytes = s.units_per_item > 0 ? reverse_index_scan_bytes(int(s.num_keys)) : 0;
   s.order_bytes = s.order ? reverse_index_order_bytes(int(s.max_items), int(s.units_per_item)) : 0;
   return s;
+}
+
+// Keys of the queries' layout.
+inline ReverseIndexSizes reverse_index_sizes(int64_t heads, int64_t tokens, int64_t topk, int64_t num_seqs,
+                                             int64_t block_size, int64_t capacity, int64_t units_per_item,
+                                             bool order) {
+  return reverse_index_sizes(heads, tokens, tokens, topk, num_seqs, block_size, capacity, units_per_item, order);
 }
 
 // Device buffers of one reverse index, in elements of ReverseIndexSizes s (nullptr where not needed).
@@ -87,12 +97,15 @@ struct ReverseIndexBuffers {
 };
 
 // The params every build over these buffers shares: the whole token range, rows = tokens (callers set
-// token_begin / token_end, emit_entries and dense for a chunk of the forward).
+// token_begin / token_end, emit_entries and dense for a chunk of the forward). cu_seqlens_k: the keys'
+// layout, nullptr for the queries' (then cu_seqlens itself, ReverseIndexParams).
 inline ReverseIndexParams reverse_index_params(const ReverseIndexSizes& s, const ReverseIndexBuffers& b,
-                                               const int32_t* indices, const int32_t* cu_seqlens) {
+                                               const int32_t* indices, const int32_t* cu_seqlens,
+                                               const int32_t* cu_seqlens_k = nullptr) {
   ReverseIndexParams p{};
   p.indices = indices;
   p.cu_seqlens = cu_seqlens;
+  p.cu_seqlens_k = cu_seqlens_k ? cu_seqlens_k : cu_seqlens;
   p.block_offsets = b.block_offsets;
   p.offsets = b.offsets;
   p.rows = b.rows;

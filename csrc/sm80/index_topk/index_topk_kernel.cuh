@@ -52,9 +52,10 @@ __global__ void __launch_bounds__(IndexTopkShape<Warps>::kThreads, 8 / Warps) in
 
   const IndexTopkTile tl = IndexTopkTile::make(p, S::kRows);
   if (tl.empty()) return;
-  const int hr = tl.hr, kh = tl.kh, seq_start = tl.seq_start, tok0 = tl.tok0, last_tok = tl.last_tok;
+  // Positions of the tile's first and last tokens (blocks count keys: IndexTopkTile).
+  const int hr = tl.hr, kh = tl.kh, k_start = tl.k_start, pos0 = tl.tok0 + tl.shift, last_pos = tl.last_tok + tl.shift;
   const int sub = p.block_size / S::kKeys;
-  const int total = (last_tok / p.block_size) * sub;  // sub-tiles of the blocks before the last token's
+  const int total = (last_pos / p.block_size) * sub;  // sub-tiles of the blocks before the last token's
 
   const int tid = threadIdx.x, warp = tid / 32, lane = tid % 32;
   const T* k_base = static_cast<const T*>(p.k_idx);
@@ -63,7 +64,7 @@ __global__ void __launch_bounds__(IndexTopkShape<Warps>::kThreads, 8 / Warps) in
   cp_async_commit();
   auto load_k = [&](int it, int stage) {
     const int b = it / sub, part = it % sub;
-    const T* src = k_base + int64_t(seq_start + b * p.block_size + part * S::kKeys) * p.k_stride_t +
+    const T* src = k_base + int64_t(k_start + b * p.block_size + part * S::kKeys) * p.k_stride_t +
                    int64_t(kh) * p.k_stride_h;
     T* dst = sK + stage * S::kKeys * D;
     for (int i = tid; i < S::kKeys * kChunks; i += S::kThreads) {
@@ -90,7 +91,7 @@ __global__ void __launch_bounds__(IndexTopkShape<Warps>::kThreads, 8 / Warps) in
   // Lane tq of each quad keeps the list of row g + 8 (tq & 1) of m-tile tq / 2 (SPEC 2 order).
   const int g = lane / 4, tq = lane % 4;
   const int my_row = warp * 32 + (tq / 2) * 16 + g + 8 * (tq & 1);
-  const int my_local = (tok0 + my_row / hr) / p.block_size;
+  const int my_local = (pos0 + my_row / hr) / p.block_size;
   SmemTopHeap heap{sScore + my_row * S::kSlots, sBlock + my_row * S::kSlots, p.topk - 1};
   static_assert(S::kSlots >= 31, "heap must hold topk - 1 <= 31 entries");
   float thr[4], bmax[4];

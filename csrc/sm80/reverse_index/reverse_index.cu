@@ -38,7 +38,10 @@ __global__ void reverse_index_keys_kernel(ReverseIndexParams p) {
     const int r = int(local_row / chunk);
     const int64_t e = (int64_t(r) * p.total_tokens + t) * p.topk + slot;
     const int lo = last_leq(p.cu_seqlens, p.num_seqs, t);  // sequence of token t
-    const int local_block = (t - p.cu_seqlens[lo]) / p.block_size;
+    // Its position: the sequence's queries are the last of its len_k keys (t - cu_seqlens[lo] when
+    // cu_seqlens_k is cu_seqlens).
+    const int pos = t - p.cu_seqlens[lo + 1] + (p.cu_seqlens_k[lo + 1] - p.cu_seqlens_k[lo]);
+    const int local_block = pos / p.block_size;
     const int32_t b = p.dense ? slot : p.indices[e];
     bool valid = b >= 0 && b <= local_block;
     for (int j = 0; j < slot && valid && !p.dense; ++j) valid = p.indices[e - slot + j] != b;
@@ -132,7 +135,7 @@ cudaError_t launch_block_offsets(const int32_t* cu_seqlens, int32_t* block_offse
 cudaError_t run_reverse_index(const ReverseIndexParams& p, cudaStream_t stream) {
   const int64_t n = int64_t(p.num_heads) * (p.token_end - p.token_begin) * p.topk;
   const int num_keys = p.num_heads * p.max_blocks;
-  reverse_index_block_offsets_kernel<<<1, 1, 0, stream>>>(p.cu_seqlens, p.block_offsets, p.num_seqs, p.block_size);
+  reverse_index_block_offsets_kernel<<<1, 1, 0, stream>>>(p.cu_seqlens_k, p.block_offsets, p.num_seqs, p.block_size);
   MSA_CUDA_TRY(cudaGetLastError());
   if (n > 0) {
     const int threads = 256;

@@ -243,8 +243,10 @@ __global__ void __launch_bounds__(SparseBwdShape::kThreads, 1) sparse_bwd_kernel
   const int key = it.x;
   const int u_begin = it.y, u_end = min(u_begin + p.units_per_item, p.offsets[key + 1]);
   const int r = key / p.max_blocks, gb = key % p.max_blocks;
-  const BlockSpan span = block_span(p.block_offsets, p.cu_seqlens, p.num_seqs, gb, p.block_size);
-  const int seq_start = span.seq_start, key0 = span.key0, blen = span.blen;
+  const BlockSpan span = block_span(p.block_offsets, p.cu_seqlens, p.cu_seqlens_k, p.num_seqs, gb, p.block_size);
+  // The block's first key row, and the query row at its first key's position (one value without a key
+  // layout): a query row t sees the block's keys up to t - kpos0.
+  const int krow0 = span.k_start + span.key0, kpos0 = span.q_origin + span.key0, blen = span.blen;
 
   const int G = p.hq / p.hi;
   const int J = p.hkv > p.hi ? p.hkv / p.hi : 1;
@@ -272,8 +274,8 @@ __global__ void __launch_bounds__(SparseBwdShape::kThreads, 1) sparse_bwd_kernel
 
     __syncthreads();  // the previous kv head is done with the K/V tiles
     {
-      const T* ks = K + int64_t(seq_start + key0) * p.k_stride_t + int64_t(kvh) * p.k_stride_h;
-      const T* vs = V + int64_t(seq_start + key0) * p.v_stride_t + int64_t(kvh) * p.v_stride_h;
+      const T* ks = K + int64_t(krow0) * p.k_stride_t + int64_t(kvh) * p.k_stride_h;
+      const T* vs = V + int64_t(krow0) * p.v_stride_t + int64_t(kvh) * p.v_stride_h;
       for (int i = tid; i < Sh::kKeys * kChunks; i += Sh::kThreads) {
         const int row = i / kChunks, c = i % kChunks;
         const bool ok = row < blen;
@@ -352,11 +354,11 @@ __global__ void __launch_bounds__(SparseBwdShape::kThreads, 1) sparse_bwd_kernel
       // already hold 128 per thread).
       const int row0 = rw * 16 + g, row1 = row0 + 8;
       const int tr0 = sTokb[row0], tr1 = sTokb[row1];
-      const int lim0 = tr0 >= 0 ? min(blen - 1, tr0 - seq_start - key0) : -1;
-      const int lim1 = tr1 >= 0 ? min(blen - 1, tr1 - seq_start - key0) : -1;
+      const int lim0 = tr0 >= 0 ? min(blen - 1, tr0 - kpos0) : -1;
+      const int lim1 = tr1 >= 0 ? min(blen - 1, tr1 - kpos0) : -1;
       // Tokens are in ascending order: when the tile's first token sees the whole block, every row does
       // and no mask is needed (padding rows have zero Q, dO, lse and delta, so their dK/dV terms are 0).
-      const bool full = blen == Sh::kKeys && sTokb[0] >= 0 && sTokb[0] - seq_start - key0 >= Sh::kKeys - 1;
+      const bool full = blen == Sh::kKeys && sTokb[0] >= 0 && sTokb[0] - kpos0 >= Sh::kKeys - 1;
 #pragma unroll 1
       for (int kq = 0; kq < 2; ++kq) {
         const int kbase = half * 64 + kq * 32;
@@ -471,7 +473,7 @@ __global__ void __launch_bounds__(SparseBwdShape::kThreads, 1) sparse_bwd_kernel
       if (tid < Sh::kRows) sTok[buf * Sh::kRows + tid] = tok_next;
     }
 
-    flush_dkv<D, kDet>(p, dk, dv, warp, g, tq, item * J + j, blen, seq_start + key0, kvh);
+    flush_dkv<D, kDet>(p, dk, dv, warp, g, tq, item * J + j, blen, krow0, kvh);
   }
 }
 
@@ -528,8 +530,10 @@ __global__ void __launch_bounds__(SparseBwdSmallShape::kThreads, 1) sparse_bwd_s
   const int key = it.x;
   const int u_begin = it.y, u_end = min(u_begin + p.units_per_item, p.offsets[key + 1]);
   const int r = key / p.max_blocks, gb = key % p.max_blocks;
-  const BlockSpan span = block_span(p.block_offsets, p.cu_seqlens, p.num_seqs, gb, p.block_size);
-  const int seq_start = span.seq_start, key0 = span.key0, blen = span.blen;
+  const BlockSpan span = block_span(p.block_offsets, p.cu_seqlens, p.cu_seqlens_k, p.num_seqs, gb, p.block_size);
+  // The block's first key row, and the query row at its first key's position (one value without a key
+  // layout): a query row t sees the block's keys up to t - kpos0.
+  const int krow0 = span.k_start + span.key0, kpos0 = span.q_origin + span.key0, blen = span.blen;
 
   const int G = p.hq / p.hi;
   const int J = p.hkv > p.hi ? p.hkv / p.hi : 1;
@@ -568,8 +572,8 @@ __global__ void __launch_bounds__(SparseBwdSmallShape::kThreads, 1) sparse_bwd_s
 
     __syncthreads();  // the previous kv head is done with every buffer
     {
-      const T* ks = K + int64_t(seq_start + key0) * p.k_stride_t + int64_t(kvh) * p.k_stride_h;
-      const T* vs = V + int64_t(seq_start + key0) * p.v_stride_t + int64_t(kvh) * p.v_stride_h;
+      const T* ks = K + int64_t(krow0) * p.k_stride_t + int64_t(kvh) * p.k_stride_h;
+      const T* vs = V + int64_t(krow0) * p.v_stride_t + int64_t(kvh) * p.v_stride_h;
       for (int i = tid; i < Sh::kKeys * kChunks; i += kThreads) {
         const int row = i / kChunks, c = i % kChunks;
         const bool ok = row < blen;
@@ -619,11 +623,11 @@ __global__ void __launch_bounds__(SparseBwdSmallShape::kThreads, 1) sparse_bwd_s
       // Row phase: rows [16 rw, +16), keys [32 kq, +32).
       const int row0 = rw * 16 + g, row1 = row0 + 8;
       const int tr0 = sTokb[row0], tr1 = sTokb[row1];
-      const int lim0 = tr0 >= 0 ? min(blen - 1, tr0 - seq_start - key0) : -1;
-      const int lim1 = tr1 >= 0 ? min(blen - 1, tr1 - seq_start - key0) : -1;
+      const int lim0 = tr0 >= 0 ? min(blen - 1, tr0 - kpos0) : -1;
+      const int lim1 = tr1 >= 0 ? min(blen - 1, tr1 - kpos0) : -1;
       // Tokens are in ascending order: when the tile's first token sees the whole block, every row does
       // and no mask is needed (rows past the item have zero Q, dO, lse and delta: their dK/dV terms are 0).
-      const bool full = blen == Sh::kKeys && sTokb[0] >= 0 && sTokb[0] - seq_start - key0 >= Sh::kKeys - 1;
+      const bool full = blen == Sh::kKeys && sTokb[0] >= 0 && sTokb[0] - kpos0 >= Sh::kKeys - 1;
       const int kbase = kq * 32;
       if (kbase >= p.block_size) {
         zero_p_ds_slab<T, KTile>(sP, sdS, row0, row1, kbase, tq);
@@ -675,7 +679,7 @@ __global__ void __launch_bounds__(SparseBwdSmallShape::kThreads, 1) sparse_bwd_s
       }
     }
 
-    flush_dkv<D, kDet>(p, dk, dv, warp, g, tq, item * J + j, blen, seq_start + key0, kvh);
+    flush_dkv<D, kDet>(p, dk, dv, warp, g, tq, item * J + j, blen, krow0, kvh);
   }
 }
 

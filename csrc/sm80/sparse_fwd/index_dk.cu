@@ -63,7 +63,7 @@ __global__ void __launch_bounds__(kDkThreads, kDet ? 1 : 2) index_dk_kernel(Inde
     const int u_begin = pos, u_end = min(e_end, w.offsets[key + 1]);
     pos = u_end;
     const int r = key / w.max_blocks, gb = key % w.max_blocks;
-    const BlockSpan span = block_span(w.block_offsets, p.cu_seqlens, p.num_seqs, gb, p.block_size);
+    const BlockSpan span = block_span(w.block_offsets, p.cu_seqlens, p.cu_seqlens_k, p.num_seqs, gb, p.block_size);
     const int n_tiles = (u_end - u_begin + kDkUnits - 1) / kDkUnits;
 
     // Tile t's dsi rows and q_idx rows into buffer b: thread = (units tid / 16 + 16 i, 16-byte chunk
@@ -152,7 +152,7 @@ __global__ void __launch_bounds__(kDkThreads, kDet ? 1 : 2) index_dk_kernel(Inde
               *reinterpret_cast<float2*>(p.dki_part + (int64_t(blockIdx.x) * kDkKeys + kr) * di + col) =
                   make_float2(acc[n][2 * half] * p.scale, acc[n][2 * half + 1] * p.scale);
             } else if (kr < span.blen) {
-              float* d = p.dki_accum + (int64_t(span.seq_start + span.key0 + kr) * p.hki + kih) * di + col;
+              float* d = p.dki_accum + (int64_t(span.k_start + span.key0 + kr) * p.hki + kih) * di + col;
               atomic_add2(d, acc[n][2 * half] * p.scale, acc[n][2 * half + 1] * p.scale);
             }
           }

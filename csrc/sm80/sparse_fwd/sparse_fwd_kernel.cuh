@@ -180,7 +180,9 @@ __global__ void __launch_bounds__(SparseFwdShape::threads<kOut, kWgmma, kRows>()
   FwdItem f;
   if (!fwd_item(p, f)) return;
   const int r = f.r, u_begin = f.u_begin, n_units = f.n_units;
-  const int seq_start = f.span.seq_start, key0 = f.span.key0, blen = f.span.blen;
+  // The block's first key row, and the query row at its first key's position (one value without a key
+  // layout): a query row t sees the block's keys up to t - kpos0.
+  const int krow0 = f.span.k_start + f.span.key0, kpos0 = f.span.q_origin + f.span.key0, blen = f.span.blen;
 
   const int G = p.hq / p.hi;
   const int J = p.hkv > p.hi ? p.hkv / p.hi : 1;
@@ -237,8 +239,8 @@ __global__ void __launch_bounds__(SparseFwdShape::threads<kOut, kWgmma, kRows>()
   // (ko = 0 but in kSplit's second half).
   auto load_kv = [&](int j, int ko) {
     const int kvh = (r * G + j * Gu) / (p.hq / p.hkv);
-    const T* ks = K + int64_t(seq_start + key0 + ko) * p.k_stride_t + int64_t(kvh) * p.k_stride_h;
-    const T* vs = V + int64_t(seq_start + key0 + ko) * p.v_stride_t + int64_t(kvh) * p.v_stride_h;
+    const T* ks = K + int64_t(krow0 + ko) * p.k_stride_t + int64_t(kvh) * p.k_stride_h;
+    const T* vs = V + int64_t(krow0 + ko) * p.v_stride_t + int64_t(kvh) * p.v_stride_h;
     for (int i = tid; i < kStage * kChunks; i += kThreadsT) {
       const int row = i / kChunks, c = i % kChunks;
       const bool ok = row < blen - ko;
@@ -249,7 +251,7 @@ __global__ void __launch_bounds__(SparseFwdShape::threads<kOut, kWgmma, kRows>()
     }
   };
   auto load_ki = [&](int ko) {
-    const T* src = KI + int64_t(seq_start + key0 + ko) * p.ki_stride_t + int64_t(kih) * p.ki_stride_h;
+    const T* src = KI + int64_t(krow0 + ko) * p.ki_stride_t + int64_t(kih) * p.ki_stride_h;
     for (int i = tid; i < kStage * kIChunks; i += kThreadsT) {
       const int row = i / kIChunks, c = i % kIChunks;
       const bool ok = row < blen - ko && c < di_chunks;
@@ -327,7 +329,7 @@ __global__ void __launch_bounds__(SparseFwdShape::threads<kOut, kWgmma, kRows>()
     const int* sTok = sTokAll + ub;
     // Last visible key (block-relative) for a unit of this tile, -1 when the unit slot is empty.
     auto key_limit = [&](int u, int nu_) {
-      return u < nu_ ? min(blen - 1, sTok[u] - seq_start - key0) : -1;
+      return u < nu_ ? min(blen - 1, sTok[u] - kpos0) : -1;
     };
     if constexpr (kSplit) {
       // The second half: every step of the first is done with K, V and K_idx (its rows were fetched
@@ -515,8 +517,8 @@ __global__ void __launch_bounds__(SparseFwdShape::threads<kOut, kWgmma, kRows>()
     // Units are in token order, so when the tile's first unit sees the whole block (kSplit: the whole
     // stage) every unit does and the tile needs no mask (padding rows then hold finite values that are
     // never stored).
-    const bool full = kSplit ? blen >= ko + kStage && sTok[0] - seq_start - key0 >= ko + kStage - 1
-                             : blen == Sh::kKeys && sTok[0] - seq_start - key0 >= Sh::kKeys - 1;
+    const bool full = kSplit ? blen >= ko + kStage && sTok[0] - kpos0 >= ko + kStage - 1
+                             : blen == Sh::kKeys && sTok[0] - kpos0 >= Sh::kKeys - 1;
     if (kOut) {
       // P = 2^(s scale_log2 - lse log2 e), 0 past the visible keys. Two copies: most tiles are full
       // (every non-local block), and theirs has no compare and no predicate per element (NOTES s44).

@@ -183,10 +183,14 @@ __global__ void __launch_bounds__(dense_kl::kThreads, 1)
     const int mid = (lo + hi + 1) / 2;
     if (p.tile_offsets[mid] <= tile) lo = mid; else hi = mid - 1;
   }
-  const int base = p.cu_seqlens[lo], len = p.cu_seqlens[lo + 1] - base;
-  const int k0 = (tile - p.tile_offsets[lo]) * kKeys;
-  const int n_qt = (len + kRows - 1) / kRows;
-  const int qt_begin = k0 / kRows + chunk * p.chunk_tiles;
+  // Query rows [base_q, base_q + len_q) are the last len_q of the sequence's len_k key positions: query
+  // row qr (local) sits at position qr + shift (shift = 0 without a key layout: cu_seqlens_k is then
+  // cu_seqlens). k0q: the first query row that sees the tile's first key (negative: all of them do).
+  const int base_q = p.cu_seqlens[lo], len_q = p.cu_seqlens[lo + 1] - base_q;
+  const int base_k = p.cu_seqlens_k[lo], len_k = p.cu_seqlens_k[lo + 1] - base_k;
+  const int k0 = (tile - p.tile_offsets[lo]) * kKeys, k0q = k0 - (len_k - len_q);
+  const int n_qt = (len_q + kRows - 1) / kRows;
+  const int qt_begin = max(k0q, 0) / kRows + chunk * p.chunk_tiles;
   if (qt_begin >= n_qt) return;
   const int nqt = min(p.chunk_tiles, n_qt - qt_begin);
   const int hk = blockIdx.y;
@@ -225,8 +229,8 @@ __global__ void __launch_bounds__(dense_kl::kThreads, 1)
     mbar_arrive_expect_tx(full_q + pq_slot, kRows * D * 2);
 #pragma unroll
     for (int panel = 0; panel < D / 64; ++panel) {
-      tma_load_3d(dst + panel * QT::kPanelElems, &q_map, panel * 64, pq_r * G + pq_h, base + (qt_begin + pq_qt) * kRows,
-                  full_q + pq_slot);
+      tma_load_3d(dst + panel * QT::kPanelElems, &q_map, panel * 64, pq_r * G + pq_h,
+                  base_q + (qt_begin + pq_qt) * kRows, full_q + pq_slot);
     }
     ++pq_n;
     if (++pq_slot == slots) pq_slot = 0, pq_phase ^= 1;
@@ -243,7 +247,8 @@ __global__ void __launch_bounds__(dense_kl::kThreads, 1)
     mbar_arrive_expect_tx(full_a + slot, kRows * Di * 2);
 #pragma unroll
     for (int panel = 0; panel < Di / 64; ++panel) {
-      tma_load_3d(dst + panel * QiT::kPanelElems, &qi_map, panel * 64, r, base + (qt_begin + qt) * kRows, full_a + slot);
+      tma_load_3d(dst + panel * QiT::kPanelElems, &qi_map, panel * 64, r, base_q + (qt_begin + qt) * kRows,
+                  full_a + slot);
     }
   };
   // Every thread: its share of step s's lse (G heads) and lse_idx, then an async arrival on lse_full.
@@ -253,20 +258,20 @@ __global__ void __launch_bounds__(dense_kl::kThreads, 1)
     float* dst = sLse0 + b * (G + 1) * kRows;
     for (int i = tid; i < (G + 1) * kRows; i += kThreads) {
       const int hh = i / kRows, row = i % kRows;
-      const bool ok = row0 + row < len;
-      const int tok = base + (ok ? row0 + row : 0);
+      const bool ok = row0 + row < len_q;
+      const int tok = base_q + (ok ? row0 + row : 0);
       const float* src_row = hh < G ? p.lse + int64_t(r * G + hh) * p.total_tokens : p.lse_idx + int64_t(r) * p.total_tokens;
       cp_async_4(dst + i, src_row + tok, ok);
     }
     cp_async_mbar_arrive(lse_full + b);
   };
   auto load_k = [&](int kvh) {  // every thread; then cp.async.wait_all + a CTA barrier
-    load_tile<KT, D>(sK, k + base * p.k_stride_t + kvh * p.k_stride_h, p.k_stride_t, k0, kKeys, len, tid);
+    load_tile<KT, D>(sK, k + base_k * p.k_stride_t + kvh * p.k_stride_h, p.k_stride_t, k0, kKeys, len_k, tid);
     sm80::cp_async_commit();
   };
 
   // Prologue: K_idx and K of the first group (cp.async), step 0's Q_idx, lse and the first Q loads.
-  load_tile<KiT, Di>(sKi, ki + base * p.ki_stride_t + hk * p.ki_stride_h, p.ki_stride_t, k0, kKeys, len, tid);
+  load_tile<KiT, Di>(sKi, ki + base_k * p.ki_stride_t + hk * p.ki_stride_h, p.ki_stride_t, k0, kKeys, len_k, tid);
   int kv_loaded = r0 * G / kv_per;
   load_k(kv_loaded);
   sm80::cp_async_wait<0>();
@@ -287,7 +292,7 @@ __global__ void __launch_bounds__(dense_kl::kThreads, 1)
   const uint64_t k_d0 = KT::desc(smem_addr(sK) + wg * 64 * 128, 0);
   const uint64_t ki_d0 = KiT::desc(ki_addr + wg * 64 * 128, 0);
   const int key_row = wg * 64 + wq * 16 + g;  // this thread's keys: key_row and key_row + 8 of the tile
-  const int key0 = k0 + key_row, key1 = key0 + 8;
+  const int key0 = k0q + key_row, key1 = key0 + 8;  // as the first query rows that see them
   const float nlog2g = -__log2f(float(G));  // Pbar = sum_h exp2(S_h c - lse_h log2 e - log2 G)
 
   int c_slot = 0, c_phase = 0;  // the next Q load to read: its slot and the parity of that slot's use
@@ -317,11 +322,12 @@ __global__ void __launch_bounds__(dense_kl::kThreads, 1)
     const uint64_t qi_d0 = QiT::desc(qi_addr, 0);
 
     // The mask: a tile entirely below the diagonal and inside the sequence needs none (the branches on
-    // `full` are uniform over the CTA).
-    const bool full = row0 >= k0 + kKeys && row0 + kRows <= len;
+    // `full` are uniform over the CTA). Keys past len_k need no test: a visible key is at a position
+    // <= qr + shift < len_k.
+    const bool full = row0 >= k0q + kKeys && row0 + kRows <= len_q;
     auto visible = [&](int e, int j) {
       const int qr = row0 + 8 * j + 2 * t + (e & 1);
-      return (e < 2 ? key0 : key1) <= qr && qr < len;
+      return (e < 2 ? key0 : key1) <= qr && qr < len_q;
     };
 
     // Pbar^T (keys x queries): the group's heads, Q through the ring.
@@ -474,11 +480,11 @@ __global__ void __launch_bounds__(dense_kl::kThreads, 1)
     if (lane == 0) mbar_arrive(empty_a + b);  // this warp's reads of the Q_idx slot are done
     __syncthreads();  // sDs and sKl complete
 
-    if (tid < kRows && row0 + tid < len) {  // KL in fixed point: the order of the adds does not matter
+    if (tid < kRows && row0 + tid < len_q) {  // KL in fixed point: the order of the adds does not matter
       float v = 0.f;
 #pragma unroll
       for (int w = 0; w < 8; ++w) v += sKl[w * kRows + tid];
-      const int64_t row = int64_t(r) * p.total_tokens + base + row0 + tid;
+      const int64_t row = int64_t(r) * p.total_tokens + base_q + row0 + tid;
       if (isfinite(v)) {
         atomicAdd(p.kl_fixed + row, static_cast<unsigned long long>(__float2ll_rn(v * 4294967296.f)));
       } else {
@@ -508,8 +514,8 @@ __global__ void __launch_bounds__(dense_kl::kThreads, 1)
       // Straight from the accumulator layout (rows wq 16 + g and + 8, column pairs 8 j + 2 t): 8-byte reds,
       // no shuffles (the same 32-byte sectors per warp as 16-byte reds after a quad exchange).
       const int qrow = wq * 16 + g;
-      const bool ok0 = row0 + qrow < len, ok1 = row0 + qrow + 8 < len;
-      float* dst0 = p.dq_idx + (int64_t(base + row0 + qrow) * p.hi + r) * Di + col0 + 2 * t;
+      const bool ok0 = row0 + qrow < len_q, ok1 = row0 + qrow + 8 < len_q;
+      float* dst0 = p.dq_idx + (int64_t(base_q + row0 + qrow) * p.hi + r) * Di + col0 + 2 * t;
       float* dst1 = dst0 + int64_t(8) * p.hi * Di;
 #pragma unroll
       for (int j = 0; j < 8; ++j) {
@@ -523,8 +529,8 @@ __global__ void __launch_bounds__(dense_kl::kThreads, 1)
 
   if (grad) {  // dK_idx: rows = this warpgroup's keys, Di columns
     const int krow = key_row + ((t & 1) ? 8 : 0);
-    const bool ok = k0 + krow < len;
-    float* dst = p.dk_idx + (int64_t(base + k0 + (ok ? krow : 0)) * p.hki + hk) * Di + 2 * (t & ~1);
+    const bool ok = k0 + krow < len_k;
+    float* dst = p.dk_idx + (int64_t(base_k + k0 + (ok ? krow : 0)) * p.hki + hk) * Di + 2 * (t & ~1);
 #pragma unroll
     for (int j = 0; j < Di / 8; ++j) {
       const float c4[4] = {dk[4 * j], dk[4 * j + 1], dk[4 * j + 2], dk[4 * j + 3]};

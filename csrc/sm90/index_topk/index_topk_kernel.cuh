@@ -68,9 +68,10 @@ __global__ void __launch_bounds__(IndexTopkShape::kThreads, 1)
 
   const IndexTopkTile tl = IndexTopkTile::make(p, S::kRows);
   if (tl.empty()) return;
-  const int hr = tl.hr, kh = tl.kh, seq_start = tl.seq_start, tok0 = tl.tok0, last_tok = tl.last_tok;
+  // Positions of the tile's first and last tokens (blocks count keys: IndexTopkTile).
+  const int hr = tl.hr, kh = tl.kh, k_start = tl.k_start, pos0 = tl.tok0 + tl.shift, last_pos = tl.last_tok + tl.shift;
   const int nb = S::kKeys / p.block_size;  // blocks per sub-tile
-  const int blocks = last_tok / p.block_size;  // the blocks before the last token's
+  const int blocks = last_pos / p.block_size;  // the blocks before the last token's
   const int total = (blocks + nb - 1) / nb;    // sub-tiles
 
   const int tid = threadIdx.x, warp = tid / 32, lane = tid % 32;
@@ -85,7 +86,7 @@ __global__ void __launch_bounds__(IndexTopkShape::kThreads, 1)
 #pragma unroll
     for (int panel = 0; panel < D / 64; ++panel) {
       tma_load_3d(sK + stage * S::kKeys * D + panel * S::kKeys * 64, &k_map, panel * 64, kh,
-                  seq_start + it * S::kKeys, full + stage);
+                  k_start + it * S::kKeys, full + stage);
     }
   };
   if (tid == 0) {
@@ -120,7 +121,7 @@ __global__ void __launch_bounds__(IndexTopkShape::kThreads, 1)
   const int g = lane / 4, tq = lane % 4;
   const bool owner = tq < 2;
   const int my_row = warp * 16 + g + 8 * (tq & 1);
-  const int my_local = (tok0 + my_row / hr) / p.block_size;
+  const int my_local = (pos0 + my_row / hr) / p.block_size;
   SmemTopHeap heap{sScore + my_row * S::kSlots, sBlock + my_row * S::kSlots, p.topk - 1};
   float thr = p.topk > 1 ? kNegInf : kPosInf;
 
@@ -183,11 +184,11 @@ __global__ void __launch_bounds__(IndexTopkShape::kThreads, 1)
   write_index_row(p, tl, sScore, sBlock, tid);
 }
 
-// The TMA descriptor of k_idx, a (T, Hki, Di) tensor with strides in elements: boxes of 64 Di x 1 head
+// The TMA descriptor of k_idx, a (Tk, Hki, Di) tensor with strides in elements: boxes of 64 Di x 1 head
 // x 128 tokens, 128-byte swizzle (the KMajorSw128 panel layout), zeros out of bounds.
 template <typename T, int D>
 cudaError_t make_k_map(const IndexTopkParams& p, CUtensorMap* map) {
-  return make_rows_map<T>(p.k_idx, D, p.num_key_heads, p.total_tokens, p.k_stride_h, p.k_stride_t,
+  return make_rows_map<T>(p.k_idx, D, p.num_key_heads, p.total_tokens_k, p.k_stride_h, p.k_stride_t,
                           IndexTopkShape::kKeys, map);
 }
 

@@ -121,8 +121,10 @@ __global__ void __launch_bounds__(kThreads, 1) sparse_bwd_ws_kernel(SparseBwdPar
   const int key = it.x;
   const int u_begin = it.y, u_end = min(u_begin + p.units_per_item, p.offsets[key + 1]);
   const int r = key / p.max_blocks, gb = key % p.max_blocks;
-  const BlockSpan span = block_span(p.block_offsets, p.cu_seqlens, p.num_seqs, gb, p.block_size);
-  const int seq_start = span.seq_start, key0 = span.key0, blen = span.blen;
+  const BlockSpan span = block_span(p.block_offsets, p.cu_seqlens, p.cu_seqlens_k, p.num_seqs, gb, p.block_size);
+  // The block's first key row, and the query row at its first key's position (one value without a key
+  // layout): a query row t sees the block's keys up to t - kpos0.
+  const int krow0 = span.k_start + span.key0, kpos0 = span.q_origin + span.key0, blen = span.blen;
   const int G = p.hq / p.hi;
   const int J = p.hkv > p.hi ? p.hkv / p.hi : 1;
   const int Gu = G / J;
@@ -171,7 +173,7 @@ __global__ void __launch_bounds__(kThreads, 1) sparse_bwd_ws_kernel(SparseBwdPar
           const int head = h0 + (row - u * Gu);
           sTok[row] = tok;
           sHead[row] = head;
-          reinterpret_cast<int*>(st + L::s_lim)[row] = ok ? min(blen - 1, tok - seq_start - key0) : -1;
+          reinterpret_cast<int*>(st + L::s_lim)[row] = ok ? min(blen - 1, tok - kpos0) : -1;
           const int64_t o = ok ? int64_t(head) * p.total_tokens + tok : 0;
           cp_async_4(st + L::s_lse + row * 4, p.lse + o, ok);
           cp_async_4(st + L::s_delta + row * 4, p.delta + o, ok);
@@ -239,8 +241,8 @@ __global__ void __launch_bounds__(kThreads, 1) sparse_bwd_ws_kernel(SparseBwdPar
   const int kabs0 = wg * 64 + key_row, kabs1 = kabs0 + 8;                   // in the block
   auto load_kv = [&](int j) {
     const int kvh = (r * G + j * Gu) / (p.hq / p.hkv);
-    const T* ks = static_cast<const T*>(p.k) + int64_t(seq_start + key0) * p.k_stride_t + int64_t(kvh) * p.k_stride_h;
-    const T* vs = static_cast<const T*>(p.v) + int64_t(seq_start + key0) * p.v_stride_t + int64_t(kvh) * p.v_stride_h;
+    const T* ks = static_cast<const T*>(p.k) + int64_t(krow0) * p.k_stride_t + int64_t(kvh) * p.k_stride_h;
+    const T* vs = static_cast<const T*>(p.v) + int64_t(krow0) * p.v_stride_t + int64_t(kvh) * p.v_stride_h;
     for (int i = ct; i < kKeys * kChunks; i += 256) {
       const int row = i / kChunks, c = i % kChunks;
       const bool ok = row < blen;
@@ -405,7 +407,7 @@ __global__ void __launch_bounds__(kThreads, 1) sparse_bwd_ws_kernel(SparseBwdPar
     }
     fence_regs(dk_w);
     fence_regs(dv_w);
-    sm80::flush_dkv<D, kDet>(p, dk, dv, wg * 4 + wq, g, tq, item * J + j, blen, seq_start + key0, kvh);
+    sm80::flush_dkv<D, kDet>(p, dk, dv, wg * 4 + wq, g, tq, item * J + j, blen, krow0, kvh);
   }
 }
 

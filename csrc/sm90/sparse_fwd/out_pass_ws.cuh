@@ -130,7 +130,7 @@ __device__ __forceinline__ void load_block(const SparseFwdParams& p, const FwdIt
   using KT = KMajorSw128<kKeys, D>;
   using KiT = KMajorSw128<kKeys, kDi>;
   constexpr int kChunks = D / 8;
-  const int tok0 = f.span.seq_start + f.span.key0, blen = f.span.blen;
+  const int tok0 = f.span.k_start + f.span.key0, blen = f.span.blen;
   const int kvh = (f.r * kGu) / (p.hq / p.hkv);
   const T* ks = static_cast<const T*>(p.k) + int64_t(tok0) * p.k_stride_t + int64_t(kvh) * p.k_stride_h;
   const T* vs = static_cast<const T*>(p.v) + int64_t(tok0) * p.v_stride_t + int64_t(kvh) * p.v_stride_h;
@@ -201,7 +201,8 @@ __global__ void __launch_bounds__(kThreads, 1) out_pass_ws_kernel(SparseFwdParam
   FwdItem f;
   if (!fwd_item(p, f)) return;
   const int r = f.r, u_begin = f.u_begin, n_units = f.n_units;
-  const int seq_start = f.span.seq_start, key0 = f.span.key0, blen = f.span.blen;
+  // The query row at the block's first key's position: a query row t sees the block's keys up to t - kpos0.
+  const int kpos0 = f.span.q_origin + f.span.key0, blen = f.span.blen;
   const int n_tiles = (n_units + kUnits - 1) / kUnits;
   const int tid = threadIdx.x;
 
@@ -314,10 +315,10 @@ __global__ void __launch_bounds__(kThreads, 1) out_pass_ws_kernel(SparseFwdParam
     const float e0 = sLse[row0] * kLog2e, e1 = sLse[row1] * kLog2e;
     const float li0 = kDsi ? sLseIdx[uu0] * kLog2e : 0.f, li1 = kDsi ? sLseIdx[uu1] * kLog2e : 0.f;
     // Last visible key (block-relative) of a unit, -1 past the tile's units.
-    auto key_limit = [&](int u) { return u < nu ? min(blen - 1, sTok[u] - seq_start - key0) : -1; };
+    auto key_limit = [&](int u) { return u < nu ? min(blen - 1, sTok[u] - kpos0) : -1; };
     const int lim0 = key_limit(uu0), lim1 = key_limit(uu1);
     // Units are in token order: when the first sees the whole block, every unit does.
-    const bool full_tile = blen == kKeys && sTok[0] - seq_start - key0 >= kKeys - 1;
+    const bool full_tile = blen == kKeys && sTok[0] - kpos0 >= kKeys - 1;
     auto exp_tile = [&](auto masked) {
       constexpr bool kMasked = decltype(masked)::value;
 #pragma unroll

@@ -65,7 +65,8 @@ __global__ void __launch_bounds__(kThreads, 1) stats_pass_ws_kernel(SparseFwdPar
   FwdItem f;
   if (!fwd_item(p, f)) return;
   const int r = f.r, n_units = f.n_units;
-  const int seq_start = f.span.seq_start, key0 = f.span.key0, blen = f.span.blen;
+  // The query row at the block's first key's position: a query row t sees the block's keys up to t - kpos0.
+  const int kpos0 = f.span.q_origin + f.span.key0, blen = f.span.blen;
   const int n_tiles = (n_units + kUnits - 1) / kUnits;
   const int tid = threadIdx.x;
 
@@ -119,7 +120,7 @@ __global__ void __launch_bounds__(kThreads, 1) stats_pass_ws_kernel(SparseFwdPar
     const int ub = t * kUnits, nu = min(kUnits, n_units - ub);
     const int* sEntry = sEntryAll + ub;
     const int* sTok = sTokAll + ub;
-    auto key_limit = [&](int u) { return u < nu ? min(blen - 1, sTok[u] - seq_start - key0) : -1; };
+    auto key_limit = [&](int u) { return u < nu ? min(blen - 1, sTok[u] - kpos0) : -1; };
     float2* part = sPart + buf * kParts * kUnits;
 
     float sw[kKeys / 2];
@@ -175,7 +176,7 @@ __global__ void __launch_bounds__(kThreads, 1) stats_pass_ws_kernel(SparseFwdPar
 #pragma unroll
         for (int e = 0; e < 4; ++e) c[n][e] = sw[4 * n + e];
       const int lim0 = key_limit(uu0), lim1 = key_limit(uu1);
-      const bool full_tile = blen == kKeys && sTok[0] - seq_start - key0 >= kKeys - 1;
+      const bool full_tile = blen == kKeys && sTok[0] - kpos0 >= kKeys - 1;
       if (!full_tile || !(p.scale_log2 > 0.f)) {
 #pragma unroll
         for (int n = 0; n < kKeys / 8; ++n) {

@@ -58,7 +58,7 @@ __global__ void det_grid_kernel(DetGridParams p) {
 
 __global__ void item_reduce_kernel(ItemReduceParams p) {
   const int gb = blockIdx.x, o = blockIdx.y;
-  const BlockSpan span = block_span(p.block_offsets, p.cu_seqlens, p.num_seqs, gb, p.block_size);
+  const BlockSpan span = block_span(p.block_offsets, p.cu_seqlens, p.cu_seqlens_k, p.num_seqs, gb, p.block_size);
   if (span.blen <= 0) return;
   const bool many = p.hi >= p.hout;  // several index groups per output head, J = 1
   const int J = many ? 1 : p.hout / p.hi;
@@ -74,7 +74,7 @@ __global__ void item_reduce_kernel(ItemReduceParams p) {
       for (int it = p.item_offsets[key]; it < p.item_offsets[key + 1]; ++it)
         acc += p.part[((int64_t(it) * J + j) * p.ntensors + t) * plane + int64_t(row) * p.width + col];
     }
-    float* dst = p.out[t] + (int64_t(span.seq_start + span.key0 + row) * p.hout + o) * p.width + col;
+    float* dst = p.out[t] + (int64_t(span.k_start + span.key0 + row) * p.hout + o) * p.width + col;
     *dst += acc;  // one owner per element: the reductions of successive chunks run in stream order
   }
 }
