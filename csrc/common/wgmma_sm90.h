@@ -87,27 +87,36 @@ struct KMajorSw128 {
   __device__ __forceinline__ static constexpr uint32_t kstep_bytes(int ks) {
     return uint32_t((ks / 4) * kPanelElems * 2 + (ks % 4) * 32);
   }
+  // The descriptor is the tile's base descriptor plus the k-step's byte offset / 16 in the start-address
+  // field: shared addresses are below 2^18, so the 14-bit field never carries. The base part is the same
+  // for every k-step (computed once), the offset a constant: one 64-bit add per wgmma.
   __device__ __forceinline__ static uint64_t desc(uint32_t base_smem_addr, int ks) {
-    const uint32_t addr = base_smem_addr + kstep_bytes(ks);
     uint64_t d = 0;
-    d |= uint64_t((addr & 0x3FFFF) >> 4);  // start address, bits 0-13
-    d |= uint64_t(1) << 16;                // leading byte offset (unused with a swizzle)
-    d |= uint64_t(1024 >> 4) << 32;        // stride byte offset, bits 32-45
-    d |= uint64_t(1) << 62;                // layout type: 128-byte swizzle
-    return d;
+    d |= uint64_t((base_smem_addr & 0x3FFFF) >> 4);  // start address, bits 0-13
+    d |= uint64_t(1) << 16;                          // leading byte offset (unused with a swizzle)
+    d |= uint64_t(1024 >> 4) << 32;                  // stride byte offset, bits 32-45
+    d |= uint64_t(1) << 62;                          // layout type: 128-byte swizzle
+    return d + (kstep_bytes(ks) >> 4);
+  }
+  // The descriptors rebuilt from the k-step's byte address at every call (the arithmetic before the base +
+  // offset form): the general sm_90a backward keeps them, as the precomputed bases cost it a 72-byte spill.
+  __device__ __forceinline__ static uint64_t desc_rebuilt(uint32_t base_smem_addr, int ks) {
+    return desc(base_smem_addr + kstep_bytes(ks), 0);
+  }
+  __device__ __forceinline__ static uint64_t desc_mn_rebuilt(uint32_t base_smem_addr, int ks) {
+    return desc_mn(base_smem_addr + ks * 16 * 128, 0);
   }
   // The same tile read as an MN-major B operand (its rows run along the MMA's K, its K columns are the
   // N dimension, e.g. V for P V): descriptor of rows 16 ks .. 16 ks + 15 (two 8-row atoms, 1024 bytes
   // apart: the stride byte offset) over all columns (64-column panels R * 128 bytes apart: the leading
   // byte offset). The canonical MN-major 128B-swizzle layout ((8 x 16 B, panels), (8 rows, atoms)).
   __device__ __forceinline__ static uint64_t desc_mn(uint32_t base_smem_addr, int ks) {
-    const uint32_t addr = base_smem_addr + ks * 16 * 128;
     uint64_t d = 0;
-    d |= uint64_t((addr & 0x3FFFF) >> 4);
+    d |= uint64_t((base_smem_addr & 0x3FFFF) >> 4);
     d |= uint64_t((kPanelElems * 2) >> 4) << 16;  // leading byte offset: next 64 columns
     d |= uint64_t(1024 >> 4) << 32;               // stride byte offset: next 8 rows
     d |= uint64_t(1) << 62;
-    return d;
+    return d + uint64_t(ks * 16 * 128 >> 4);      // as desc: the k-step's rows added to the start address
   }
 };
 

@@ -377,10 +377,10 @@ __global__ void __launch_bounds__(SparseBwdShape::kThreads, 1) sparse_bwd_kernel
           sm90::wgmma_fence();
 #pragma unroll
           for (int ks = 0; ks < D / 16; ++ks)
-            sm90::WgmmaSS<T, 32>::run(s_w, QW::desc(q_addr, ks), KW::desc(k_addr, ks), ks > 0);
+            sm90::WgmmaSS<T, 32>::run(s_w, QW::desc_rebuilt(q_addr, ks), KW::desc_rebuilt(k_addr, ks), ks > 0);
 #pragma unroll
           for (int ks = 0; ks < D / 16; ++ks)
-            sm90::WgmmaSS<T, 32>::run(dp_w, QW::desc(do_addr, ks), KW::desc(v_addr, ks), ks > 0);
+            sm90::WgmmaSS<T, 32>::run(dp_w, QW::desc_rebuilt(do_addr, ks), KW::desc_rebuilt(v_addr, ks), ks > 0);
           sm90::wgmma_commit();
           sm90::wgmma_wait<0>();
         } else {
@@ -427,7 +427,7 @@ __global__ void __launch_bounds__(SparseBwdShape::kThreads, 1) sparse_bwd_kernel
               [&](uint32_t(&a)[4], int kk) {
                 ldmatrix_x4(a, sdS + KTile::offset(rw * 16 + lane % 16, kk * 2 + lane / 16));
               },
-              [&](int kk) { return KW::desc_mn(k_addr, kk); }, false);
+              [&](int kk) { return KW::desc_mn_rebuilt(k_addr, kk); }, false);
         }
         // Key phase: keys [16 warp, +16): dV += P^T dO, dK += dS^T Q over the tile's rows. A = P^T and
         // dS^T (m = keys, k = rows) by transposed ldmatrix, all four row steps, then eight wgmma m64nDk16
@@ -447,8 +447,8 @@ __global__ void __launch_bounds__(SparseBwdShape::kThreads, 1) sparse_bwd_kernel
           sm90::wgmma_fence();
 #pragma unroll
           for (int kr = 0; kr < Sh::kRows / 16; ++kr) {
-            sm90::WgmmaRS<T, D, true>::run(dv_w, ap[kr], QW::desc_mn(do_addr, kr), true);
-            sm90::WgmmaRS<T, D, true>::run(dk_w, as[kr], QW::desc_mn(q_addr, kr), true);
+            sm90::WgmmaRS<T, D, true>::run(dv_w, ap[kr], QW::desc_mn_rebuilt(do_addr, kr), true);
+            sm90::WgmmaRS<T, D, true>::run(dk_w, as[kr], QW::desc_mn_rebuilt(q_addr, kr), true);
           }
           sm90::wgmma_commit();
         }
