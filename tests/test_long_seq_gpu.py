@@ -186,3 +186,57 @@ def test_warmup_long_sequence_sampled_rows(dtype, monkeypatch):
     e_dki = block_grads(x, blk0, sel_t, sel_r, *args, torch.float64)[2]
     l_dki = block_grads(x, blk0, sel_t, sel_r, *args, dtype)[2]
     _assert_style("dk_idx (last block)", dk_idx[blk0:], e_dki, l_dki, dtype, abs(kl_coef))
+
+
+@pytest.mark.parametrize("N,Nq", [(131072, 32768), (1048576, 131072)])
+def test_suffix_long_sequence_sampled_rows(N, Nq):
+    """Queries that are the last Nq of N keys (a query shard of context parallelism, bottom-right causal) at
+    the lengths CP runs: sampled query rows (out, lse, dq, dq_idx, KL row terms, lse_idx, the selection)
+    against the exact per-row computation on the whole sequence, and dk / dv / dk_idx of kv blocks before
+    the first query (keys only), in the middle and last, from every query row that selected them."""
+    dtype = torch.bfloat16
+    Hq, Hkv, Hi, Hki = HEADS
+    s0 = N - Nq  # the first query's position
+    x = _inputs(N, dtype, seed=N + Nq)  # the whole sequence; the call gets the queries' rows s0..N-1
+    dev = "cuda"
+    cu = torch.tensor([0, N], dtype=torch.int32, device=dev)  # the oracle's layout: positions = key rows
+    cu_q = torch.tensor([0, Nq], dtype=torch.int32, device=dev)
+    scale, iscale = 1 / math.sqrt(D), 1 / math.sqrt(Di)
+    dkl = torch.tensor(1.0, device=dev)
+    ops = torch.ops.msa
+    q, qi, do = x["q"][s0:], x["q_idx"][s0:], x["dout"][s0:]
+    out, kl, idx, lse, lse_idx, g_q, g_k, kl_rows = ops.msa_fwd(
+        q, x["k"], x["v"], qi, x["k_idx"], cu_q, Nq, TOPK, BS, scale, iscale, False, True, True, False, cu, N)
+    dq, dk, dv, dq_idx, dk_idx = ops.msa_bwd(
+        do, dkl, q, x["k"], x["v"], out, lse, qi, x["k_idx"], lse_idx, idx, g_q, g_k, cu_q, Nq, BS, scale, iscale,
+        False, False, cu, N)
+    del g_q, g_k
+    assert dk.shape[0] == N and dk_idx.shape[0] == N and dq.shape[0] == Nq
+    kl_coef = dkl.item() / (Nq * Hi)  # the KL rows are the query rows
+
+    def whole(t, dim):  # a query-row tensor placed at its positions in the whole sequence
+        shape = list(t.shape)
+        shape[dim] = N
+        w = t.new_full(shape, -1 if t.dtype == torch.int32 else 0)
+        w.narrow(dim, s0, Nq).copy_(t)
+        return w
+
+    idx_w = whole(idx, 1)  # rows before s0: no selection (-1), so no oracle row selects through them
+    g = torch.Generator(device="cpu").manual_seed(N)
+    tokens = torch.unique(torch.cat([torch.arange(N - 64, N), torch.arange(s0, s0 + 32),
+                                     s0 + torch.randint(0, Nq, (96,), generator=g)])).to(dev)
+    check_selection(idx_w, tokens, x["q_idx"], x["k_idx"], cu, TOPK, BS, iscale)
+    args = (idx_w, cu, BS, scale, iscale, kl_coef)
+    _check_rows(x, tokens, args, dtype, whole(out, 0), whole(dq, 0), whole(dq_idx, 0), whole(lse, 1),
+                whole(lse_idx, 1), whole(kl_rows, 1))
+    nb = N // BS
+    for block in (s0 // BS // 2, nb // 2 + nb // 4, nb - 1):  # keys only, among the queries, the last
+        blk0 = block * BS
+        sel_t, sel_r = selectors(idx_w, cu, blk0, block, BS)
+        assert len(sel_t) >= BS, f"block {block}: too few selecting rows ({len(sel_t)})"
+        e_dk, e_dv, e_dki = block_grads(x, blk0, sel_t, sel_r, *args, torch.float64)
+        l_dk, l_dv, l_dki = block_grads(x, blk0, sel_t, sel_r, *args, dtype)
+        sl = slice(blk0, blk0 + BS)
+        _assert_style(f"dk (block {block})", dk[sl], e_dk, l_dk, dtype, 1.0)
+        _assert_style(f"dv (block {block})", dv[sl], e_dv, l_dv, dtype, 1.0)
+        _assert_style(f"dk_idx (block {block})", dk_idx[sl], e_dki, l_dki, dtype, abs(kl_coef))
