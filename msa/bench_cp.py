@@ -3,7 +3,9 @@
 Per N: fwd+bwd of `msa.distributed.msa_attention_cp` with the sequence of N tokens sharded over the P
 ranks (bench configuration of SPEC 8, bf16), and of `msa_attention` on one GPU (rank 0 alone) at N / P;
 tokens per second = tokens of the sequence / time of the step. Without CUDA it runs the CPU reference with
-gloo (a smoke run of the code path: those figures are no performance claim). `--save` writes the table
+gloo (a smoke run of the code path: those figures are no performance claim). `--backend gloo` on CUDA puts
+rank r on GPU r % device_count, so P ranks can share one GPU: a functional run of the CUDA path, also no
+performance claim (the table says so). The default lengths go to 2M tokens, one GPU's 1M step doubled. `--save` writes the table
 with date, commit, devices and command under benchmarks/results/ (rank 0).
 """
 from __future__ import annotations
@@ -71,7 +73,8 @@ def table(rows, P):
 def main(argv=None):
     p = argparse.ArgumentParser(prog="torchrun --nproc_per_node=P -m msa.bench_cp", description=__doc__,
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--seqlen", type=int, nargs="*", help="sequence lengths (default: 64K..256K on CUDA, 1K on CPU)")
+    p.add_argument("--seqlen", type=int, nargs="*", help="sequence lengths (default: 128K, 1M, 2M on CUDA; 1K on CPU)")
+    p.add_argument("--backend", choices=("nccl", "gloo"), help="default: nccl on CUDA, gloo on the CPU")
     p.add_argument("--layout", default="zigzag", choices=cp.LAYOUTS)
     p.add_argument("--mode", default="auto", choices=cp.MODES)
     p.add_argument("--reps", type=int, help="timed repetitions (median reported)")
@@ -79,12 +82,15 @@ def main(argv=None):
     args = p.parse_args(argv)
     on_gpu = torch.cuda.is_available()
     os.environ.setdefault("NCCL_NVLS_ENABLE", "0")  # NVLink multicast off (it can take a shared host's GPUs down)
-    dist.init_process_group("nccl" if on_gpu else "gloo")
+    backend = args.backend or ("nccl" if on_gpu else "gloo")
+    dist.init_process_group(backend)
     P, rank = dist.get_world_size(), dist.get_rank()
-    device = torch.device("cuda", int(os.environ.get("LOCAL_RANK", rank))) if on_gpu else torch.device("cpu")
+    local = int(os.environ.get("LOCAL_RANK", rank))
+    device = torch.device("cuda", local % torch.cuda.device_count()) if on_gpu else torch.device("cpu")
     if on_gpu:
         torch.cuda.set_device(device)
-    args.seqlen = args.seqlen or ([65536, 131072, 262144] if on_gpu else [1024])
+    shared = on_gpu and backend == "gloo"  # ranks may share a GPU: not a measurement of P GPUs
+    args.seqlen = args.seqlen or ([131072, 1048576, 2097152] if on_gpu else [1024])
     args.reps = args.reps or (5 if on_gpu else 2)
     try:
         rows = run(args, device, P, rank)
@@ -92,8 +98,13 @@ def main(argv=None):
         dist.destroy_process_group()
     if rank:
         return 0
-    what = (f"{P} x {torch.cuda.get_device_name(device)}" if on_gpu else f"{P} CPU processes (gloo; a smoke run, "
-            f"no performance claim)")
+    if shared:
+        what = (f"{P} ranks over gloo on {min(P, torch.cuda.device_count())} x {torch.cuda.get_device_name(device)} "
+                f"(a functional run of the CUDA path, no performance claim)")
+    elif on_gpu:
+        what = f"{P} x {torch.cuda.get_device_name(device)} ({backend})"
+    else:
+        what = f"{P} CPU processes (gloo; a smoke run, no performance claim)"
     cmd = f"torchrun --nproc_per_node={P} -m msa.bench_cp {' '.join(argv if argv is not None else sys.argv[1:])}"
     text = "\n".join([
         "# msa context-parallel benchmark", "",
@@ -105,7 +116,7 @@ def main(argv=None):
         table(rows, P), ""])
     print(text)
     if args.save:
-        save_result(text, args.save, f"cp{P}-{'gpu' if on_gpu else 'cpu'}")
+        save_result(text, args.save, f"cp{P}-{'gpu-gloo-functional' if shared else 'gpu' if on_gpu else 'cpu'}")
     return 0
 
 
