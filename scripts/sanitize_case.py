@@ -57,4 +57,17 @@ for dtype, di, bs, topk, lengths in [(torch.bfloat16, 128, 128, 16, [700, 129, 1
         torch.ops.msa.msa_bwd(torch.randn_like(out), torch.tensor(1.0, device="cuda"), *bad[:3], out, lse, *bad[3:],
                               lse_idx, idx4, g_q, g_k, cu, max(lengths), bs, 0.088, 0.088, False)
     torch.cuda.synchronize()
+# Queries that are a suffix of the keys, few of them over many key blocks (more keys than entries: the work
+# list, its launch order and the grid are bounded by the entries), fwd + bwd, deterministic too.
+cu_q = torch.tensor([0, 1, 4], dtype=torch.int32, device="cuda")
+cu_k = torch.tensor([0, 20000, 29000], dtype=torch.int32, device="cuda")
+q, qi = torch.randn(4, 8, 128, device="cuda", dtype=torch.bfloat16), torch.randn(4, 4, 128, device="cuda", dtype=torch.bfloat16)
+k, v = (torch.randn(29000, 2, 128, device="cuda", dtype=torch.bfloat16) for _ in range(2))
+ki = torch.randn(29000, 1, 128, device="cuda", dtype=torch.bfloat16)
+for det in (False, True):
+    out, kl, idx, lse, lse_idx, g_q, g_k, _ = torch.ops.msa.msa_fwd(q, k, v, qi, ki, cu_q, 3, 16, 64, 0.088, 0.088,
+                                                                    False, True, True, det, cu_k, 20000)
+    torch.ops.msa.msa_bwd(torch.randn_like(out), torch.tensor(1.0, device="cuda"), q, k, v, out, lse, qi, ki, lse_idx,
+                          idx, g_q, g_k, cu_q, 3, 64, 0.088, 0.088, False, det, cu_k, 20000)
+torch.cuda.synchronize()
 print("sanitize case done")

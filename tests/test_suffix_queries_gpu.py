@@ -25,6 +25,8 @@ CASES = [  # (len_q per sequence, len_k per sequence, block size, topk): shifts 
     ([64, 65, 7], [128, 130, 72], 128, 3),     # shifts 64, 65, 65
     ([200, 1, 129], [201, 1000, 258], 64, 16),  # shifts 1, 999, 129
     ([300], [2348], 128, 16),                  # shift 2048: many blocks before the first query
+    ([1, 3], [20000, 9000], 64, 16),           # decode over many key blocks: more keys than entries (the work
+                                               # list's bound min(num_keys, entries) sizes the forward's grid)
 ]
 
 
@@ -144,7 +146,7 @@ def test_batched_suffix(warmup):
 
 
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
-@pytest.mark.parametrize("case", [0, 2, 4, 5])
+@pytest.mark.parametrize("case", [0, 2, 4, 5, 6])
 def test_suffix_equals_the_square_call_on_its_rows(case, dtype):
     """The main branch of the square CUDA call on the keys' layout (the same selection on the query rows):
     out and lse on the query rows; dq there, dk and dv everywhere for a dout that is zero on the other rows."""

@@ -149,7 +149,7 @@ FwdBench::FwdBench(const Problem& pb_, const FwdConfig& cfg_, int n_sets, uint64
       c.rp.emit_entries = true;
       c.rp.token_begin = int(t0);
       c.rp.token_end = int(t0 + c.tokens);
-      c.rp.max_items = int(fwd_max_items(Hi * c.tokens * K, cfg.units_per_item, ri.num_keys));  // the grid
+      c.rp.max_items = int(max_work_items(Hi * c.tokens * K, cfg.units_per_item, ri.num_keys));  // the grid
       st.chunks.push_back(std::move(c));
     }
     sets.push_back(std::move(st));

@@ -99,7 +99,7 @@ int main(int argc, char** argv) {
       for (int64_t t0 = 0; t0 < T; t0 += chunk) {
         const int64_t nc = Hi * std::min(chunk, T - t0) * K;
         bytes += 8.0 * nc + 4.0 * (rs.num_keys + 1) +
-                 list_bytes(rs.num_keys, fwd_max_items(nc, fcfg.units_per_item, rs.num_keys), true, rs.order);
+                 list_bytes(rs.num_keys, max_work_items(nc, fcfg.units_per_item, rs.num_keys), true, rs.order);
       }
       const double ms = time_ms(opt, s, n_sets, [&](int i) {
         ReverseIndexParams p = ri.p;
@@ -108,7 +108,7 @@ int main(int argc, char** argv) {
           const int64_t tc = std::min(chunk, T - t0);
           p.token_begin = int(t0);
           p.token_end = int(t0 + tc);
-          p.max_items = int(fwd_max_items(Hi * tc * K, fcfg.units_per_item, rs.num_keys));
+          p.max_items = int(max_work_items(Hi * tc * K, fcfg.units_per_item, rs.num_keys));
           BENCH_CHECK(run_reverse_index(p, s));
         }
       });

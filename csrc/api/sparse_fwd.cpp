@@ -129,7 +129,7 @@ SparseForward sparse_forward_cuda(const Tensor& q_in, const Tensor& k_in, const 
 
   // Chunk of query tokens: its per-entry partials (output rows + stats) fit the budget. Deterministic
   // mode adds index_dk's per-item dk_idx partials: 128 x Di fp32 per item of <= units_per_item entries
-  // (and one more item per key: the +num_keys below).
+  // (and at most one more item per key with an entry: max_work_items).
   const bool det = grad && deterministic;
   const int units_per_item = fwd_units_per_item();
   // per_token does not depend on no_stats (idx_stats is then not allocated): the same chunks either way.
@@ -154,7 +154,7 @@ SparseForward sparse_forward_cuda(const Tensor& q_in, const Tensor& k_in, const 
     // rounding of dsi to the input dtype. dk_idx: per-item partials, reduced per chunk.
     dqi_grid = det_grid({ki}, 1, 4.0 * index_scale / double(T * Hi), topk * J);
     dqi_lo = zeros_as(res.kl_dq_idx);
-    dki_part = empty({fwd_max_items(entries, units_per_item, num_keys) * 128 * Di}, kFloat, q);
+    dki_part = empty({max_work_items(entries, units_per_item, num_keys) * 128 * Di}, kFloat, q);
   }
 
   ReverseIndex ri = alloc_reverse_index(indices, seqs, topk, block_size, entries, units_per_item);
@@ -268,7 +268,8 @@ SparseForward sparse_forward_cuda(const Tensor& q_in, const Tensor& k_in, const 
     const int64_t n = Hi * tc * topk;
     rp.token_begin = int(t0);
     rp.token_end = int(t0 + tc);
-    fp.work.max_items = int(fwd_max_items(n, units_per_item, num_keys));
+    // The grid: the chunk's work-list bound, within the one the buffers were sized for (n <= entries).
+    fp.work.max_items = int(max_work_items(n, units_per_item, num_keys));
     rp.max_items = fp.work.max_items;  // the launch order covers the grid
     MSA_LAUNCH_CHECK(run_reverse_index(rp, stream), "sparse_fwd (reverse index)");
     // Slots that select nothing are never written: their stats stay (0, 0), "no keys".

@@ -35,6 +35,14 @@ inline int64_t fwd_partial_budget(int64_t tokens, int64_t hq, int64_t d, bool tr
 
 // ---- reverse index -------------------------------------------------------------------------------------
 
+// Work items of `entries` entries over `num_keys` keys, at most `units_per_item` entries each: the sum over keys
+// of ceil(count / per_item) <= entries / per_item + the keys with an entry, and those are at most
+// min(num_keys, entries) (with few queries over many key blocks, the second term keeps the grid and the
+// deterministic partials from growing with the keys; only idle CTAs change otherwise).
+inline int64_t max_work_items(int64_t entries, int64_t units_per_item, int64_t num_keys) {
+  return entries / units_per_item + std::min(num_keys, entries);
+}
+
 // Element counts and workspace bytes of one reverse index over `heads` x `tokens` x `topk` slots (query
 // tokens) of keys from `tokens_k` key rows, with room for `capacity` entries (all of them, or one query
 // chunk's); units_per_item > 0 adds the work list and `order` its launch order.
@@ -66,10 +74,7 @@ inline ReverseIndexSizes reverse_index_sizes(int64_t heads, int64_t tokens, int6
   s.num_keys = heads * s.max_blocks;
   s.units_per_item = units_per_item > 0 ? units_per_item : 0;
   s.order = s.units_per_item > 0 && order;
-  // The work list: sum over keys of ceil(count / per_item) <= capacity / per_item + the keys with an entry,
-  // and those are at most min(num_keys, capacity) (with few queries over many key blocks, the second term keeps
-  // the grid and the deterministic partials from growing with the keys; only idle CTAs change otherwise).
-  s.max_items = s.units_per_item > 0 ? capacity / s.units_per_item + std::min(s.num_keys, capacity) : 0;
+  s.max_items = s.units_per_item > 0 ? max_work_items(capacity, s.units_per_item, s.num_keys) : 0;
   s.sort_bytes = reverse_index_sort_bytes(int(capacity), int(s.num_keys));
   s.scan_bytes = s.units_per_item > 0 ? reverse_index_scan_bytes(int(s.num_keys)) : 0;
   s.order_bytes = s.order ? reverse_index_order_bytes(int(s.max_items), int(s.units_per_item)) : 0;
@@ -170,11 +175,6 @@ inline int64_t fwd_bytes_per_token(int64_t hi, int64_t topk, int64_t g, int64_t 
 // Tokens per query chunk: the chunk's partials fit the budget (at least one token).
 inline int64_t fwd_chunk_tokens(int64_t tokens, int64_t bytes_per_token, int64_t budget) {
   return std::max<int64_t>(1, std::min<int64_t>(tokens, budget / bytes_per_token));
-}
-
-// Grid of the forward passes for a chunk of `entries` (Hi * chunk tokens * topk): a bound on its items.
-inline int64_t fwd_max_items(int64_t entries, int64_t units_per_item, int64_t num_keys) {
-  return entries / units_per_item + num_keys;
 }
 
 // The sm_90a output pass compiled for Gu = 4 heads per unit applies at J = 1, G = 4 (SparseFwdParams::fixed_gu).
