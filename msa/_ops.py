@@ -5,7 +5,6 @@ registered once, at import.
 """
 from __future__ import annotations
 
-import re
 
 import torch
 
@@ -37,29 +36,31 @@ def has_cuda_kernel(name: str) -> bool:
     return name in _CUDA_OPS
 
 
-def _seqs(cu_seqlens, total: int, max_seqlen: int) -> torch.Tensor:
+def _seqs(cu_seqlens, total: int, max_seqlen: int, side: str = "") -> torch.Tensor:
     """The CPU twin of csrc/api/cu_seqlens.cpp::seq_map: a checked cu_seqlens, or for None (the batched
-    layout) the offsets of T / max_seqlen sequences of max_seqlen tokens."""
+    layout) the offsets of T / max_seqlen sequences of max_seqlen tokens. side "_k": the keys' arguments
+    (cu_seqlens_k, max_seqlen_k, T_k), as the messages name them."""
+    cu_name, mx_name, t_name = f"cu_seqlens{side}", f"max_seqlen{side}", f"T{side}"
     if cu_seqlens is None:
         if max_seqlen < 1 or total % max_seqlen:
-            raise ValueError(f"max_seqlen: without cu_seqlens (the batched layout) expected a divisor of T = "
+            raise ValueError(f"{mx_name}: without {cu_name} (the batched layout) expected a divisor of {t_name} = "
                              f"{total}, got {max_seqlen}")
         return torch.arange(0, total + 1, max_seqlen, dtype=torch.int32)
     if cu_seqlens.dtype != torch.int32 or cu_seqlens.dim() != 1 or cu_seqlens.numel() < 2:
-        raise ValueError(f"cu_seqlens: expected int32 of shape (S+1,) with S >= 1, got {cu_seqlens.dtype} "
+        raise ValueError(f"{cu_name}: expected int32 of shape (S+1,) with S >= 1, got {cu_seqlens.dtype} "
                          f"{tuple(cu_seqlens.shape)}")
     cu = cu_seqlens.tolist()
     if cu[0] != 0:
-        raise ValueError(f"cu_seqlens: expected cu_seqlens[0] == 0, got {cu[0]}")
+        raise ValueError(f"{cu_name}: expected {cu_name}[0] == 0, got {cu[0]}")
     for s in range(1, len(cu)):
         if cu[s] < cu[s - 1]:
-            raise ValueError(f"cu_seqlens: expected non-decreasing offsets, got {cu[s - 1]} then {cu[s]} at "
+            raise ValueError(f"{cu_name}: expected non-decreasing offsets, got {cu[s - 1]} then {cu[s]} at "
                              f"position {s}")
     if cu[-1] != total:
-        raise ValueError(f"cu_seqlens: expected cu_seqlens[-1] == T = {total}, got {cu[-1]}")
+        raise ValueError(f"{cu_name}: expected {cu_name}[-1] == {t_name} = {total}, got {cu[-1]}")
     longest = max(b - a for a, b in zip(cu[:-1], cu[1:]))
     if max_seqlen < longest:
-        raise ValueError(f"max_seqlen: expected >= the longest sequence ({longest}), got {max_seqlen}")
+        raise ValueError(f"{mx_name}: expected >= the longest sequence ({longest}), got {max_seqlen}")
     return cu_seqlens
 
 
@@ -74,11 +75,7 @@ def _seqs_k(cu_q, cu_seqlens_k, total_k: int, max_seqlen_k) -> torch.Tensor | No
         return None
     if max_seqlen_k is None:
         raise ValueError("max_seqlen_k: expected an int with cu_seqlens_k, got None")
-    try:
-        cu_k = _seqs(cu_seqlens_k, total_k, max_seqlen_k)
-    except ValueError as e:  # name the key-side argument
-        msg = re.sub(r"\b(cu_seqlens|max_seqlen)\b", r"\1_k", str(e)).replace("T =", "T_k =")
-        raise ValueError(msg) from None
+    cu_k = _seqs(cu_seqlens_k, total_k, max_seqlen_k, side="_k")
     lq, lk = (cu_q[1:] - cu_q[:-1]).tolist(), (cu_k[1:] - cu_k[:-1]).tolist()
     if len(lq) != len(lk):
         raise ValueError(f"cu_seqlens_k: expected {len(lq)} sequences (those of the queries), got {len(lk)}")

@@ -36,7 +36,7 @@ import math
 import torch
 import torch.distributed as dist
 
-from .interface import msa_attention, msa_attention_varlen
+from .interface import _check_heads, msa_attention, msa_attention_varlen
 
 LAYOUTS = ("zigzag", "contiguous")
 MODES = ("auto", "head", "query")
@@ -54,7 +54,7 @@ def _world(group):
     return dist.get_world_size(group), dist.get_rank(group)
 
 
-def _check_layout(layout, n_local, P):
+def _check_layout(layout, n_local):
     if layout not in LAYOUTS:
         raise ValueError(f"layout: expected one of {LAYOUTS}, got {layout!r}")
     if layout == "zigzag" and n_local % 2:
@@ -87,8 +87,10 @@ def _count(ranges):
     return sum(e - a for a, e in ranges)
 
 
-def _positions(ranges):
-    return torch.cat([torch.arange(a, e) for a, e in ranges]) if ranges else torch.zeros(0, dtype=torch.int64)
+def _positions(ranges, device=None):
+    if not ranges:
+        return torch.zeros(0, dtype=torch.int64, device=device)
+    return torch.cat([torch.arange(a, e, device=device) for a, e in ranges])
 
 
 def _rows_of(ranges, sub):
@@ -198,16 +200,16 @@ def shard_sequence(x, group=None, *, layout="zigzag", dim=1):
     if N % (2 * P if layout == "zigzag" else P):
         raise ValueError(f"x: expected a sequence length divisible by {2 * P if layout == 'zigzag' else P} "
                          f"({layout} layout over {P} ranks), got {N}")
-    _check_layout(layout, N // P, P)
-    return x.index_select(dim, _positions(_owned(layout, N, P, rank)).to(x.device))
+    _check_layout(layout, N // P)
+    return x.index_select(dim, _positions(_owned(layout, N, P, rank), x.device))
 
 
 def shard_positions(n_local, group=None, *, layout="zigzag", device=None):
     """int64 (n_local,): the positions in the full sequence of this rank's rows (rotary embeddings of a
     sharded sequence take these, not 0..n_local-1)."""
     P, rank = _world(group)
-    _check_layout(layout, n_local, P)
-    return _positions(_owned(layout, n_local * P, P, rank)).to(device)
+    _check_layout(layout, n_local)
+    return _positions(_owned(layout, n_local * P, P, rank), device)
 
 
 def gather_sequence(y, group=None, *, layout="zigzag", dim=1):
@@ -215,7 +217,7 @@ def gather_sequence(y, group=None, *, layout="zigzag", dim=1):
     gradient of a rank's shard is the sum of every rank's gradient of those positions."""
     P, rank = _world(group)
     n = y.shape[dim]
-    _check_layout(layout, n, P)
+    _check_layout(layout, n)
     N = n * P
     x = y.movedim(dim, 1)
     lead, rest = x.shape[0], x.shape[2:]
@@ -299,12 +301,10 @@ def msa_attention_cp(q, k, v, q_idx, k_idx, *, group=None, layout="zigzag", mode
     if check_ranks:
         _check_ranks_agree(group, q, k, q_idx, k_idx, layout, mode, topk, block_size, warmup)
     B, n = q.shape[:2]
-    _check_layout(layout, n, P)
+    _check_layout(layout, n)
     N = n * P
     hq, hkv, hi, hki = q.shape[2], k.shape[2], q_idx.shape[2], k_idx.shape[2]
-    if hq % hi or hi % hki or hq % hkv:
-        raise ValueError(f"q_idx: expected heads with Hi | Hq, Hki | Hi and Hkv | Hq, got Hq={hq}, Hkv={hkv}, "
-                         f"Hi={hi}, Hki={hki}")
+    _check_heads(hq, hkv, hi, hki)
     ph = _head_shards(P, mode, hq, hkv, hi, hki)
     pq = P // ph
     owned = [_owned(layout, N, P, p) for p in range(P)]
@@ -331,8 +331,8 @@ def msa_attention_cp(q, k, v, q_idx, k_idx, *, group=None, layout="zigzag", mode
     else:
         lens = [e - a for a, e in runs]
         ks = [e for _, e in runs]
-        cu_q = _offsets(lens * B, q.device)
-        cu_k = _offsets(ks * B, q.device)
+        cu_q = _offsets(tuple(lens * B), q.device)
+        cu_k = _offsets(tuple(ks * B), q.device)
         flat_q = [t.reshape(B * t.shape[1], *t.shape[2:]) for t in (ql, qil)]
         flat_k = [torch.cat([t[b, :e] for b in range(B) for e in ks]) for t in (kl_, vl, kil)]
         o, kl_local = msa_attention_varlen(flat_q[0], flat_k[0], flat_k[1], flat_q[1], flat_k[2], cu_q, max(lens),
@@ -346,5 +346,8 @@ def msa_attention_cp(q, k, v, q_idx, k_idx, *, group=None, layout="zigzag", mode
     return out, kl
 
 
+@functools.lru_cache(maxsize=64)
 def _offsets(lengths, device):
+    """cu_seqlens of `lengths` (a tuple) on `device`, one tensor per value: every layer and step passes the same
+    one, so the ops' check of its values reads it back once (a new tensor per call would be read every call)."""
     return torch.tensor([0] + torch.tensor(lengths).cumsum(0).tolist(), dtype=torch.int32, device=device)

@@ -173,8 +173,13 @@ def _check_values_cuda(cu_seqlens, max_seqlen, total):
     module can only raise RuntimeError (it is built on PyTorch's stable ABI); here the ones about the
     values become the ValueError of SPEC 7. (Under torch.compile the ops' own RuntimeError is raised.)"""
     _require_kernel("validate_cu_seqlens", cu_seqlens)
+    _value_errors(ops.validate_cu_seqlens, cu_seqlens, total, max_seqlen)
+
+
+def _value_errors(op, *args):
+    """op(*args), its RuntimeError about cu_seqlens / max_seqlen values raised as SPEC 7's ValueError."""
     try:
-        ops.validate_cu_seqlens(cu_seqlens, total, max_seqlen)
+        return op(*args)
     except RuntimeError as e:
         m = _VALUE_ERROR.search(str(e))
         if m is None:
@@ -186,15 +191,7 @@ def _values_checked(op, *args):
     """op(*args) for ops given a key layout: the compiled module checks cu_seqlens_k's values against the
     queries' (same S, len_k >= len_q) where it reads them; in eager mode its RuntimeError about those values
     becomes SPEC 7's ValueError, as in _check_values_cuda."""
-    if torch.compiler.is_compiling():
-        return op(*args)
-    try:
-        return op(*args)
-    except RuntimeError as e:
-        m = _VALUE_ERROR.search(str(e))
-        if m is None:
-            raise
-        raise ValueError(str(e)[m.start():]) from None
+    return op(*args) if torch.compiler.is_compiling() else _value_errors(op, *args)
 
 
 def _check_cu_seqlens(cu_seqlens, device, name="cu_seqlens"):

@@ -18,6 +18,7 @@ import contextlib
 import torch
 from torch import nn
 
+from .distributed import LAYOUTS, MODES, msa_attention_cp, shard_positions
 from .interface import msa_attention, msa_attention_varlen
 
 __all__ = ["MSAAttention", "RotaryEmbedding", "apply_rotary", "kl_loss", "warmup", "set_warmup", "register_msa_module",
@@ -171,7 +172,6 @@ class MSAAttention(nn.Module):
 
     def set_context_parallel(self, group, layout: str = "zigzag", mode: str = "auto"):
         """Shard the sequence over `group` (None: no context parallelism): see the class docstring."""
-        from .distributed import LAYOUTS, MODES
         if layout not in LAYOUTS or mode not in MODES:
             raise ValueError(f"MSAAttention: cp_layout / cp_mode: expected one of {LAYOUTS} / {MODES}, got "
                              f"{layout!r} / {mode!r}")
@@ -200,7 +200,6 @@ class MSAAttention(nn.Module):
         if packed and self.cp_group is not None:
             raise ValueError("MSAAttention: cu_seqlens: context parallelism takes the batched layout (B, N / P, hidden)")
         if positions is None and self.cp_group is not None:
-            from .distributed import shard_positions
             positions = shard_positions(x.shape[1], self.cp_group, layout=self.cp_layout, device=x.device)
         elif positions is None:
             positions = (positions_from_cu_seqlens(cu_seqlens, x.shape[0]) if packed
@@ -219,7 +218,6 @@ class MSAAttention(nn.Module):
         kw = dict(topk=self.topk, block_size=self.block_size, softmax_scale=self.softmax_scale,
                   index_scale=self.index_scale, warmup=bool(self.warmup), deterministic=self.deterministic)
         if self.cp_group is not None:
-            from .distributed import msa_attention_cp
             out, kl = msa_attention_cp(q, k, v, qi, ki, group=self.cp_group, layout=self.cp_layout, mode=self.cp_mode,
                                        **kw)
         elif packed:

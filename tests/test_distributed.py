@@ -168,27 +168,28 @@ def test_cp_errors_without_a_process_group():
         msa.distributed.shard_sequence(x)
 
 
-def test_bench_cp_runs_under_torchrun(tmp_path):
-    """The CP benchmark (python -m msa.bench_cp under torchrun) runs end to end on the CPU with gloo."""
+def torchrun(*args, env=None):
+    """`torchrun --standalone --nproc_per_node=2 ARGS` (--master_port=0 hangs with this torch); asserts it exits 0."""
     import subprocess
     import sys
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2", "-m",
-           "msa.bench_cp", "--seqlen", "256", "--reps", "1", "--save", str(tmp_path)]
-    r = subprocess.run(cmd, capture_output=True, text=True, timeout=300, env={**os.environ, "OMP_NUM_THREADS": "1"})
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2", *args]
+    r = subprocess.run(cmd, capture_output=True, text=True, timeout=300, env=env)
     assert r.returncode == 0, r.stdout + r.stderr
+    return r
+
+
+def test_bench_cp_runs_under_torchrun(tmp_path):
+    """The CP benchmark (python -m msa.bench_cp under torchrun) runs end to end on the CPU with gloo."""
+    torchrun("-m", "msa.bench_cp", "--seqlen", "256", "--reps", "1", "--save", str(tmp_path),
+             env={**os.environ, "OMP_NUM_THREADS": "1"})
     saved = list(tmp_path.iterdir())
     assert len(saved) == 1 and "| 256 |" in saved[0].read_text()
 
 
 def test_context_parallel_example_runs_under_torchrun():
     """examples/context_parallel.py (the README's torchrun example) runs and matches the single-process call."""
-    import subprocess
-    import sys
     here = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2",
-           os.path.join(here, "examples", "context_parallel.py")]
-    r = subprocess.run(cmd, capture_output=True, text=True, timeout=300, env={**os.environ, "OMP_NUM_THREADS": "1"})
-    assert r.returncode == 0, r.stdout + r.stderr
+    r = torchrun(os.path.join(here, "examples", "context_parallel.py"), env={**os.environ, "OMP_NUM_THREADS": "1"})
     out_diff = float(r.stdout.split("max |out - single| = ")[1].split(",")[0])
     assert out_diff < 1e-6, r.stdout
     diffs = [float(line.split("max |diff| = ")[1].split()[0]) for line in r.stdout.splitlines() if "max |diff|" in line]

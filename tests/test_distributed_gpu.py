@@ -6,7 +6,7 @@ import os
 import pytest
 import torch
 
-from test_distributed import spawn
+from test_distributed import spawn, torchrun
 
 pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")]
 os.environ.setdefault("NCCL_NVLS_ENABLE", "0")
@@ -34,12 +34,7 @@ def test_cp_gloo_ranks_on_one_gpu(P):
 def test_bench_cp_runs_on_cuda(tmp_path):
     """The CP benchmark's CUDA path end to end (torchrun, two ranks over gloo on the available GPUs, short
     lengths): it runs, saves its table and labels it a functional run, not a measurement."""
-    import subprocess
-    import sys
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2", "-m", "msa.bench_cp",
-           "--backend", "gloo", "--seqlen", "8192", "--reps", "1", "--save", str(tmp_path)]
-    r = subprocess.run(cmd, capture_output=True, text=True, timeout=300)
-    assert r.returncode == 0, r.stdout + r.stderr
+    r = torchrun("-m", "msa.bench_cp", "--backend", "gloo", "--seqlen", "8192", "--reps", "1", "--save", str(tmp_path))
     saved = list(tmp_path.iterdir())
     assert len(saved) == 1 and "| 8192 |" in saved[0].read_text(), r.stdout
     assert "no performance claim" in saved[0].read_text()

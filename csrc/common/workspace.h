@@ -47,12 +47,12 @@ inline int64_t max_work_items(int64_t entries, int64_t units_per_item, int64_t n
 // tokens) of keys from `tokens_k` key rows, with room for `capacity` entries (all of them, or one query
 // chunk's); units_per_item > 0 adds the work list and `order` its launch order.
 struct ReverseIndexSizes {
-  int64_t heads = 0, tokens = 0, tokens_k = 0, topk = 0, num_seqs = 0, block_size = 0;
+  int64_t heads = 0, tokens = 0, topk = 0, num_seqs = 0, block_size = 0;
   int64_t capacity = 0;
   int64_t max_blocks = 0;      // tokens_k / block_size + num_seqs: bound on the global (key) blocks
   int64_t num_keys = 0;        // heads * max_blocks
   int64_t units_per_item = 0;  // 0: no work list
-  int64_t max_items = 0;       // capacity / units_per_item + num_keys (work list), else 0
+  int64_t max_items = 0;       // max_work_items(capacity, units_per_item, num_keys) (work list), else 0
   bool order = false;          // item_order (needs the work list)
   size_t sort_bytes = 0, scan_bytes = 0, order_bytes = 0;
   // One temp buffer serves the three (they run one after the other on one stream).
@@ -65,7 +65,6 @@ inline ReverseIndexSizes reverse_index_sizes(int64_t heads, int64_t tokens, int6
   ReverseIndexSizes s;
   s.heads = heads;
   s.tokens = tokens;
-  s.tokens_k = tokens_k;
   s.topk = topk;
   s.num_seqs = num_seqs;
   s.block_size = block_size;
