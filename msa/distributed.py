@@ -35,6 +35,13 @@ import math
 
 import torch
 import torch.distributed as dist
+# Imported here, at `import msa` (before init_process_group in any script): its functions' default argument
+# group=group.WORLD is evaluated at import, and torch imports it lazily (the first torch.library op call imports
+# torch._dynamo, which imports FSDP, which imports it). Imported after init, those defaults hold the default
+# process group past destroy_process_group; its gloo worker threads then live into the interpreter's exit and one
+# that drops the last reference to a Python-owned tensor there aborts the process (SIGABRT, "terminate called
+# without an active exception": tests/test_distributed.py's flaky CI failure).
+import torch.distributed.nn.functional  # noqa: F401
 
 from .interface import _check_heads, msa_attention, msa_attention_varlen
 

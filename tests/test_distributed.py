@@ -2,9 +2,11 @@
 single-process call on the full sequence: out, kl and all five gradients, both modes and layouts,
 fp64 and bf16. One spawn runs several configurations (a spawn costs a few seconds of imports)."""
 import copy
+import gc
 import os
 import tempfile
 import traceback
+import weakref
 
 import pytest
 import torch
@@ -121,6 +123,7 @@ def _worker(rank, P, path, errors, configs=None, backend=None):
         torch.cuda.set_device(rank % torch.cuda.device_count())
     backend = backend or ("gloo" if configs is None else "nccl")
     dist.init_process_group(backend, init_method=f"file://{path}", rank=rank, world_size=P)
+    world = weakref.ref(dist.group.WORLD)
     try:
         for cfg in CONFIGS[P] if configs is None else configs:
             _check(rank, P, *cfg)
@@ -144,6 +147,14 @@ def _worker(rank, P, path, errors, configs=None, backend=None):
         raise
     finally:
         dist.destroy_process_group()
+    # destroy_process_group frees the group (and joins its gloo threads) only if nothing else holds it: a group
+    # alive here lives into the interpreter's exit, where its threads can abort the process (msa/distributed.py)
+    gc.collect()
+    if world() is not None:
+        with open(f"{errors}.{rank}", "w") as f:
+            f.write(f"rank {rank}: the process group is still referenced after destroy_process_group "
+                    f"({len(gc.get_referrers(world()))} Python referrers)")
+        raise AssertionError("process group outlives destroy_process_group")
 
 
 def spawn(P, configs=None, backend=None):
