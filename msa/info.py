@@ -40,7 +40,7 @@ HERE = os.path.dirname(os.path.abspath(__file__))
 
 # Shared memory per block (bytes, bf16/fp16) of the default portable sparse kernels, keyed by (D, pass,
 # rows): pass 0 the forward stats pass, 1 the output pass (128- or 64-row tiles), 2 the backward. What
-# msa::sm80::sparse_smem_bytes (csrc/sm80/sparse_fwd/sparse_combine.cu) returned in a build of ce2aed0, and
+# msa::sm80::sparse_smem_bytes (then in csrc/sm80/sparse_fwd/sparse_combine.cu, now smem.cu) returned in a build of ce2aed0, and
 # what the Smem structs of csrc/sm80 give at 4cd68bb (a host program compiled against them). The rule needs
 # them only where torch.ops.msa.device_config gives no answer (builds before 05b7f82, or the op failing);
 # builds from 05b7f82 hide the function (-fvisibility=hidden), see _smem_table.

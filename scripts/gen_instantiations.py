@@ -8,11 +8,13 @@ KERNELS = {
     # name: (headers, [(launcher, params type)], head dims[, namespace (default sm80)])
     "index_topk": (["sm80/index_topk/index_topk_kernel.cuh"], [("launch_index_topk", "const IndexTopkParams&")],
                    (64, 128)),
-    "sparse_fwd": (["sm80/sparse_fwd/sparse_fwd_kernel.cuh", "sm80/sparse_fwd/sparse_combine.cuh"],
-                   [("launch_sparse_fwd", "const SparseFwdParams&, bool"),
-                    ("launch_sparse_combine_out", "const SparseCombineParams&")], (64, 128)),
+    "sparse_fwd": (["sm80/sparse_fwd/sparse_fwd_kernel.cuh"], [("launch_sparse_fwd", "const SparseFwdParams&, bool")],
+                   (64, 128)),
     "sparse_bwd": (["sm80/sparse_bwd/sparse_bwd_kernel.cuh"], [("launch_sparse_bwd", "const SparseBwdParams&")],
                    (64, 128)),
+    # Arch-neutral kernels (csrc/smxx), built with the portable ones.
+    "combine_out": (["smxx/combine/combine_out.cuh"], [("launch_sparse_combine_out", "const SparseCombineParams&")],
+                    (64, 128), "smxx"),
     # Hopper (sm90a) kernels: CMakeLists.txt lists these files under MSA_SM90_SOURCES.
     "index_topk_sm90": (["sm90/index_topk/index_topk_kernel.cuh"],
                         [("launch_index_topk", "const IndexTopkParams&")], (64, 128), "sm90"),

@@ -3,8 +3,11 @@
 #include <algorithm>
 #include <cstring>
 
-#include "sm80/reverse_index/reverse_index.h"
 #include "sm80/sparse_fwd/sparse_fwd.h"
+#include "sm90/sparse_fwd/sparse_fwd.h"
+#include "smxx/combine/combine.h"
+#include "smxx/index_dk/index_dk.h"
+#include "smxx/reverse_index/reverse_index.h"
 
 namespace msa::bench {
 
@@ -295,17 +298,17 @@ cudaError_t fwd_pass(const Problem& pb, const SparseFwdParams& fp, bool out_pass
 void FwdBench::stats_pass(int set, int c) const { BENCH_CHECK(fwd_pass(pb, fwd_params(set, c), false, stream)); }
 void FwdBench::out_pass(int set, int c) const { BENCH_CHECK(fwd_pass(pb, fwd_params(set, c), true, stream)); }
 void FwdBench::combine_stats(int set, int c) const {
-  BENCH_CHECK(sm80::launch_sparse_combine_stats(combine_params(set, c), stream));
+  BENCH_CHECK(smxx::launch_sparse_combine_stats(combine_params(set, c), stream));
 }
 void FwdBench::combine_out(int set, int c) const {
   const SparseCombineParams cp = combine_params(set, c);
-  dispatch(pb.fp16, pb.d, [&]<typename T, int D>() { BENCH_CHECK((sm80::launch_sparse_combine_out<T, D>(cp, stream))); });
+  dispatch(pb.fp16, pb.d, [&]<typename T, int D>() { BENCH_CHECK((smxx::launch_sparse_combine_out<T, D>(cp, stream))); });
 }
 void FwdBench::combine_kl(int set, int c) const {
-  BENCH_CHECK(sm80::launch_sparse_combine_kl(combine_params(set, c), stream));
+  BENCH_CHECK(smxx::launch_sparse_combine_kl(combine_params(set, c), stream));
 }
 void FwdBench::index_dk(int set, int c) const {
-  if (grad) BENCH_CHECK(sm80::launch_index_dk(dk_params(set, c), !pb.fp16, stream));
+  if (grad) BENCH_CHECK(smxx::launch_index_dk(dk_params(set, c), !pb.fp16, stream));
 }
 
 void FwdBench::forward(int set) const {

@@ -18,7 +18,7 @@
 #include <string>
 
 #include "bench_common.h"
-#include "sm80/reverse_index/reverse_index.h"
+#include "smxx/reverse_index/reverse_index.h"
 #ifdef MSA_WITH_SM90
 #include "sm90/dense_kl/dense_kl.h"
 #endif

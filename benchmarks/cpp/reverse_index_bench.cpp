@@ -11,7 +11,7 @@
 #include <cstring>
 
 #include "bench_fwd.h"
-#include "sm80/reverse_index/reverse_index.h"
+#include "smxx/reverse_index/reverse_index.h"
 
 using namespace msa;
 using namespace msa::bench;

@@ -5,9 +5,11 @@
 #include <memory>
 
 #include "bench_fwd.h"
-#include "sm80/reverse_index/reverse_index.h"
 #include "sm80/sparse_bwd/sparse_bwd.h"
 #include "sm80/sparse_fwd/sparse_fwd.h"
+#include "sm90/sparse_bwd/sparse_bwd.h"
+#include "smxx/bwd_delta/bwd_delta.h"
+#include "smxx/reverse_index/reverse_index.h"
 
 using namespace msa;
 using namespace msa::bench;
@@ -105,7 +107,7 @@ int main(int argc, char** argv) {
       dp.total_tokens = int(T);
       dp.hq = pb.hq;
       dp.d = pb.d;
-      BENCH_CHECK(sm80::launch_bwd_delta(dp, !pb.fp16, s));
+      BENCH_CHECK(smxx::launch_bwd_delta(dp, !pb.fp16, s));
       SparseBwdParams& p = ps[i];
       p.q = b.q.get();
       p.k = b.k.get();
@@ -161,7 +163,7 @@ int main(int argc, char** argv) {
     const double F = 4.0 * pb.d * pb.g * att;
     auto want = [&](const char* row) { return only.empty() || only == row; };
     if (want("delta")) {
-      const double ms = time_ms(opt, s, n_sets, [&](int i) { BENCH_CHECK(sm80::launch_bwd_delta(dps[i], !pb.fp16, s)); });
+      const double ms = time_ms(opt, s, n_sets, [&](int i) { BENCH_CHECK(smxx::launch_bwd_delta(dps[i], !pb.fp16, s)); });
       print_row("bwd_delta", shape, ms, 0, 2.0 * T * pb.hq * pb.d * pb.elem + 4.0 * pb.hq * T);
     }
     if (want("bwd")) {
@@ -171,7 +173,7 @@ int main(int argc, char** argv) {
     if (want("total")) {
       const double ms = time_ms(opt, s, n_sets, [&](int i) {
         zero(i);
-        BENCH_CHECK(sm80::launch_bwd_delta(dps[i], !pb.fp16, s));
+        BENCH_CHECK(smxx::launch_bwd_delta(dps[i], !pb.fp16, s));
         BENCH_CHECK(run_reverse_index(sets[i].ri->p, s));
         kernel(i);
       });

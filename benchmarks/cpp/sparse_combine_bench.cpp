@@ -1,5 +1,5 @@
-// Combine microbenchmark: the sparse forward's three combines (csrc/sm80/sparse_fwd/sparse_combine.cu /
-// .cuh) over every query chunk of N, on the partials of a real forward (set up as the op does).
+// Combine microbenchmark: the sparse forward's three combines (csrc/smxx/combine/combine.cu,
+// combine_out.cuh) over every query chunk of N, on the partials of a real forward (set up as the op does).
 // Bytes (gbps), per chunk, summed (n = Hi * chunk tokens * topk entries, every slot counted):
 //   combine_stats  read stats n G x 8 B (+ idx_stats n x 8 B), write lse Hq x 4 B (+ lse_idx Hi x 4 B) per token
 //   combine_out    read stats n G x 8 B (the valid flags: every float2's sector is fetched) and the output
@@ -11,6 +11,7 @@
 
 #include "bench_fwd.h"
 #include "sm80/sparse_fwd/sparse_fwd.h"
+#include "smxx/combine/combine.h"
 
 using namespace msa;
 using namespace msa::bench;
@@ -88,7 +89,7 @@ int main(int argc, char** argv) {
       if (fb.index) in.push_back(&st.idx_stats);
       const Replicas r(in, rotating_sets(opt, read, 64), s);
       const double ms = time_ms(opt, s, r.copies(), [&](int i) {
-        run_all(r, i, [&](const SparseCombineParams& cp) { BENCH_CHECK(sm80::launch_sparse_combine_stats(cp, s)); });
+        run_all(r, i, [&](const SparseCombineParams& cp) { BENCH_CHECK(smxx::launch_sparse_combine_stats(cp, s)); });
       });
       print_row("combine_stats", shape, ms, 0, bytes);
     }
@@ -98,7 +99,7 @@ int main(int argc, char** argv) {
       const Replicas r({&st.stats, &st.out_part}, rotating_sets(opt, read, 64), s);
       const double ms = time_ms(opt, s, r.copies(), [&](int i) {
         run_all(r, i, [&](const SparseCombineParams& cp) {
-          dispatch(pb.fp16, pb.d, [&]<typename E, int D>() { BENCH_CHECK((sm80::launch_sparse_combine_out<E, D>(cp, s))); });
+          dispatch(pb.fp16, pb.d, [&]<typename E, int D>() { BENCH_CHECK((smxx::launch_sparse_combine_out<E, D>(cp, s))); });
         });
       });
       print_row("combine_out", shape, ms, 0, bytes);
@@ -108,7 +109,7 @@ int main(int argc, char** argv) {
       const double bytes = read + T * pb.hi * 4;
       const Replicas r({&st.idx_stats, &st.kl_part, &st.lse_idx}, rotating_sets(opt, read, 64), s);
       const double ms = time_ms(opt, s, r.copies(), [&](int i) {
-        run_all(r, i, [&](const SparseCombineParams& cp) { BENCH_CHECK(sm80::launch_sparse_combine_kl(cp, s)); });
+        run_all(r, i, [&](const SparseCombineParams& cp) { BENCH_CHECK(smxx::launch_sparse_combine_kl(cp, s)); });
       });
       print_row("combine_kl", shape, ms, 0, bytes);
     }

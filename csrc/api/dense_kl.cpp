@@ -6,7 +6,7 @@
 #include "api/checks.h"
 #include "api/dispatch.h"
 #include "api/ops.h"
-#include "sm80/reverse_index/reverse_index.h"
+#include "smxx/reverse_index/reverse_index.h"
 #ifdef MSA_WITH_SM90
 #include "sm90/dense_kl/dense_kl.h"
 #endif

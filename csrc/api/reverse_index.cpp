@@ -6,7 +6,7 @@
 #include "api/dispatch.h"
 #include "api/ops.h"
 #include "common/workspace.h"
-#include "sm80/reverse_index/reverse_index.h"
+#include "smxx/reverse_index/reverse_index.h"
 
 namespace msa::api {
 

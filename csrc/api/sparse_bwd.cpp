@@ -10,6 +10,8 @@
 #include "common/workspace.h"
 #include "sm80/sparse_bwd/sparse_bwd.h"
 #include "sm80/sparse_fwd/sparse_fwd.h"
+#include "sm90/sparse_bwd/sparse_bwd.h"
+#include "smxx/bwd_delta/bwd_delta.h"
 
 namespace msa::api {
 
@@ -71,7 +73,7 @@ std::tuple<Tensor, Tensor, Tensor> sparse_backward_cuda(const Tensor& dout_in, c
     dp.total_tokens = int(T);
     dp.hq = int(Hq);
     dp.d = int(D);
-    MSA_LAUNCH_CHECK(sm80::launch_bwd_delta(dp, q.scalar_type() == kBFloat16, stream), "sparse_bwd (delta)");
+    MSA_LAUNCH_CHECK(smxx::launch_bwd_delta(dp, q.scalar_type() == kBFloat16, stream), "sparse_bwd (delta)");
 
     SparseBwdParams p{};
     p.q = q.data_ptr();
@@ -223,7 +225,7 @@ std::tuple<Tensor, Tensor, Tensor, Tensor, Tensor> msa_bwd_cuda(
     // One pass each: the fp32 gradient for d_kl = 1, times d_kl (a device scalar), cast to the input dtype.
     auto scale_cast = [&](const Tensor& g, const Tensor& like) {
       Tensor res = empty_as(like);
-      MSA_LAUNCH_CHECK(sm80::launch_scale_cast(ptr<float>(g), ptr<float>(s), res.data_ptr(), g.numel(),
+      MSA_LAUNCH_CHECK(smxx::launch_scale_cast(ptr<float>(g), ptr<float>(s), res.data_ptr(), g.numel(),
                                                like.scalar_type() == kBFloat16, stream),
                        "msa_bwd (index gradients)");
       return res;

@@ -10,8 +10,11 @@
 #include "api/dispatch.h"
 #include "api/ops.h"
 #include "common/workspace.h"
-#include "sm80/reverse_index/reverse_index.h"
 #include "sm80/sparse_fwd/sparse_fwd.h"
+#include "sm90/sparse_fwd/sparse_fwd.h"
+#include "smxx/combine/combine.h"
+#include "smxx/index_dk/index_dk.h"
+#include "smxx/reverse_index/reverse_index.h"
 
 namespace msa::api {
 namespace {
@@ -293,18 +296,18 @@ SparseForward sparse_forward_cuda(const Tensor& q_in, const Tensor& k_in, const 
       };
       if (!no_stats) {
         MSA_LAUNCH_CHECK(pass(false), "sparse_fwd (stats pass)");
-        MSA_LAUNCH_CHECK(sm80::launch_sparse_combine_stats(cp, stream), "sparse_fwd (stats combine)");
+        MSA_LAUNCH_CHECK(smxx::launch_sparse_combine_stats(cp, stream), "sparse_fwd (stats combine)");
       }
       MSA_LAUNCH_CHECK(pass(true), "sparse_fwd (output pass)");
       if (!kl_only) {
-        MSA_LAUNCH_CHECK((sm80::launch_sparse_combine_out<T_, D_>(cp, stream)), "sparse_fwd (output combine)");
+        MSA_LAUNCH_CHECK((smxx::launch_sparse_combine_out<T_, D_>(cp, stream)), "sparse_fwd (output combine)");
       }
-      MSA_LAUNCH_CHECK(sm80::launch_sparse_combine_kl(cp, stream), "sparse_fwd (kl combine)");
+      MSA_LAUNCH_CHECK(smxx::launch_sparse_combine_kl(cp, stream), "sparse_fwd (kl combine)");
     });
     if (grad) {
       dp.chunk_tokens = int(tc);
       dp.work.max_items = fp.work.max_items;
-      MSA_LAUNCH_CHECK(sm80::launch_index_dk(dp, q.scalar_type() == kBFloat16, stream), "msa_fwd (index dk)");
+      MSA_LAUNCH_CHECK(smxx::launch_index_dk(dp, q.scalar_type() == kBFloat16, stream), "msa_fwd (index dk)");
       if (det) {
         item_reduce(dki_part, rp.item_offsets, rp.block_offsets, seqs, block_size, max_blocks, Hi, {res.kl_dk_idx});
       }

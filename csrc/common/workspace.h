@@ -10,8 +10,8 @@
 #include <cstdint>
 
 #include "params.h"
-#include "sm80/reverse_index/reverse_index.h"
 #include "sm80/sparse_fwd/sparse_fwd.h"
+#include "smxx/reverse_index/reverse_index.h"
 
 namespace msa {
 

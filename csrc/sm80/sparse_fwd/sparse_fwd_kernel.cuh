@@ -23,7 +23,7 @@
 //    meet in shared memory). The combine sums the partials in slot order: deterministic. With
 //    dsi_part, also the KL's index gradient for d_kl = 1: dsi = Pidx - Pm per (entry, key), stored in
 //    reverse-index order, and
-//    dq_idx += dsi K_idx (index_dk.cu turns dsi into dk_idx).
+//    dq_idx += dsi K_idx (smxx/index_dk/index_dk.cu turns dsi into dk_idx).
 // Warmup (dense mode) runs the same kernel with main_stats = write_out = false: the KL part only.
 // Only the unit's own block needs the causal mask; keys past the sequence end are masked too.
 //

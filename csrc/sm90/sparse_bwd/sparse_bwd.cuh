@@ -2,6 +2,7 @@
 // sparse_bwd_ws.cuh by default (SparseBwdParams::ws), else the general kernel (the sm80 template with every
 // GEMM on wgmma, kWgmma).
 #pragma once
+#include "sm90/sparse_bwd/sparse_bwd.h"
 #include "sm80/sparse_bwd/sparse_bwd_kernel.cuh"
 #include "sm90/sparse_bwd/sparse_bwd_ws.cuh"
 

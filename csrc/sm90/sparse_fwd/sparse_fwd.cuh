@@ -2,6 +2,7 @@
 // pass are the sm80 templates with their GEMMs on wgmma (kWgmma); the output pass of the Gu = 4 layout
 // with the index branch is the warp-specialized kernel of out_pass_ws.cuh.
 #pragma once
+#include "sm90/sparse_fwd/sparse_fwd.h"
 #include "sm80/sparse_fwd/sparse_fwd_kernel.cuh"
 #include "sm90/sparse_fwd/out_pass_ws.cuh"
 #include "sm90/sparse_fwd/stats_pass_ws.cuh"

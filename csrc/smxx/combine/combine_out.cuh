@@ -10,8 +10,10 @@
 
 #include "common/mma_sm80.h"
 #include "params.h"
+#include "smxx/combine/combine.h"
 
-namespace msa::sm80 {
+namespace msa::smxx {
+using namespace sm80;  // common/mma_sm80.h: pack / ldmatrix / mma.sync helpers (sm80 and later)
 
 // One warp per (token, head); lane holds D / 32 consecutive elements. The slots' validity comes first
 // in one load per lane (lane s: slot s) and a ballot, so the partial loads of kUnroll slots are
@@ -70,4 +72,4 @@ cudaError_t launch_sparse_combine_out(const SparseCombineParams& p, cudaStream_t
   return cudaGetLastError();
 }
 
-}  // namespace msa::sm80
+}  // namespace msa::smxx

@@ -1,9 +1,10 @@
 // The backward's small kernels: the preprocess delta[h, t] = sum_d dout[t, h, d] * out[t, h, d] in
 // fp32 (FA2's D_i), and the index gradients' final scale and cast.
 #include "common/mma_sm80.h"
-#include "sm80/sparse_bwd/sparse_bwd.h"
+#include "smxx/bwd_delta/bwd_delta.h"
 
-namespace msa::sm80 {
+namespace msa::smxx {
+using namespace sm80;  // common/mma_sm80.h: pack / ldmatrix / mma.sync helpers (sm80 and later)
 namespace {
 
 // D / 8 lanes per (token, head), each with one 16-byte chunk of out and dout (rows are 16-byte
@@ -69,4 +70,4 @@ cudaError_t launch_scale_cast(const float* in, const float* scale, void* out, in
   return cudaGetLastError();
 }
 
-}  // namespace msa::sm80
+}  // namespace msa::smxx

@@ -1,9 +1,9 @@
-// The stats and KL combines of the sparse forward (see sparse_combine.cuh for the math).
-#include "sm80/sparse_bwd/sparse_bwd_kernel.cuh"
-#include "sm80/sparse_fwd/sparse_fwd.h"
-#include "sm80/sparse_fwd/sparse_fwd_kernel.cuh"
+// The stats and KL combines of the sparse forward (see combine_out.cuh for the math).
+#include "common/mma_sm80.h"
+#include "smxx/combine/combine.h"
 
-namespace msa::sm80 {
+namespace msa::smxx {
+using namespace sm80;  // common/mma_sm80.h: pack / ldmatrix / mma.sync helpers (sm80 and later)
 namespace {
 
 // A slot's (max, sum): sum 0 = no keys (never written, or nothing visible); a NaN sum (non-finite
@@ -63,12 +63,6 @@ __global__ void sparse_combine_kl_kernel(SparseCombineParams p) {
 
 unsigned blocks_for(int64_t threads) { return unsigned((threads + 255) / 256); }
 
-// The small-smem configuration fits the 99 KB per block of sm_86 / sm_89 / sm_120 (no static shared memory).
-constexpr int kSmallSmemLimit = 101376;
-static_assert(SparseFwdShape::Smem<__nv_bfloat16, 128, false, 64, true>::bytes <= kSmallSmemLimit, "small stats pass");
-static_assert(SparseFwdShape::Smem<__nv_bfloat16, 128, true, 64, true>::bytes <= kSmallSmemLimit, "small output pass");
-static_assert(SparseBwdSmallShape::Smem<__nv_bfloat16, 128>::bytes <= kSmallSmemLimit, "small backward");
-
 }  // namespace
 
 cudaError_t launch_sparse_combine_stats(const SparseCombineParams& p, cudaStream_t stream) {
@@ -85,24 +79,4 @@ cudaError_t launch_sparse_combine_kl(const SparseCombineParams& p, cudaStream_t 
   return cudaGetLastError();
 }
 
-int sparse_smem_bytes(int d, int pass, int rows, bool small) {
-  // Shared memory depends on the element size (2 bytes for bf16 and fp16), D and the row tile only.
-  using T = __nv_bfloat16;
-  using S = SparseFwdShape;
-  if (small) {
-    switch (pass) {
-      case 0: return d == 64 ? S::Smem<T, 64, false, 64, true>::bytes : S::Smem<T, 128, false, 64, true>::bytes;
-      case 1: return d == 64 ? S::Smem<T, 64, true, 64, true>::bytes : S::Smem<T, 128, true, 64, true>::bytes;
-      default: return d == 64 ? SparseBwdSmallShape::Smem<T, 64>::bytes : SparseBwdSmallShape::Smem<T, 128>::bytes;
-    }
-  }
-  switch (pass) {
-    case 0: return d == 64 ? S::Smem<T, 64, false>::bytes : S::Smem<T, 128, false>::bytes;
-    case 1:
-      if (rows == 64) return d == 64 ? S::Smem<T, 64, true, 64>::bytes : S::Smem<T, 128, true, 64>::bytes;
-      return d == 64 ? S::Smem<T, 64, true>::bytes : S::Smem<T, 128, true>::bytes;
-    default: return d == 64 ? SparseBwdShape::Smem<T, 64>::bytes : SparseBwdShape::Smem<T, 128>::bytes;
-  }
-}
-
-}  // namespace msa::sm80
+}  // namespace msa::smxx

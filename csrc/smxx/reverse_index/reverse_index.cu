@@ -6,7 +6,7 @@
 
 #include "common/block_span.h"
 #include "common/cuda_check.h"
-#include "sm80/reverse_index/reverse_index.h"
+#include "smxx/reverse_index/reverse_index.h"
 
 namespace msa {
 namespace {

@@ -15,9 +15,10 @@
 
 #include "common/block_span.h"
 #include "common/mma_sm80.h"
-#include "sm80/sparse_fwd/sparse_fwd.h"
+#include "smxx/index_dk/index_dk.h"
 
-namespace msa::sm80 {
+namespace msa::smxx {
+using namespace sm80;  // common/mma_sm80.h: pack / ldmatrix / mma.sync helpers (sm80 and later)
 namespace {
 
 constexpr int kDkThreads = 256;
@@ -185,4 +186,4 @@ cudaError_t launch_index_dk(const IndexDkParams& p, bool bf16, cudaStream_t stre
   return cudaGetLastError();
 }
 
-}  // namespace msa::sm80
+}  // namespace msa::smxx
