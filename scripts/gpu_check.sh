@@ -53,8 +53,11 @@ if [ -n "${MSA_DEMO:-}" ]; then
   tail -n 25 "$LOG/demo.log"
 fi
 if [ "${MSA_SANITIZE:-0}" = 1 ]; then
+  # racecheck looks at msa's kernels only: the warmup case's main branch is cuDNN's SDPA, whose sm90 fprop kernels
+  # racecheck flags (Read at +0x2f0 vs Write, 24-96 hazards each, torch 2.11 / cuDNN of cu130, s21); not ours to fix.
   for tool in memcheck racecheck; do
-    compute-sanitizer --tool $tool --error-exitcode 3 $PY scripts/sanitize_case.py > "$LOG/sanitize_$tool.log" 2>&1
+    filt=(); [ $tool = racecheck ] && filt=(--kernel-name-exclude kns=cudnn)
+    compute-sanitizer --tool $tool "${filt[@]}" --error-exitcode 3 $PY scripts/sanitize_case.py > "$LOG/sanitize_$tool.log" 2>&1
     echo "sanitizer $tool: rc=$? $(tail -n 1 "$LOG/sanitize_$tool.log")" | tee -a "$LOG/summary.txt"
   done
 fi
