@@ -170,6 +170,38 @@ __device__ __forceinline__ void key_phase_mma(float (&dk)[D / 8][4], float (&dv)
   }
 }
 
+// A backward work item (params.h: SparseBwdParams' reverse index) as the backward kernels' CTAs read it: one kv
+// block of index group r and the units [u_begin, u_end) of p.tokens that selected it (a hot key, e.g. an
+// attention sink selected by every token, is split over several CTAs; their dK / dV meet in the fp32
+// accumulators), the block's keys (block_span: krow0 its first key row in k / v, kpos0 the query row at its
+// first key's position, one value without a key layout: a query row t sees the block's keys up to t - kpos0;
+// blen its keys), and the head layout: G query heads per index group, J kv heads per group, Gu heads per unit.
+struct BwdItem {
+  int item, r, u_begin, u_end;
+  int krow0, kpos0, blen;
+  int G, J, Gu;
+};
+
+// The item of this CTA (item_order: largest first); false past the last item (the grid is an upper bound).
+__device__ __forceinline__ bool bwd_item(const SparseBwdParams& p, BwdItem& b) {
+  b.item = p.item_order != nullptr ? p.item_order[blockIdx.x] : int(blockIdx.x);
+  if (b.item >= p.item_offsets[p.num_keys]) return false;
+  const int2 it = p.items[b.item];
+  const int key = it.x;
+  b.u_begin = it.y;
+  b.u_end = min(b.u_begin + p.units_per_item, p.offsets[key + 1]);
+  const int gb = key % p.max_blocks;
+  b.r = key / p.max_blocks;
+  const BlockSpan span = block_span(p.block_offsets, p.cu_seqlens, p.cu_seqlens_k, p.num_seqs, gb, p.block_size);
+  b.krow0 = span.k_start + span.key0;
+  b.kpos0 = span.q_origin + span.key0;
+  b.blen = span.blen;
+  b.G = p.hq / p.hi;
+  b.J = p.hkv > p.hi ? p.hkv / p.hi : 1;
+  b.Gu = b.G / b.J;
+  return true;
+}
+
 // The block's dK (scaled) and dV of one kv head from a warp's accumulators (keys [16 warp, +16) of the
 // block, the mma.sync C layout: rows g, g + 8, column pairs 8 n + 2 tq), added to the fp32 accumulators (other
 // groups on the same kv head add theirs); kDet: stored as partial `part` (item * J + j), summed in item
@@ -235,22 +267,11 @@ __global__ void __launch_bounds__(SparseBwdShape::kThreads, 1) sparse_bwd_kernel
   float* sDelta = reinterpret_cast<float*>(smem + L::delta);
   int* sTok = reinterpret_cast<int*>(smem + L::tok);
 
-  // One work item: a key's tokens [u_begin, u_end) (a hot key, e.g. an attention sink selected by every
-  // token, is split over several CTAs; their dK/dV meet in the fp32 accumulators).
-  const int item = p.item_order != nullptr ? p.item_order[blockIdx.x] : int(blockIdx.x);
-  if (item >= p.item_offsets[p.num_keys]) return;
-  const int2 it = p.items[item];
-  const int key = it.x;
-  const int u_begin = it.y, u_end = min(u_begin + p.units_per_item, p.offsets[key + 1]);
-  const int r = key / p.max_blocks, gb = key % p.max_blocks;
-  const BlockSpan span = block_span(p.block_offsets, p.cu_seqlens, p.cu_seqlens_k, p.num_seqs, gb, p.block_size);
-  // The block's first key row, and the query row at its first key's position (one value without a key
-  // layout): a query row t sees the block's keys up to t - kpos0.
-  const int krow0 = span.k_start + span.key0, kpos0 = span.q_origin + span.key0, blen = span.blen;
-
-  const int G = p.hq / p.hi;
-  const int J = p.hkv > p.hi ? p.hkv / p.hi : 1;
-  const int Gu = G / J;
+  BwdItem bi;
+  if (!bwd_item(p, bi)) return;
+  const int item = bi.item, r = bi.r, u_begin = bi.u_begin, u_end = bi.u_end;
+  const int krow0 = bi.krow0, kpos0 = bi.kpos0, blen = bi.blen;
+  const int G = bi.G, J = bi.J, Gu = bi.Gu;
   const int U = Sh::kRows / Gu;  // units per tile (Gu <= 64)
   int* sRowH = reinterpret_cast<int*>(smem + L::rowh);
   for (int row = threadIdx.x; row < Sh::kRows; row += Sh::kThreads) sRowH[row] = row % Gu;  // no division below
@@ -524,20 +545,11 @@ __global__ void __launch_bounds__(SparseBwdSmallShape::kThreads, 1) sparse_bwd_s
   int* sTok = reinterpret_cast<int*>(smem + L::tok);    // [2][kR]: token of each tile row, -1 past the item
   int* sHead = reinterpret_cast<int*>(smem + L::head);  // [2][kR]: head in unit of each tile row
 
-  const int item = p.item_order != nullptr ? p.item_order[blockIdx.x] : int(blockIdx.x);
-  if (item >= p.item_offsets[p.num_keys]) return;
-  const int2 it = p.items[item];
-  const int key = it.x;
-  const int u_begin = it.y, u_end = min(u_begin + p.units_per_item, p.offsets[key + 1]);
-  const int r = key / p.max_blocks, gb = key % p.max_blocks;
-  const BlockSpan span = block_span(p.block_offsets, p.cu_seqlens, p.cu_seqlens_k, p.num_seqs, gb, p.block_size);
-  // The block's first key row, and the query row at its first key's position (one value without a key
-  // layout): a query row t sees the block's keys up to t - kpos0.
-  const int krow0 = span.k_start + span.key0, kpos0 = span.q_origin + span.key0, blen = span.blen;
-
-  const int G = p.hq / p.hi;
-  const int J = p.hkv > p.hi ? p.hkv / p.hi : 1;
-  const int Gu = G / J;
+  BwdItem bi;
+  if (!bwd_item(p, bi)) return;
+  const int item = bi.item, r = bi.r, u_begin = bi.u_begin, u_end = bi.u_end;
+  const int krow0 = bi.krow0, kpos0 = bi.kpos0, blen = bi.blen;
+  const int G = bi.G, J = bi.J, Gu = bi.Gu;
   // The item's rows: unit u_begin + i / Gu, head i % Gu, for i < n_rows; tile t holds rows [32 t, +32).
   const int n_rows = (u_end - u_begin) * Gu;
   const int n_tiles = (n_rows + kR - 1) / kR;

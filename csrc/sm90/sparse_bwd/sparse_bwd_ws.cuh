@@ -115,19 +115,11 @@ __global__ void __launch_bounds__(kThreads, 1) sparse_bwd_ws_kernel(SparseBwdPar
   uint64_t* dq_full = dq_half + 2;
   uint64_t* dq_empty = dq_full + 2;
 
-  const int item = p.item_order != nullptr ? p.item_order[blockIdx.x] : int(blockIdx.x);
-  if (item >= p.item_offsets[p.num_keys]) return;
-  const int2 it = p.items[item];
-  const int key = it.x;
-  const int u_begin = it.y, u_end = min(u_begin + p.units_per_item, p.offsets[key + 1]);
-  const int r = key / p.max_blocks, gb = key % p.max_blocks;
-  const BlockSpan span = block_span(p.block_offsets, p.cu_seqlens, p.cu_seqlens_k, p.num_seqs, gb, p.block_size);
-  // The block's first key row, and the query row at its first key's position (one value without a key
-  // layout): a query row t sees the block's keys up to t - kpos0.
-  const int krow0 = span.k_start + span.key0, kpos0 = span.q_origin + span.key0, blen = span.blen;
-  const int G = p.hq / p.hi;
-  const int J = p.hkv > p.hi ? p.hkv / p.hi : 1;
-  const int Gu = G / J;
+  sm80::BwdItem bi;
+  if (!sm80::bwd_item(p, bi)) return;
+  const int item = bi.item, r = bi.r, u_begin = bi.u_begin, u_end = bi.u_end;
+  const int krow0 = bi.krow0, kpos0 = bi.kpos0, blen = bi.blen;
+  const int G = bi.G, J = bi.J, Gu = bi.Gu;
   const int U = kRows / Gu;  // units per tile
   const int n_tiles = (u_end - u_begin + U - 1) / U;
   const int n_all = J * n_tiles;  // tiles of all kv heads, in (j, tile) order
