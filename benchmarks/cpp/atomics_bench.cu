@@ -7,13 +7,25 @@
 //   u64     fixed point: one 8-byte integer red per value (exact: order-independent)
 //   f64     one 8-byte fp64 red per value (order-dependent unless quantised; for comparison)
 //   store   plain 16-byte stores to a per-entry partial buffer (a combine would then read it back)
+// and the routes a faster (or order-fixed) dQ could take instead of one red per 16 bytes:
+//   bulk    each warp stages its row in shared memory and one lane adds all 2 KB with one bulk reduction
+//           (cp.reduce.async.bulk .add.f32: the TMA unit's reduce into L2; FA3's backward adds dQ this way),
+//           or in four of 512 bytes (one head row: what a unit of fewer or non-adjacent heads would need)
+//   bf16 store  the partials in bf16 (half the bytes; the forward's output partials are stored so)
+//   combine f32 / bf16  reading the partials back, 16 per destination row (a token's 16 slots) in slot order,
+//           summed in fp32 and written once: with "store" the cost of an order-fixed (deterministic) dQ
+// After the timings, "check": f32x4 red and bulk red (512-byte ops) of the same entries into zeroed accumulators agree
+// (max |difference| over the max |value|; fp32 sums in another order, so not bitwise).
 // Build and run on the GPU: nvcc -O3 -arch=sm_90a -o /tmp/atomics_bench benchmarks/cpp/atomics_bench.cu
 //   && /tmp/atomics_bench [tokens] (default 32768 = the bench configuration at 32K: 2.1M entries).
+#include <cuda_bf16.h>
 #include <cuda_runtime.h>
 
+#include <cmath>
 #include <cstdio>
 #include <cstdlib>
 #include <cstdint>
+#include <vector>
 
 #define CHECK(x)                                                                  \
   do {                                                                            \
@@ -75,6 +87,88 @@ __global__ void flush(float* acc, float* acc2, unsigned long long* acc64, double
   }
 }
 
+// Bulk reduction: the warp writes entry e's 2 KB row to one of its two shared-memory buffers, fences it to
+// the async proxy, and lane 0 adds it to the destination with one cp.reduce.async.bulk; before a buffer is
+// written again, lane 0 waits until the reduction issued from it two rows ago has read it.
+// kOps: the row in that many reductions (1: the group's 4 heads at once, 4: one 512-byte head row each).
+template <int kOps>
+__global__ void flush_bulk(float* acc, int entries, int tokens) {
+  extern __shared__ __align__(128) float sbuf[];  // 2 x kRow floats per warp
+  const int lane = threadIdx.x % 32, wid = threadIdx.x / 32;
+  float* mine = sbuf + wid * 2 * kRow;
+  int k = 0;
+  for (int e = blockIdx.x * (blockDim.x / 32) + wid; e < entries; e += gridDim.x * (blockDim.x / 32), ++k) {
+    float* buf = mine + (k & 1) * kRow;
+    if (lane == 0) asm volatile("cp.async.bulk.wait_group.read 1;\n" ::: "memory");
+    __syncwarp();
+#pragma unroll
+    for (int c = 0; c < kRow / 128; ++c) {
+      const int i = c * 128 + lane * 4;
+      *reinterpret_cast<float4*>(buf + i) = make_float4(value(e, i), value(e, i + 1), value(e, i + 2), value(e, i + 3));
+    }
+    asm volatile("fence.proxy.async.shared::cta;\n" ::: "memory");
+    __syncwarp();
+    if (lane == 0) {
+      constexpr int kOpFloats = kRow / kOps;
+#pragma unroll
+      for (int o = 0; o < kOps; ++o) {
+        const uint32_t src = uint32_t(__cvta_generic_to_shared(buf + o * kOpFloats));
+        asm volatile("cp.reduce.async.bulk.global.shared::cta.bulk_group.add.f32 [%0], [%1], %2;\n" ::"l"(
+                         acc + dest(e, tokens) + o * kOpFloats),
+                     "r"(src), "n"(kOpFloats * 4)
+                     : "memory");
+      }
+      asm volatile("cp.async.bulk.commit_group;\n" ::: "memory");
+    }
+  }
+  if (lane == 0) asm volatile("cp.async.bulk.wait_group 0;\n" ::: "memory");
+}
+
+// The partials in bf16: 8 bytes per lane and chunk.
+__global__ void store_bf16(__nv_bfloat16* part, int entries) {
+  const int lane = threadIdx.x % 32;
+  for (int e = blockIdx.x * (blockDim.x / 32) + threadIdx.x / 32; e < entries; e += gridDim.x * (blockDim.x / 32)) {
+#pragma unroll
+    for (int c = 0; c < kRow / 128; ++c) {
+      const int i = c * 128 + lane * 4;
+      const __nv_bfloat162 a = __floats2bfloat162_rn(value(e, i), value(e, i + 1));
+      const __nv_bfloat162 b = __floats2bfloat162_rn(value(e, i + 2), value(e, i + 3));
+      uint2 v;
+      v.x = *reinterpret_cast<const uint32_t*>(&a);
+      v.y = *reinterpret_cast<const uint32_t*>(&b);
+      *reinterpret_cast<uint2*>(part + int64_t(e) * kRow + i) = v;
+    }
+  }
+}
+
+// Combine: destination row r (entries / 16 of them) sums partial rows 16 r .. 16 r + 15 in order.
+template <typename P>
+__global__ void combine(const P* part, float* out, int rows) {
+  const int lane = threadIdx.x % 32;
+  for (int r = blockIdx.x * (blockDim.x / 32) + threadIdx.x / 32; r < rows; r += gridDim.x * (blockDim.x / 32)) {
+#pragma unroll
+    for (int c = 0; c < kRow / 128; ++c) {
+      const int i = c * 128 + lane * 4;
+      float4 s = make_float4(0.f, 0.f, 0.f, 0.f);
+#pragma unroll 8
+      for (int j = 0; j < 16; ++j) {
+        const P* src = part + (int64_t(r) * 16 + j) * kRow + i;
+        float4 v;
+        if constexpr (sizeof(P) == 4) {
+          v = __ldg(reinterpret_cast<const float4*>(src));
+        } else {
+          const uint2 w = __ldg(reinterpret_cast<const uint2*>(src));
+          const float2 a = __bfloat1622float2(*reinterpret_cast<const __nv_bfloat162*>(&w.x));
+          const float2 b = __bfloat1622float2(*reinterpret_cast<const __nv_bfloat162*>(&w.y));
+          v = make_float4(a.x, a.y, b.x, b.y);
+        }
+        s.x += v.x; s.y += v.y; s.z += v.z; s.w += v.w;
+      }
+      *reinterpret_cast<float4*>(out + int64_t(r) * kRow + i) = s;
+    }
+  }
+}
+
 int main(int argc, char** argv) {
   const int tokens = argc > 1 ? std::atoi(argv[1]) : 32768;
   const int entries = 4 * tokens * 16;  // Hi x T x topk
@@ -87,14 +181,21 @@ int main(int argc, char** argv) {
   CHECK(cudaMalloc(&acc64, n * 8));
   CHECK(cudaMalloc(&accd, n * 8));
   CHECK(cudaMalloc(&part, size_t(entries) * kRow * 4));
+  __nv_bfloat16* part16;
+  CHECK(cudaMalloc(&part16, size_t(entries) * kRow * 2));
   int sms = 0;
   CHECK(cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, 0));
-  const char* names[] = {"f32x4 red", "hilo 2 x f32x4 red", "u64 red", "f64 red", "f32x4 store (partials)"};
+  const char* names[] = {"f32x4 red", "hilo 2 x f32x4 red", "u64 red", "f64 red", "f32x4 store (partials)",
+                         "bulk red (2 KB per op)", "bf16 store (partials)", "combine f32 partials",
+                         "combine bf16 partials", "bulk red (512 B per op)"};
+  constexpr int kBulkSmem = 8 * 2 * kRow * 4;  // 256 threads: 8 warps x 2 buffers x 2 KB
+  CHECK(cudaFuncSetAttribute(flush_bulk<1>, cudaFuncAttributeMaxDynamicSharedMemorySize, kBulkSmem));
+  CHECK(cudaFuncSetAttribute(flush_bulk<4>, cudaFuncAttributeMaxDynamicSharedMemorySize, kBulkSmem));
   cudaEvent_t a, b;
   CHECK(cudaEventCreate(&a));
   CHECK(cudaEventCreate(&b));
   std::printf("tokens %d, entries %d (2 KB each: %.2f GB of values)\n", tokens, entries, entries * 2048.0 / 1e9);
-  for (int mode = 0; mode < 5; ++mode) {
+  for (int mode = 0; mode < 10; ++mode) {
     float best = 1e30f;
     for (int rep = 0; rep < 5; ++rep) {
       CHECK(cudaEventRecord(a));
@@ -105,6 +206,11 @@ int main(int argc, char** argv) {
       if (mode == 2) flush<2><<<grid, block>>>(acc, acc2, acc64, accd, part, entries, tokens, 1 / u, u, 1 / w, w, 1 / fix);
       if (mode == 3) flush<3><<<grid, block>>>(acc, acc2, acc64, accd, part, entries, tokens, 1 / u, u, 1 / w, w, 1 / fix);
       if (mode == 4) flush<4><<<grid, block>>>(acc, acc2, acc64, accd, part, entries, tokens, 1 / u, u, 1 / w, w, 1 / fix);
+      if (mode == 5) flush_bulk<1><<<grid, block, kBulkSmem>>>(acc, entries, tokens);
+      if (mode == 9) flush_bulk<4><<<grid, block, kBulkSmem>>>(acc, entries, tokens);
+      if (mode == 6) store_bf16<<<grid, block>>>(part16, entries);
+      if (mode == 7) combine<float><<<grid, block>>>(part, acc, entries / 16);
+      if (mode == 8) combine<__nv_bfloat16><<<grid, block>>>(part16, acc, entries / 16);
       CHECK(cudaEventRecord(b));
       CHECK(cudaEventSynchronize(b));
       float ms = 0;
@@ -112,6 +218,26 @@ int main(int argc, char** argv) {
       if (ms < best) best = ms;
     }
     std::printf("%-26s %8.3f ms\n", names[mode], best);
+  }
+  // check: the same entries once through f32x4 red and once through bulk red, into zeroed accumulators.
+  {
+    const dim3 grid(sms * 8), block(256);
+    CHECK(cudaMemset(acc, 0, n * 4));
+    CHECK(cudaMemset(acc2, 0, n * 4));
+    flush<0><<<grid, block>>>(acc, acc2, acc64, accd, part, entries, tokens, 1, 1, 1, 1, 1);
+    flush_bulk<4><<<grid, block, kBulkSmem>>>(acc2, entries, tokens);
+    CHECK(cudaDeviceSynchronize());
+    std::vector<float> x(n), y(n);
+    CHECK(cudaMemcpy(x.data(), acc, n * 4, cudaMemcpyDeviceToHost));
+    CHECK(cudaMemcpy(y.data(), acc2, n * 4, cudaMemcpyDeviceToHost));
+    double diff = 0, mag = 0;
+    for (size_t i = 0; i < n; ++i) {
+      diff = std::fmax(diff, std::fabs(double(x[i]) - double(y[i])));
+      mag = std::fmax(mag, std::fabs(double(x[i])));
+    }
+    std::printf("check bulk red vs f32x4 red: max |diff| %.3g of max |value| %.3g (%s)\n", diff, mag,
+                mag > 0 && diff <= 1e-5 * mag ? "ok" : "MISMATCH");
+    if (!(mag > 0 && diff <= 1e-5 * mag)) return 1;
   }
   CHECK(cudaGetLastError());
   return 0;
