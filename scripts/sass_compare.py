@@ -22,8 +22,11 @@ import os
 import re
 import sys
 
-CORE = ("HGMMA", "HMMA", "LDSM", "MUFU", "FFMA", "FMUL", "FADD", "FMNMX", "STS", "LDS", "LDG", "STG", "RED", "ATOM",
-        "LDGSTS", "BAR", "SHFL", "WARPGROUP", "STL", "LDL")
+# Opcodes (the part before the first '.') counted: tensor-core, math, memory (incl. reductions, atomics, bulk /
+# TMA copies), barriers, shuffles, spills.
+CORE = ("HGMMA", "HMMA", "LDSM", "MUFU", "FFMA", "FMUL", "FADD", "FMNMX", "STS", "LDS", "LDG", "STG", "REDG", "RED",
+        "ATOMG", "ATOMS", "ATOM", "UBLKRED", "UBLKCP", "UTMALDG", "UTMASTG", "LDGSTS", "BAR", "SYNCS", "SHFL",
+        "WARPGROUP", "STL", "LDL")
 
 
 def core_ops(text):
