@@ -161,6 +161,33 @@ def attended_tokens(indices, block_size):
     return int((n * ((b >= 0) & reference.first_occurrence(b))).sum())
 
 
+def msa_step_flops(N, att_groups, c=CONFIG):
+    """The useful FLOPs of one msa fwd+bwd (bench configuration), what its floor is computed from: the attended
+    main FLOPs fwd + bwd (SPEC 8: 3.5 x 4 D per (token, query head, attended key): Q K^T and P V forward, five
+    GEMMs backward), the index scoring (SPEC 8: 2 Di Hi N (N + 1) / 2) and the KL's index-branch GEMMs (the
+    index logits once, dq_idx, dk_idx: 3 x 2 Di per (token, index group, attended key)). Work the kernels
+    repeat (the stats pass's second Q K^T and index logits) is not counted. att_groups: sum over (i, r) of
+    |T(i, r)| (attended_tokens)."""
+    heads_per_group = c["Hq"] // c["Hi"]
+    attended = 3.5 * 4 * c["D"] * att_groups * heads_per_group
+    index = 2 * c["Di"] * c["Hi"] * N * (N + 1) / 2
+    kl = 3 * 2 * c["Di"] * att_groups
+    return attended + index + kl
+
+
+def matmul_peak_tflops(device, sizes=(8192, 16384)):
+    """bf16 torch.matmul TFLOP/s on this GPU now: the best median over square sizes (the ceiling the floors use)."""
+    timer = Timer(device, reps=10, warmup=3)
+    best = 0.0
+    for n in sizes:
+        a = torch.randn(n, n, device=device, dtype=torch.bfloat16)
+        b = torch.randn(n, n, device=device, dtype=torch.bfloat16)
+        ms = timer(torch.matmul, [(a, b)])
+        best = max(best, 2 * n ** 3 / ms / 1e9)
+        del a, b
+    return best
+
+
 def git_commit():
     """The commit under test, from git; on a copied tree where git cannot answer, from the .msa_commit
     file that scripts/stamp_commit.sh wrote (carried along with the tree)."""
@@ -188,6 +215,9 @@ def run(args):
     c = CONFIG
     rows = []
     steps = len(ns)
+    if on_gpu:
+        progress("matmul peak (bf16, this run)")
+        args.peak_tflops = matmul_peak_tflops(device)
     for step, N in enumerate(ns, 1):
         progress(f"[{step}/{steps}] N={N}: inputs")
         # Rotate input sets that together exceed the L2 cache (60 MB on an H200) at small N.
@@ -211,6 +241,10 @@ def run(args):
                 progress(f"[{step}/{steps}] N={N}: msa fwd+bwd")
                 row["msa_fwdbwd"] = timer(msa_fwd_bwd, sets)
                 row["attended_tflops"] = 3.5 * 4 * c["D"] * att / row["msa_fwdbwd"] / 1e9
+                if getattr(args, "peak_tflops", None):
+                    # The floor: the step's FLOPs at the matmul peak measured in this run; and how close.
+                    row["floor"] = msa_step_flops(N, att // (c["Hq"] // c["Hi"])) / args.peak_tflops / 1e9
+                    row["floor_frac"] = row["floor"] / row["msa_fwdbwd"]
                 row["ratio"] = row["dense_fwdbwd"] / row["msa_fwdbwd"]
                 progress(f"[{step}/{steps}] N={N}: msa fwd+bwd, deterministic=True")
                 row["msa_fwdbwd_det"] = timer(msa_fwd_bwd_det, sets)
@@ -280,6 +314,7 @@ def table(rows, device):
     cols = [("N", "N", "d"), ("dense fwd ms", "dense_fwd", ".3f"), ("dense fwd+bwd ms", "dense_fwdbwd", ".3f"),
             ("dense TFLOP/s", "dense_tflops", ".3g"), ("msa fwd ms", "msa_fwd", ".3f"),
             ("dense/msa fwd", "fwd_ratio", ".2f"), ("msa fwd+bwd ms", "msa_fwdbwd", ".3f"), ("msa attended TFLOP/s", "attended_tflops", ".3g"),
+            ("msa fwd+bwd floor ms", "floor", ".3f"), ("floor / msa fwd+bwd", "floor_frac", ".0%"),
             ("dense/msa fwd+bwd", "ratio", ".2f"), ("msa fwd+bwd deterministic ms", "msa_fwdbwd_det", ".3f"),
             ("deterministic cost", "det_cost", ".1%"), ("msa fwd+bwd warmup ms", "msa_fwdbwd_warmup", ".3f"),
             ("warmup / dense fwd+bwd", "warmup_over_dense", ".2f"),
@@ -297,7 +332,7 @@ def table(rows, device):
     return "\n".join(lines)
 
 
-def header(device, argv):
+def header(device, argv, peak_tflops=None):
     gpu = torch.cuda.get_device_name(device) if device.type == "cuda" else f"CPU ({platform.processor() or 'x86_64'}, {os.cpu_count()} cores)"
     notes = []
     if device.type == "cuda" and not msa.has_cuda_kernel("msa_fwd"):
@@ -320,7 +355,11 @@ def header(device, argv):
         f"views = the inputs as transposes of (B, H, N, D) tensors (one internal copy each); warmup = msa fwd+bwd "
         f"with warmup=True (dense main branch, KL over the full causal set), and its time over dense fwd+bwd; last N/2 "
         f"queries = msa fwd+bwd of queries N/2..N-1 over all N keys (suffix queries, bottom-right causal: a query "
-        f"shard of context parallelism; dk, dv, dk_idx over all N)",
+        f"shard of context parallelism; dk, dv, dk_idx over all N); floor = the step's useful FLOPs (attended "
+        f"fwd+bwd, index scoring, and the KL's index-branch GEMMs 6*Di*sum over (i, r) |T(i, r)|: msa.bench."
+        f"msa_step_flops) at the matmul peak below, floor / msa fwd+bwd = the fraction of it reached",
+        f"- matmul peak (this run): " + (f"{peak_tflops:.0f} TFLOP/s (bf16 torch.matmul, best of 8192^3 and 16384^3)"
+                                         if peak_tflops else "n/a (not measured off the GPU)"),
         *[f"- note: {n}" for n in notes]])
 
 
@@ -335,8 +374,9 @@ def main(argv=None):
     device = torch.device(args.device)
     cmd = ["python -m msa.bench", *(argv if argv is not None else sys.argv[1:])]
     print(f"msa {msa.__version__} benchmark on {device} (progress on stderr)", flush=True)
+    args.peak_tflops = None
     rows = run(args)
-    text = f"# msa benchmark\n\n{header(device, cmd)}\n\n{table(rows, device)}\n"
+    text = f"# msa benchmark\n\n{header(device, cmd, args.peak_tflops)}\n\n{table(rows, device)}\n"
     print(text)
     if args.save:
         tag = "cpu" if device.type == "cpu" else torch.cuda.get_device_name(device).split()[-1].lower()

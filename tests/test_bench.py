@@ -1,0 +1,47 @@
+"""msa.bench's accounting (CPU): the attended-token count against brute force, and the floor's FLOPs
+(msa_step_flops) against a GEMM-by-GEMM count of the same selection; and a CPU run's table has the floor
+columns (n/a off the GPU: no matmul peak is measured there)."""
+import torch
+
+import msa
+from msa import bench
+
+
+def brute_attended(idx, block_size):
+    """sum over (r, i) of |T(i, r)|: keys j <= i in the distinct selected blocks of row (r, i)."""
+    Hi, N, _ = idx.shape
+    total = 0
+    for r in range(Hi):
+        for i in range(N):
+            blocks = {int(b) for b in idx[r, i] if int(b) >= 0}
+            total += sum(1 for j in range(i + 1) if j // block_size in blocks)
+    return total
+
+
+def test_attended_tokens_and_step_flops_match_a_brute_force_count():
+    torch.manual_seed(0)
+    c = dict(bench.CONFIG, Hq=8, Hkv=2, Hi=2, D=64, Di=64, block_size=64, topk=2)
+    N = 300  # not a multiple of the block: a short last block
+    qi = torch.randn(1, N, c["Hi"], c["Di"])
+    ki = torch.randn(1, N, 1, c["Di"])
+    idx = msa.select_blocks(qi, ki, topk=c["topk"], block_size=c["block_size"])[0]
+    att = brute_attended(idx, c["block_size"])
+    assert bench.attended_tokens(idx, c["block_size"]) == att
+    G = c["Hq"] // c["Hi"]
+    # GEMM by GEMM, per (token, query head, attended key): forward Q K^T, P V; backward S, dP, dV, dK, dQ.
+    main = (2 + 5) * 2 * c["D"] * att * G
+    scores = sum(2 * c["Di"] * c["Hi"] * (i + 1) for i in range(N))  # every causal (i, j) per index group
+    kl = (1 + 2) * 2 * c["Di"] * att  # the index logits over the selected keys, dq_idx, dk_idx
+    assert bench.msa_step_flops(N, att, c) == main + scores + kl
+
+
+def test_cpu_bench_table_has_the_floor_columns(capsys):
+    assert bench.main(["--device", "cpu", "--n", "256", "--reps", "1"]) == 0
+    out = capsys.readouterr().out
+    head = next(line for line in out.splitlines() if line.startswith("| N |"))
+    assert "msa fwd+bwd floor ms" in head and "floor / msa fwd+bwd" in head
+    row = next(line for line in out.splitlines() if line.startswith("| 256 |"))
+    cells = [x.strip() for x in row.strip("|").split("|")]
+    cols = [x.strip() for x in head.strip("|").split("|")]
+    assert cells[cols.index("msa fwd+bwd floor ms")] == "n/a"
+    assert "matmul peak (this run): n/a" in out
