@@ -3,7 +3,8 @@ r"""Compare two scripts/sass_functions.py dumps kernel by kernel: identical, or 
 code's shape) whether the counts of the instructions that carry the work agree: tensor-core ops, math,
 shared / global / local memory, barriers, shuffles. Equal counts with different integer arithmetic or
 order is what a refactor that keeps the algorithm looks like; it is evidence, not proof (the GPU tests
-decide), and spills (STL / LDL) and registers matter for speed.
+decide), and spills (STL / LDL) and registers matter for speed: where the two dumps have .res files, a kernel
+whose registers, stack, shared or local bytes moved shows them as [before -> after].
 
   python3 scripts/sass_compare.py BEFORE AFTER [--map REGEX=REPLACEMENT ...]
 
@@ -43,6 +44,14 @@ def core_ops(text):
     return counts
 
 
+def usage(stem):
+    """The kernel's resource line (REG / STACK / SHARED / LOCAL) that sass_functions.py wrote, or ''."""
+    try:
+        return open(stem + ".res").read().strip()
+    except OSError:
+        return ""
+
+
 def main():
     ap = argparse.ArgumentParser()
     ap.add_argument("before")
@@ -53,6 +62,8 @@ def main():
     tally = collections.Counter()
     for arch in sorted(os.listdir(a.before)):
         for f in sorted(os.listdir(os.path.join(a.before, arch))):
+            if not f.endswith(".sass"):
+                continue
             old = f[:-len(".sass")]
             new = old
             for pat, rep in maps:
@@ -64,14 +75,18 @@ def main():
                 continue
             x = open(os.path.join(a.before, arch, f)).read().replace(old, "KERNEL")
             y = open(path).read().replace(new, "KERNEL")
+            ra, rb = usage(os.path.join(a.before, arch, old)), usage(path[:-len(".sass")])
+            res = f" [{ra} -> {rb}]" if ra != rb else ""
             if x == y:
                 tally["identical"] += 1
+                if res:
+                    print(f"{'identical':15s} {arch} {old}{res}")
                 continue
             cx, cy = core_ops(x), core_ops(y)
             diff = {k: (cx[k], cy[k]) for k in sorted(set(cx) | set(cy)) if cx[k] != cy[k]}
             kind = "same-core-ops" if not diff else "core-ops-differ"
             tally[kind] += 1
-            print(f"{kind:15s} {arch} {old} lines {x.count(chr(10))} -> {y.count(chr(10))} {diff or ''}")
+            print(f"{kind:15s} {arch} {old} lines {x.count(chr(10))} -> {y.count(chr(10))} {diff or ''}{res}")
     print(", ".join(f"{k} {v}" for k, v in sorted(tally.items())), file=sys.stderr)
     return 0 if tally["missing"] == 0 else 1
 

@@ -1,7 +1,8 @@
 #!/usr/bin/env python3
 """Compile every CUDA source CMakeLists.txt lists (portable ones for sm_80, Hopper ones for sm_90a) to
-cubins and write each kernel's SASS to OUT/<arch>/<symbol>.sass, so that a refactor can be checked to leave
-the machine code unchanged without a GPU: run it before and after, then `diff -r BEFORE AFTER`.
+cubins and write each kernel's SASS to OUT/<arch>/<symbol>.sass (and its registers, stack, shared and local
+bytes to <symbol>.res), so that a refactor can be checked to leave the machine code unchanged without a GPU:
+run it before and after, then `diff -r BEFORE AFTER` or scripts/sass_compare.py BEFORE AFTER.
 
   python3 scripts/sass_functions.py OUT [--rename smxx=sm80 ...] [--jobs 2] [--only REGEX]
 
@@ -56,7 +57,17 @@ def compile_one(path, arch, inc, tmp):
     cmd = ["nvcc", "-std=c++17", "-O3", "--expt-relaxed-constexpr", "-cubin", "-o", cubin,
            f"-gencode=arch={compute},code={sm}", "-Icsrc", "-I" + inc, "-DMSA_WITH_SM90", path]
     subprocess.run(cmd, cwd=ROOT, check=True)
-    return sm, subprocess.run([cuobjdump(), "-sass", cubin], check=True, capture_output=True, text=True).stdout
+    sass = subprocess.run([cuobjdump(), "-sass", cubin], check=True, capture_output=True, text=True).stdout
+    res = subprocess.run([cuobjdump(), "-res-usage", cubin], check=True, capture_output=True, text=True).stdout
+    return sm, sass, res
+
+
+def resources(dump):
+    """{symbol: 'REG:.. STACK:.. SHARED:.. LOCAL:..'} from a cuobjdump -res-usage listing."""
+    out = {}
+    for name, usage in re.findall(r"Function (\S+?):\s*\n\s*(REG:.*)", dump):
+        out[anon(name)] = " ".join(f for f in usage.split() if f.split(":")[0] in ("REG", "STACK", "SHARED", "LOCAL"))
+    return out
 
 
 def functions(dump):
@@ -86,13 +97,17 @@ def main():
     todo = [(p, arch) for p, arch in sources() if re.search(a.only, p)]
     count = 0
     with tempfile.TemporaryDirectory() as tmp, cf.ThreadPoolExecutor(a.jobs) as pool:
-        for sm, dump in pool.map(lambda t: compile_one(*t, inc, tmp), todo):
+        for sm, dump, res_dump in pool.map(lambda t: compile_one(*t, inc, tmp), todo):
             os.makedirs(os.path.join(a.out, sm), exist_ok=True)
+            res = resources(res_dump)
             for name, body in functions(dump):
+                usage = res.get(name, "")
                 for old, new in renames:
                     name, body = name.replace(old, new), body.replace(old, new)
                 with open(os.path.join(a.out, sm, name[:200] + ".sass"), "w") as f:
                     f.write(body + "\n")
+                with open(os.path.join(a.out, sm, name[:200] + ".res"), "w") as f:  # registers, stack, shared
+                    f.write(usage + "\n")
                 count += 1
     print(f"{len(todo)} sources, {count} functions -> {a.out}", file=sys.stderr)
 
