@@ -206,7 +206,7 @@ def git_commit():
     return open(stamp).read().strip() if os.path.exists(stamp) else "unknown"
 
 
-def run(args):
+def run(args, peak_tflops=None):
     device = torch.device(args.device)
     on_gpu = device.type == "cuda"
     dtype = torch.bfloat16
@@ -215,9 +215,6 @@ def run(args):
     c = CONFIG
     rows = []
     steps = len(ns)
-    if on_gpu:
-        progress("matmul peak (bf16, this run)")
-        args.peak_tflops = matmul_peak_tflops(device)
     for step, N in enumerate(ns, 1):
         progress(f"[{step}/{steps}] N={N}: inputs")
         # Rotate input sets that together exceed the L2 cache (60 MB on an H200) at small N.
@@ -235,15 +232,16 @@ def run(args):
             row["msa_fwd"] = timer(msa_fwd, sets)
             with torch.no_grad():
                 idx = msa.select_blocks(sets[0][3], sets[0][4], topk=c["topk"], block_size=c["block_size"])
-            att = attended_tokens(idx[0], c["block_size"]) * (c["Hq"] // c["Hi"])
+            att_groups = attended_tokens(idx[0], c["block_size"])  # sum over (i, r)
+            att = att_groups * (c["Hq"] // c["Hi"])  # sum over (i, h)
             row["fwd_ratio"] = row["dense_fwd"] / row["msa_fwd"]
             if device.type == "cpu" or msa.has_cuda_kernel("msa_bwd"):
                 progress(f"[{step}/{steps}] N={N}: msa fwd+bwd")
                 row["msa_fwdbwd"] = timer(msa_fwd_bwd, sets)
                 row["attended_tflops"] = 3.5 * 4 * c["D"] * att / row["msa_fwdbwd"] / 1e9
-                if getattr(args, "peak_tflops", None):
+                if peak_tflops:
                     # The floor: the step's FLOPs at the matmul peak measured in this run; and how close.
-                    row["floor"] = msa_step_flops(N, att // (c["Hq"] // c["Hi"])) / args.peak_tflops / 1e9
+                    row["floor"] = msa_step_flops(N, att_groups) / peak_tflops / 1e9
                     row["floor_frac"] = row["floor"] / row["msa_fwdbwd"]
                 row["ratio"] = row["dense_fwdbwd"] / row["msa_fwdbwd"]
                 progress(f"[{step}/{steps}] N={N}: msa fwd+bwd, deterministic=True")
@@ -374,9 +372,12 @@ def main(argv=None):
     device = torch.device(args.device)
     cmd = ["python -m msa.bench", *(argv if argv is not None else sys.argv[1:])]
     print(f"msa {msa.__version__} benchmark on {device} (progress on stderr)", flush=True)
-    args.peak_tflops = None
-    rows = run(args)
-    text = f"# msa benchmark\n\n{header(device, cmd, args.peak_tflops)}\n\n{table(rows, device)}\n"
+    peak = None
+    if device.type == "cuda":
+        progress("matmul peak (bf16, this run)")
+        peak = matmul_peak_tflops(device)
+    rows = run(args, peak)
+    text = f"# msa benchmark\n\n{header(device, cmd, peak)}\n\n{table(rows, device)}\n"
     print(text)
     if args.save:
         tag = "cpu" if device.type == "cpu" else torch.cuda.get_device_name(device).split()[-1].lower()

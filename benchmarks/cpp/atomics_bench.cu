@@ -235,9 +235,10 @@ int main(int argc, char** argv) {
       diff = std::fmax(diff, std::fabs(double(x[i]) - double(y[i])));
       mag = std::fmax(mag, std::fabs(double(x[i])));
     }
+    const bool ok = mag > 0 && diff <= 1e-5 * mag;
     std::printf("check bulk red vs f32x4 red: max |diff| %.3g of max |value| %.3g (%s)\n", diff, mag,
-                mag > 0 && diff <= 1e-5 * mag ? "ok" : "MISMATCH");
-    if (!(mag > 0 && diff <= 1e-5 * mag)) return 1;
+                ok ? "ok" : "MISMATCH");
+    if (!ok) return 1;
   }
   CHECK(cudaGetLastError());
   return 0;
