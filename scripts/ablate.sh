@@ -7,8 +7,8 @@
 # timings. ABLATE_GREP: the kernels to show (a grep -E alternation; default the sparse ones); the
 # environment reaches scripts/profile_msa.py (MSA_PROFILE_WARMUP=1 profiles the warmup step); ABLATE_CMD runs
 # one more command per build (below); ABLATE_ONLY (a regex of names, e.g. 'no_dq_reds|no_grad') runs only those
-# variants after e0. Example (the backward's non-deterministic dq atomics, in both backward kernels):
-#   scripts/ablate.sh $OUT/abl 'no_dq_atomics|csrc/sm80/sparse_bwd/sparse_bwd_kernel.cuh|s/^            else atomic_add4(p.dq_accum + o + n \* 8, x);/            else if (false) atomic_add4(p.dq_accum + o + n * 8, x);/'
+# variants after e0. Example (the general backward's non-deterministic dq atomics, portable and Hopper):
+#   scripts/ablate.sh $OUT/abl 'no_dq_atomics|csrc/smxx/sparse_bwd/sparse_bwd_body.cuh|s/^            else atomic_add4(p.dq_accum + o + n \* 8, x);/            else if (false) atomic_add4(p.dq_accum + o + n * 8, x);/'
 set -uo pipefail
 OUT=${1:?usage: scripts/ablate.sh OUTDIR 'NAME|FILE|SED' ...}
 shift

@@ -10,7 +10,7 @@
 #   no_dsi_dq      the tile's dsi copy to global memory and dq_idx (mma.sync + atomics)
 #   no_dq_atomics  only dq_idx's atomics (the non-deterministic ones the bench runs)
 #   no_idx_logits  the index logits (both passes: they share the code)
-F=csrc/sm80/sparse_fwd/sparse_fwd_kernel.cuh
+F=csrc/smxx/sparse_fwd/sparse_fwd_body.cuh
 exec "$(dirname "$0")/ablate.sh" "${1:?usage: scripts/ablate_out_pass.sh OUTDIR}" \
   "no_pv_out|$F|s/^        if (!p.write_out) return;  \/\/ CTA-uniform/        return;  \/\/ CTA-uniform/" \
   "no_out_store|$F|s/^              if (u < nu)\$/              if (false)/" \

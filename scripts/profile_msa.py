@@ -1,6 +1,7 @@
 """Per-kernel CUDA times of one msa_attention forward + backward (bench configuration), from
 torch.profiler: python scripts/profile_msa.py [N ...]. Prints one table per N, kernels by total time.
-MSA_PROFILE_DETERMINISTIC=1 profiles deterministic=True instead, MSA_PROFILE_WARMUP=1 warmup=True."""
+MSA_PROFILE_DETERMINISTIC=1 profiles deterministic=True instead, MSA_PROFILE_WARMUP=1 warmup=True,
+MSA_PROFILE_WARMUP=both the default step and then warmup=True (one A/B call that changes both paths)."""
 import os
 import sys
 
@@ -13,18 +14,23 @@ from msa import bench  # noqa: E402
 def main():
     ns = [int(a) for a in sys.argv[1:]] or [32768]
     det = os.environ.get("MSA_PROFILE_DETERMINISTIC") == "1"
-    warm = os.environ.get("MSA_PROFILE_WARMUP") == "1"
+    warm_env = os.environ.get("MSA_PROFILE_WARMUP", "0")
+    for warm in {"1": [True], "both": [False, True]}.get(warm_env, [False]):
+        for n in ns:
+            profile_one(n, det, warm)
+
+
+def profile_one(n, det, warm):
     step = bench.msa_fwd_bwd_warmup if warm else (lambda *x: bench.msa_fwd_bwd(*x, deterministic=det))
-    for n in ns:
-        x = bench.make_inputs(n, torch.device("cuda"), torch.bfloat16, seed=0)
-        for _ in range(2):
-            step(*x)
+    x = bench.make_inputs(n, torch.device("cuda"), torch.bfloat16, seed=0)
+    for _ in range(2):
+        step(*x)
+    torch.cuda.synchronize()
+    with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CUDA]) as prof:
+        step(*x)
         torch.cuda.synchronize()
-        with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CUDA]) as prof:
-            step(*x)
-            torch.cuda.synchronize()
-        print(f"## N = {n}: msa fwd+bwd{', deterministic' if det else ''}{', warmup' if warm else ''}, one call")
-        print(prof.key_averages().table(sort_by="cuda_time_total", row_limit=18, max_name_column_width=70))
+    print(f"## N = {n}: msa fwd+bwd{', deterministic' if det else ''}{', warmup' if warm else ''}, one call")
+    print(prof.key_averages().table(sort_by="cuda_time_total", row_limit=18, max_name_column_width=70))
 
 
 if __name__ == "__main__":

@@ -9,7 +9,7 @@ whose registers, stack, shared or local bytes moved shows them as [before -> aft
   python3 scripts/sass_compare.py BEFORE AFTER [--map REGEX=REPLACEMENT ...]
 
 --map rewrites BEFORE's symbol names to AFTER's (Python re.sub, applied in order), for kernels whose
-template parameters moved. The mainloop split of the sparse kernels (docs/wip/mainloops.patch), s21:
+template parameters moved. The mainloop split of the sparse kernels (s21, landed s22), as it was checked:
   python3 scripts/sass_functions.py /tmp/a   # at the base, then the same with the patch applied -> /tmp/b
   python3 scripts/sass_compare.py /tmp/a /tmp/b \
     --map '_ZN3msa4sm8017sparse_fwd_kernelI(\w+?)Li(\d+)ELb(\d)ELb1ELi128ELi(\d+)ELb0E=_ZN3msa4smxx17sparse_fwd_kernelINS_4sm906FwdMmaE\1Li\2ELb\3ELi128ELi\4ELb0E' \

@@ -1,7 +1,7 @@
 """The small-smem configuration of the portable sparse kernels: what GPUs with 99 KB of shared memory per
 block (sm_86, sm_89, sm_120) run. Its stats pass takes 64-row tiles whose warp pairs split the keys, its
 output pass stages the kv block in two 64-key halves, and its backward takes 32-row tiles of a single
-stage (csrc/sm80/sparse_fwd/sparse_fwd_kernel.cuh, csrc/sm80/sparse_bwd/sparse_bwd_kernel.cuh).
+stage (csrc/smxx/sparse_fwd/sparse_fwd_body.cuh, csrc/sm80/sparse_bwd/sparse_bwd_kernel.cuh).
 MSA_SMALL_SMEM=1 forces it, so it is checked here on any GPU: out, lse, kl, lse_idx and all five
 gradients against the float64 reference (the oracles of the other GPU tests), against the default
 portable configuration, and the deterministic mode's bitwise reproducibility."""

@@ -9,8 +9,8 @@ namespace {
 
 // The small-smem configuration fits the 99 KB per block of sm_86 / sm_89 / sm_120 (no static shared memory).
 constexpr int kSmallSmemLimit = 101376;
-static_assert(SparseFwdShape::Smem<__nv_bfloat16, 128, false, 64, true>::bytes <= kSmallSmemLimit, "small stats pass");
-static_assert(SparseFwdShape::Smem<__nv_bfloat16, 128, true, 64, true>::bytes <= kSmallSmemLimit, "small output pass");
+static_assert(smxx::SparseFwdShape::Smem<__nv_bfloat16, 128, false, 64, true>::bytes <= kSmallSmemLimit, "small stats pass");
+static_assert(smxx::SparseFwdShape::Smem<__nv_bfloat16, 128, true, 64, true>::bytes <= kSmallSmemLimit, "small output pass");
 static_assert(SparseBwdSmallShape::Smem<__nv_bfloat16, 128>::bytes <= kSmallSmemLimit, "small backward");
 
 }  // namespace
@@ -18,7 +18,7 @@ static_assert(SparseBwdSmallShape::Smem<__nv_bfloat16, 128>::bytes <= kSmallSmem
 int sparse_smem_bytes(int d, int pass, int rows, bool small) {
   // Shared memory depends on the element size (2 bytes for bf16 and fp16), D and the row tile only.
   using T = __nv_bfloat16;
-  using S = SparseFwdShape;
+  using S = smxx::SparseFwdShape;
   if (small) {
     switch (pass) {
       case 0: return d == 64 ? S::Smem<T, 64, false, 64, true>::bytes : S::Smem<T, 128, false, 64, true>::bytes;
@@ -31,7 +31,7 @@ int sparse_smem_bytes(int d, int pass, int rows, bool small) {
     case 1:
       if (rows == 64) return d == 64 ? S::Smem<T, 64, true, 64>::bytes : S::Smem<T, 128, true, 64>::bytes;
       return d == 64 ? S::Smem<T, 64, true>::bytes : S::Smem<T, 128, true>::bytes;
-    default: return d == 64 ? SparseBwdShape::Smem<T, 64>::bytes : SparseBwdShape::Smem<T, 128>::bytes;
+    default: return d == 64 ? smxx::SparseBwdShape::Smem<T, 64>::bytes : smxx::SparseBwdShape::Smem<T, 128>::bytes;
   }
 }
 

@@ -1,5 +1,5 @@
 // The sparse backward on Hopper, warp-specialized (issue 17 item 2). Same work items, inputs and fp32
-// accumulators as the general kernel (sm80/sparse_bwd/sparse_bwd_kernel.cuh, its top comment has the
+// accumulators as the general kernel (smxx/sparse_bwd/sparse_bwd_body.cuh, its top comment has the
 // math and the item layout); every head layout it takes (any Gu <= 64, J >= 1), the deterministic mode too.
 //
 // A CTA takes one work item (a kv block of one index group and up to units_per_item of the units that
@@ -35,7 +35,7 @@
 #include "common/mma_sm80.h"
 #include "common/wgmma_sm90.h"
 #include "params.h"
-#include "sm80/sparse_bwd/sparse_bwd_kernel.cuh"
+#include "smxx/sparse_bwd/sparse_bwd_body.cuh"
 #include "sm90/sparse_fwd/out_pass_ws.cuh"  // setmaxnreg_*, fence_regs, group_sync
 
 namespace msa::sm90::bwd_ws {
@@ -115,8 +115,8 @@ __global__ void __launch_bounds__(kThreads, 1) sparse_bwd_ws_kernel(SparseBwdPar
   uint64_t* dq_full = dq_half + 2;
   uint64_t* dq_empty = dq_full + 2;
 
-  sm80::BwdItem bi;
-  if (!sm80::bwd_item(p, bi)) return;
+  smxx::BwdItem bi;
+  if (!smxx::bwd_item(p, bi)) return;
   const int item = bi.item, r = bi.r, u_begin = bi.u_begin, u_end = bi.u_end;
   const int krow0 = bi.krow0, kpos0 = bi.kpos0, blen = bi.blen;
   const int G = bi.G, J = bi.J, Gu = bi.Gu;
@@ -399,7 +399,7 @@ __global__ void __launch_bounds__(kThreads, 1) sparse_bwd_ws_kernel(SparseBwdPar
     }
     fence_regs(dk_w);
     fence_regs(dv_w);
-    sm80::flush_dkv<D, kDet>(p, dk, dv, wg * 4 + wq, g, tq, item * J + j, blen, krow0, kvh);
+    smxx::flush_dkv<D, kDet>(p, dk, dv, wg * 4 + wq, g, tq, item * J + j, blen, krow0, kvh);
   }
 }
 

@@ -1,7 +1,7 @@
 // The sparse forward's output pass on Hopper, warp-specialized (issue 17 item 1), for the layout with
 // Gu = 4 query heads per unit and J = 1 (G = Hq / Hi = 4, Hkv <= Hi: the bench configuration) with the
 // index branch and the main output. Same work items, inputs and partials as the general pass
-// (sm80/sparse_fwd/sparse_fwd_kernel.cuh, its top comment has the math); other layouts run that one.
+// (smxx/sparse_fwd/sparse_fwd_body.cuh, its top comment has the math); other layouts run that one.
 //
 // A CTA takes one work item (a kv block of one index group and up to 512 of the units that selected it)
 // with 3 warpgroups:
@@ -69,7 +69,7 @@ constexpr int kProducerRegs = 40, kConsumerRegs = 232;
 // __launch_bounds__): a request past it would never be granted (the consumers would wait forever).
 static_assert(kProducerRegs * 128 + kConsumerRegs * 256 <= (65536 / kThreads & ~7) * kThreads, "register pool");
 constexpr float kNegInf = -__builtin_huge_valf();
-constexpr float kMinNormal = 1.17549435e-38f;  // see sparse_fwd_kernel.cuh: pm * log2 pm from here on
+constexpr float kMinNormal = 1.17549435e-38f;  // see smxx/sparse_fwd/sparse_fwd_body.cuh: pm * log2 pm from here on
 
 template <typename T, int D>
 struct Smem {  // byte offsets from the 1024-aligned base

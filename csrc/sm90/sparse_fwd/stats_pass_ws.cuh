@@ -1,7 +1,7 @@
 // The sparse forward's stats pass on Hopper, warp-specialized, for the same layout as out_pass_ws.cuh
 // (Gu = 4 query heads per unit, J = 1, with the index branch and the main stats). Per (entry, head) the
 // max and the sum of exp of the block's logits (log2 domain), per entry the same for the index logits:
-// the general pass's outputs (sm80/sparse_fwd/sparse_fwd_kernel.cuh, kOut = false), which the stats
+// the general pass's outputs (smxx/sparse_fwd/sparse_fwd_body.cuh, kOut = false), which the stats
 // combine turns into lse and lse_idx.
 //
 // A CTA takes one work item with 3 warpgroups: warpgroup 0 gathers each tile's rows (16 units: Q of

@@ -1,0 +1,90 @@
+// The Hopper sparse backward's GEMMs on warpgroup tensor cores (wgmma): the mainloop policy that
+// smxx/sparse_bwd/sparse_bwd_body.cuh runs the general sm_90a backward with (sm90/sparse_bwd/sparse_bwd.cuh).
+// K, V, Q and dO sit in the 128-byte-swizzled K-major layout (KMajorSw128); the accumulators have the
+// mma.sync layout per thread (warp w: keys / rows [16 (w % 4) + 64 (w / 4), +16)), so the epilogues are shared.
+#pragma once
+#include <cuda_runtime.h>
+
+#include "common/mma_sm80.h"
+#include "common/wgmma_sm90.h"
+
+namespace msa::sm90 {
+
+struct BwdMma {
+  static constexpr bool kWgmma = true;
+  static constexpr int kSmemSlack = 1024;  // room to align the operand tiles to 1024 bytes
+  static constexpr int kKeys = 128, kRows = 64;
+  template <int kRowsT, int kCols>
+  using OpTile = KMajorSw128<kRowsT, kCols>;  // K / V (128 keys) and Q / dO (64 rows) tiles
+  // Tiles written by cp.async (generic proxy) are read by wgmma (async proxy).
+  __device__ __forceinline__ static void fence_operands() { fence_proxy_async_smem(); }
+
+  // The row phase's S and dP: the warpgroup's 64 rows x keys [kbase, +32), wgmma m64n32k16 with Q / dO and
+  // K / V rows from shared memory (both K-major; a 32-row slice of the key tile starts 4 KB-aligned).
+  template <typename T, int D>
+  __device__ __forceinline__ static void s_dp(float (&s)[4][4], float (&dp)[4][4], const T* sQ, const T* sdO,
+                                              const T* sK, const T* sV, int rw, int kbase, int lane) {
+    using KW = KMajorSw128<kKeys, D>;
+    using QW = KMajorSw128<kRows, D>;
+    float(&s_w)[16] = *reinterpret_cast<float(*)[16]>(&s[0][0]);
+    float(&dp_w)[16] = *reinterpret_cast<float(*)[16]>(&dp[0][0]);
+    const uint32_t q_addr = sm80::smem_addr(sQ), do_addr = sm80::smem_addr(sdO);
+    const uint32_t k_addr = sm80::smem_addr(sK) + kbase * 128, v_addr = sm80::smem_addr(sV) + kbase * 128;
+    wgmma_fence();
+#pragma unroll
+    for (int ks = 0; ks < D / 16; ++ks)
+      WgmmaSS<T, 32>::run(s_w, QW::desc_rebuilt(q_addr, ks), KW::desc_rebuilt(k_addr, ks), ks > 0);
+#pragma unroll
+    for (int ks = 0; ks < D / 16; ++ks)
+      WgmmaSS<T, 32>::run(dp_w, QW::desc_rebuilt(do_addr, ks), KW::desc_rebuilt(v_addr, ks), ks > 0);
+    wgmma_commit();
+    wgmma_wait<0>();
+  }
+
+  // dQ = dS K: warpgroup `half` takes D columns [64 half, +64) (D = 64: both take all), m64n64 over the 128
+  // keys in one batch of eight k-steps (A = dS by ldmatrix, B = K MN-major); waited for with the key phase's.
+  template <typename T, int D>
+  __device__ __forceinline__ static void dq_half(float (&dq)[8][4], const T* sdS, const T* sK, int rw, int half,
+                                                 int lane) {
+    using KW = KMajorSw128<kKeys, D>;
+    using KTile = sm80::SwizzledTile<kKeys>;  // P and dS tiles: rows x 128 keys
+    float(&dq_w)[32] = *reinterpret_cast<float(*)[32]>(&dq[0][0]);
+    const uint32_t k_addr = sm80::smem_addr(sK) + (D == 128 ? half : 0) * (KW::kPanelElems * int(sizeof(T)));
+    wgmma_rs_ksteps<T, 64, kKeys / 16, true>(
+        dq_w,
+        [&](uint32_t(&a)[4], int kk) {
+          sm80::ldmatrix_x4(a, sdS + KTile::offset(rw * 16 + lane % 16, kk * 2 + lane / 16));
+        },
+        [&](int kk) { return KW::desc_mn_rebuilt(k_addr, kk); }, false);
+  }
+  // Key phase issued (not waited for): keys [16 warp, +16): dV += P^T dO, dK += dS^T Q over the tile's rows.
+  // A = P^T and dS^T (m = keys, k = rows) by transposed ldmatrix, all four row steps, then eight wgmma
+  // m64nDk16 with B = dO and Q (k = rows, n = D: MN-major).
+  template <typename T, int D>
+  __device__ __forceinline__ static void key_phase_issue(float (&dk)[D / 8][4], float (&dv)[D / 8][4], const T* sP,
+                                                         const T* sdS, const T* sdO, const T* sQ, int warp, int lane) {
+    using QW = KMajorSw128<kRows, D>;
+    using KTile = sm80::SwizzledTile<kKeys>;
+    uint32_t ap[kRows / 16][4], as[kRows / 16][4];
+#pragma unroll
+    for (int kr = 0; kr < kRows / 16; ++kr) {
+      const int arow = kr * 16 + (lane % 8) + ((lane / 16) * 8);
+      const int acol = warp * 2 + (lane / 8) % 2;
+      sm80::ldmatrix_x4_trans(ap[kr], sP + KTile::offset(arow, acol));
+      sm80::ldmatrix_x4_trans(as[kr], sdS + KTile::offset(arow, acol));
+    }
+    float(&dv_w)[D / 2] = *reinterpret_cast<float(*)[D / 2]>(&dv[0][0]);
+    float(&dk_w)[D / 2] = *reinterpret_cast<float(*)[D / 2]>(&dk[0][0]);
+    const uint32_t do_addr = sm80::smem_addr(sdO), q_addr = sm80::smem_addr(sQ);
+    wgmma_fence();
+#pragma unroll
+    for (int kr = 0; kr < kRows / 16; ++kr) {
+      WgmmaRS<T, D, true>::run(dv_w, ap[kr], QW::desc_mn_rebuilt(do_addr, kr), true);
+      WgmmaRS<T, D, true>::run(dk_w, as[kr], QW::desc_mn_rebuilt(q_addr, kr), true);
+    }
+    wgmma_commit();
+  }
+  __device__ __forceinline__ static void wait_all() { wgmma_wait<0>(); }
+};
+
+}  // namespace msa::sm90
