@@ -1,7 +1,8 @@
 #!/usr/bin/env bash
 # A/B of kernel changes in one GPU call: the tree as it is (A) against each variant, one at a time:
 #   scripts/ab_variants.sh LOGDIR VARIANT [VARIANT ...] [-- bench args, e.g. --n 8192 32768]
-# A VARIANT is a patch, or several comma-separated ones applied in order (PATCH1,PATCH2).
+# A VARIANT is a patch, or several comma-separated ones applied in order (PATCH1,PATCH2), optionally followed by
+# :TESTS, that variant's pytest arguments in place of MSA_AB_B_TESTS ("x.patch:tests/test_warmup_gpu.py -m gpu").
 # A: build + the tests in MSA_AB_A_TESTS (default tests/test_errors.py) + benchmark (args: MSA_AB_A_ARGS if
 # set, e.g. fewer N than the variants' final run, else the bench args). Then per variant: apply, rebuild, the
 # tests in MSA_AB_B_TESTS (default tests -m gpu), benchmark, revert. A variant whose patches do not apply is
@@ -28,6 +29,8 @@ profile "$LOG/a"
 summary a
 rc=0
 for v in "${variants[@]}"; do
+  v_tests="${MSA_AB_B_TESTS:-tests -m gpu}"
+  if [[ "$v" == *:* ]]; then v_tests="${v#*:}"; v="${v%%:*}"; fi
   IFS=, read -r -a patches <<< "$v"
   name=""
   for pf in "${patches[@]}"; do name="$name${name:+-}$(basename "$pf" .patch)"; done
@@ -41,7 +44,7 @@ for v in "${variants[@]}"; do
     applied+=("$pf")
   done
   if [ $ok = 1 ]; then
-    MSA_COMMIT="$base-$name" MSA_PYTEST_ARGS="${MSA_AB_B_TESTS:-tests -m gpu}" \
+    MSA_COMMIT="$base-$name" MSA_PYTEST_ARGS="$v_tests" \
       bash "$here/gpu_check.sh" "$LOG/$name" "$@" > /dev/null 2>&1 || rc=1
     profile "$LOG/$name"
     summary "$name"
