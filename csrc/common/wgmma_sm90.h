@@ -61,6 +61,21 @@ __device__ __forceinline__ void tma_load_3d(void* dst, const void* tensor_map, i
       : "memory");
 }
 
+// Bulk reduction (the TMA unit's): adds `bytes` (a multiple of 16; both addresses 16-byte aligned) of fp32
+// from shared memory to global memory, in this thread's current bulk group. The shared source must have
+// been fenced to the async proxy (fence_proxy_async_smem by its writers) and synchronised with this thread.
+__device__ __forceinline__ void bulk_reduce_add_f32(float* dst, const float* src, int bytes) {
+  asm volatile("cp.reduce.async.bulk.global.shared::cta.bulk_group.add.f32 [%0], [%1], %2;\n"
+               ::"l"(dst), "r"(static_cast<uint32_t>(__cvta_generic_to_shared(src))), "r"(bytes) : "memory");
+}
+__device__ __forceinline__ void bulk_commit() { asm volatile("cp.async.bulk.commit_group;\n" ::: "memory"); }
+// Until at most N of this thread's bulk groups are pending: reading their shared sources (kRead), or done.
+template <int N, bool kRead>
+__device__ __forceinline__ void bulk_wait() {
+  if constexpr (kRead) asm volatile("cp.async.bulk.wait_group.read %0;\n" ::"n"(N) : "memory");
+  else asm volatile("cp.async.bulk.wait_group %0;\n" ::"n"(N) : "memory");
+}
+
 // Shared-memory writes of the generic proxy (st.shared, cp.async) made visible to the async proxy
 // (wgmma operand reads). Each writing thread fences after its copies landed, then the CTA synchronises.
 __device__ __forceinline__ void fence_proxy_async_smem() {

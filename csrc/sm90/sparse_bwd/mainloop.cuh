@@ -85,6 +85,33 @@ struct BwdMma {
     wgmma_commit();
   }
   __device__ __forceinline__ static void wait_all() { wgmma_wait<0>(); }
+
+  // The warp's 16 x 64 dQ slab (accumulator layout: rows g, g + 8, columns 8 n + 2 tq), times scale, added
+  // to global memory by bulk reductions through its staging slab `stage` (16 rows of `stride` floats):
+  // lane l < 16 adds row l to dst (its row's 64 floats; `ok`: the row is a token's). The slab is rewritten
+  // once the previous tile's reductions have read it.
+  __device__ __forceinline__ static void reduce_dq_slab(const float (&dq)[8][4], float scale, float* stage, int stride,
+                                                        float* dst, bool ok, int lane) {
+    const int g = lane / 4, tq = lane % 4;
+    if (lane < 16) bulk_wait<0, true>();
+    __syncwarp();
+#pragma unroll
+    for (int n = 0; n < 8; ++n) {
+      const int col = n * 8 + 2 * tq;
+      *reinterpret_cast<float2*>(stage + g * stride + col) = make_float2(dq[n][0] * scale, dq[n][1] * scale);
+      *reinterpret_cast<float2*>(stage + (g + 8) * stride + col) = make_float2(dq[n][2] * scale, dq[n][3] * scale);
+    }
+    fence_proxy_async_smem();
+    __syncwarp();
+    if (lane < 16) {
+      if (ok) bulk_reduce_add_f32(dst, stage + lane * stride, 64 * 4);
+      bulk_commit();
+    }
+  }
+  // Before the CTA exits: the staged reductions are done.
+  __device__ __forceinline__ static void reduce_dq_drain(int lane) {
+    if (lane < 16) bulk_wait<0, false>();
+  }
 };
 
 }  // namespace msa::sm90

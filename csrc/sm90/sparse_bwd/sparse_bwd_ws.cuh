@@ -10,8 +10,8 @@
 //      announced on its "full" mbarrier once its copies landed and were fenced to the async proxy
 //      (wgmma reads Q and dO), and reused once both consumers released it ("empty");
 //    - warps 2-3, the dQ writer: per tile it adds the tile's fp32 dQ from shared memory (one of two
-//      buffers) to dq_accum (16-byte reds; the deterministic mode's hi / lo split), so no consumer waits
-//      for an atomic.
+//      buffers) to dq_accum (one bulk reduction per row; the deterministic mode: 16-byte reds of its hi / lo
+//      split), so no consumer waits for an atomic.
 //  - warpgroups 1 and 2, the consumers (setmaxnreg up to 232): consumer c owns keys [64 c, +64) of the
 //    block for the whole item, dK and dV of them in registers (m64nD each). Per tile, in two halves of 32
 //    rows, transposed (keys as the MMA's M):
@@ -188,11 +188,32 @@ __global__ void __launch_bounds__(kThreads, 1) sparse_bwd_ws_kernel(SparseBwdPar
       }
       return;
     }
-    // The dQ writer: tile i's dQ (both consumers' sum, scaled already) from buffer i % 2 to dq_accum, two
-    // float4 per thread and step, both loaded before either red (a red through a generic pointer would
-    // otherwise order the next shared load after it).
+    // The dQ writer: tile i's dQ (both consumers' sum, scaled already) from buffer i % 2 to dq_accum.
     constexpr int kWriters = 128 - kGather;
     const int wt = tid - kGather;
+    static_assert(L::kDqStride * 4 % 16 == 0 && L::dq % 16 == 0, "bulk reductions read 16-byte aligned rows");
+    if constexpr (!kDet) {
+      // One bulk reduction per row (D fp32, 512 or 256 contiguous bytes at (token, head)), issued by writer
+      // thread row % kWriters; the buffer goes back to the consumers once the reductions have read it.
+      for (int i = 0; i < n_all; ++i) {
+        const int b = i & 1;
+        mbar_wait(&dq_full[b], (i >> 1) & 1);
+        const float* buf = sDq + b * kRows * L::kDqStride;
+        for (int row = wt; row < kRows; row += kWriters) {
+          const int tok = sDqTok[b * kRows + row];
+          if (tok >= 0)
+            bulk_reduce_add_f32(p.dq_accum + (int64_t(tok) * p.hq + sDqHead[b * kRows + row]) * D,
+                                buf + row * L::kDqStride, D * 4);
+        }
+        bulk_commit();
+        bulk_wait<0, true>();
+        mbar_arrive(&dq_empty[b]);
+      }
+      bulk_wait<0, false>();
+      return;
+    }
+    // Deterministic mode: the exact hi / lo sums, two float4 per thread and step, both loaded before either
+    // red (a red through a generic pointer would otherwise order the next shared load after it).
     const float4 grid = kDet ? __ldg(p.dq_grid) : make_float4(0.f, 0.f, 0.f, 0.f);
     for (int i = 0; i < n_all; ++i) {
       const int b = i & 1;
@@ -395,6 +416,8 @@ __global__ void __launch_bounds__(kThreads, 1) sparse_bwd_ws_kernel(SparseBwdPar
           *d1 = v1;
         }
       }
+      // The writer's bulk reductions read the buffer through the async proxy: consumer 1's final values fenced.
+      if (!kDet && wg == 1) fence_proxy_async_smem();
       mbar_arrive(wg == 0 ? &dq_half[i & 1] : &dq_full[i & 1]);
     }
     fence_regs(dk_w);

@@ -41,6 +41,11 @@ struct SparseBwdShape {
   static constexpr int kThreads = 256;
   static constexpr int kKeys = 128;
   static constexpr int kRows = 64;
+  // The sm_90a kernel's dQ staging (non-deterministic mode), after Smem's bytes: per warp 16 rows of 64 fp32
+  // at a stride of 72 (the float2 stores of a half warp, rows g = 0..3, land in distinct banks).
+  static constexpr int kDqStage = 72;
+  static constexpr int kDqStageBytes = 8 * 16 * kDqStage * 4;
+  static_assert(kDqStage * 4 % 16 == 0, "bulk reductions read 16-byte aligned rows");
   template <typename T, int D>
   struct Smem {
     static constexpr int k = 0;
@@ -211,6 +216,10 @@ __global__ void __launch_bounds__(SparseBwdShape::kThreads, 1) sparse_bwd_kernel
   float* sLse = reinterpret_cast<float*>(smem + L::lse);
   float* sDelta = reinterpret_cast<float*>(smem + L::delta);
   int* sTok = reinterpret_cast<int*>(smem + L::tok);
+  // kWgmma, non-deterministic: each warp's 16 x 64 fp32 dQ slab staged here (past L's bytes) for the
+  // mainloop's bulk reductions.
+  static_assert(L::bytes % 16 == 0, "the dQ staging slabs start 16-byte aligned");
+  [[maybe_unused]] float* sDqW = reinterpret_cast<float*>(smem + L::bytes) + (threadIdx.x / 32) * 16 * Sh::kDqStage;
 
   BwdItem bi;
   if (!bwd_item(p, bi)) return;
@@ -368,7 +377,16 @@ __global__ void __launch_bounds__(SparseBwdShape::kThreads, 1) sparse_bwd_kernel
         float dq[8][4];
         Mma::template dq_half<T, D>(dq, sdS, sK, rw, half, lane);
         Mma::template key_phase_issue<T, D>(dk, dv, sP, sdS, sdOb, sQb, warp, lane);
-        if (D == 128 || half == 0) add_dq(dq, half * 64);
+        if (D == 128 || half == 0) {
+          if constexpr (kDet) {
+            add_dq(dq, half * 64);
+          } else {
+            // The warp's rows [16 rw, +16) x columns [64 half, +64), scaled, to (token, head) by bulk reductions.
+            const int row = rw * 16 + lane % 16, tr = sTokb[row];
+            float* dst = p.dq_accum + (int64_t(tr >= 0 ? tr : 0) * p.hq + h0 + sRowH[row]) * D + half * 64;
+            Mma::reduce_dq_slab(dq, p.scale, sDqW, Sh::kDqStage, dst, tr >= 0, lane);
+          }
+        }
         Mma::wait_all();
       } else {
         if (warp * 16 < p.block_size) Mma::template key_phase<T, D>(dk, dv, sP, sdS, sdOb, sQb, warp, lane);
@@ -388,6 +406,7 @@ __global__ void __launch_bounds__(SparseBwdShape::kThreads, 1) sparse_bwd_kernel
 
     flush_dkv<D, kDet>(p, dk, dv, warp, g, tq, item * J + j, blen, krow0, kvh);
   }
+  if constexpr (kWgmma && !kDet) Mma::reduce_dq_drain(threadIdx.x % 32);
 }
 
 // One launch of the kernel with the mainloop Mma (sm80::BwdMma or sm90::BwdMma) over the backward's items.
@@ -395,7 +414,9 @@ template <class Mma, typename T, int D>
 cudaError_t launch_sparse_bwd_pass(const SparseBwdParams& p, cudaStream_t stream) {
   const int64_t grid = p.max_items;  // an upper bound on item_offsets[num_keys]
   if (grid == 0) return cudaSuccess;
-  constexpr int smem = SparseBwdShape::Smem<T, D>::bytes + Mma::kSmemSlack;
+  // The alignment slack and (sm_90a, non-deterministic mode) the dQ staging slabs.
+  const int smem = SparseBwdShape::Smem<T, D>::bytes + Mma::kSmemSlack +
+                   (Mma::kWgmma && p.dq_lo == nullptr ? SparseBwdShape::kDqStageBytes : 0);
   auto kernel = p.dq_lo != nullptr ? sparse_bwd_kernel<Mma, T, D, true> : sparse_bwd_kernel<Mma, T, D, false>;
   cudaError_t err = cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, smem);
   if (err != cudaSuccess) return err;
