@@ -7,22 +7,25 @@ using namespace sm80;  // common/mma_sm80.h: pack / ldmatrix / mma.sync helpers 
 namespace {
 
 // A slot's (max, sum): sum 0 = no keys (never written, or nothing visible); a NaN sum (non-finite
-// scores) counts, so the row's lse is NaN, as in the reference.
+// scores) counts, so the row's lse is NaN, as in the reference. The row's slots (count <= kMaxTopk) are
+// loaded first, all in flight together, then reduced in slot order.
+constexpr int kMaxTopk = 32;  // api/index_topk.cpp and sparse_fwd.cpp check topk <= 32
 __device__ __forceinline__ float combine_lse(const float2* st, int64_t first, int64_t stride, int count) {
+  float2 x[kMaxTopk];
+#pragma unroll
+  for (int s = 0; s < kMaxTopk; ++s) x[s] = s < count ? st[first + s * stride] : make_float2(0.f, 0.f);
   float m = -__builtin_huge_valf();
-  for (int s = 0; s < count; ++s) {
-    const float2 x = st[first + s * stride];
-    if (x.y != 0.f) m = fmaxf(m, x.x);
-  }
+#pragma unroll
+  for (int s = 0; s < kMaxTopk; ++s)
+    if (x[s].y != 0.f) m = fmaxf(m, x[s].x);
   float l = 0.f;
-  for (int s = 0; s < count; ++s) {
-    const float2 x = st[first + s * stride];
-    if (x.y != 0.f) l += x.y * exp2f(x.x - m);
-  }
+#pragma unroll
+  for (int s = 0; s < kMaxTopk; ++s)
+    if (x[s].y != 0.f) l += x[s].y * exp2f(x[s].x - m);
   return l == 0.f ? -__builtin_huge_valf() : (m + log2f(l)) * kLn2;
 }
 
-// One thread per (head, token) of the chunk, then per (index head, token).
+// One thread per (index group, token, head of the group) of the chunk, then per (index head, token).
 __global__ void sparse_combine_stats_kernel(SparseCombineParams p) {
   const int G = p.hq / p.hi;
   const int64_t main_rows = int64_t(p.hq) * p.chunk_tokens;
@@ -31,9 +34,12 @@ __global__ void sparse_combine_stats_kernel(SparseCombineParams p) {
   if (i >= rows) return;
   if (i < main_rows) {
     if (!p.main) return;
-    const int h = int(i / p.chunk_tokens), tl = int(i % p.chunk_tokens);
-    const int64_t e0 = (int64_t(h / G) * p.chunk_tokens + tl) * p.topk;
-    p.lse[int64_t(h) * p.total_tokens + p.chunk_begin + tl] = combine_lse(p.stats, e0 * G + h % G, G, p.topk);
+    // The group's heads fastest: a warp reads slot s of 32 / G tokens as whole (G x 8)-byte rows.
+    const int hh = int(i % G);
+    const int64_t q = i / G;
+    const int r = int(q / p.chunk_tokens), tl = int(q % p.chunk_tokens);
+    const int64_t e0 = (int64_t(r) * p.chunk_tokens + tl) * p.topk;
+    p.lse[int64_t(r * G + hh) * p.total_tokens + p.chunk_begin + tl] = combine_lse(p.stats, e0 * G + hh, G, p.topk);
   } else {
     const int64_t k = i - main_rows;
     const int r = int(k / p.chunk_tokens), tl = int(k % p.chunk_tokens);
