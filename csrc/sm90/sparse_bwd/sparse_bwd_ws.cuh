@@ -214,7 +214,7 @@ __global__ void __launch_bounds__(kThreads, 1) sparse_bwd_ws_kernel(SparseBwdPar
     }
     // Deterministic mode: the exact hi / lo sums, two float4 per thread and step, both loaded before either
     // red (a red through a generic pointer would otherwise order the next shared load after it).
-    const float4 grid = kDet ? __ldg(p.dq_grid) : make_float4(0.f, 0.f, 0.f, 0.f);
+    const float4 grid = __ldg(p.dq_grid);
     for (int i = 0; i < n_all; ++i) {
       const int b = i & 1;
       mbar_wait(&dq_full[b], (i >> 1) & 1);
@@ -232,10 +232,7 @@ __global__ void __launch_bounds__(kThreads, 1) sparse_bwd_ws_kernel(SparseBwdPar
         }
 #pragma unroll
         for (int u = 0; u < 2; ++u) {
-          if (tok[u] >= 0) {
-            if constexpr (kDet) det_add4(p.dq_accum + o[u], p.dq_lo + o[u], x[u], grid);
-            else sm80::atomic_add4(p.dq_accum + o[u], x[u]);
-          }
+          if (tok[u] >= 0) det_add4(p.dq_accum + o[u], p.dq_lo + o[u], x[u], grid);
         }
       }
       mbar_arrive(&dq_empty[b]);
