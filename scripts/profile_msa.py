@@ -1,9 +1,12 @@
 """Per-kernel CUDA times of one msa_attention forward + backward (bench configuration), from
 torch.profiler: python scripts/profile_msa.py [N ...]. Prints one table per N, kernels by total time.
 MSA_PROFILE_DETERMINISTIC=1 profiles deterministic=True instead, MSA_PROFILE_WARMUP=1 warmup=True,
-MSA_PROFILE_WARMUP=both the default step and then warmup=True (one A/B call that changes both paths)."""
+MSA_PROFILE_WARMUP=both the default step and then warmup=True (one A/B call that changes both paths).
+MSA_PROFILE_ROWS=K prints K kernel rows (default 18); every table ends with the step's kernel launches and
+GPU time, and the host time to enqueue one step (the GPU idle beforehand, no sync inside)."""
 import os
 import sys
+import time
 
 import torch
 
@@ -30,7 +33,19 @@ def profile_one(n, det, warm):
         step(*x)
         torch.cuda.synchronize()
     print(f"## N = {n}: msa fwd+bwd{', deterministic' if det else ''}{', warmup' if warm else ''}, one call")
-    print(prof.key_averages().table(sort_by="cuda_time_total", row_limit=18, max_name_column_width=70))
+    rows = int(os.environ.get("MSA_PROFILE_ROWS", "18"))
+    print(prof.key_averages().table(sort_by="cuda_time_total", row_limit=rows, max_name_column_width=70))
+    kernels = [e for e in prof.events() if e.device_type == torch.autograd.DeviceType.CUDA]
+    gpu_us = sum(e.device_time for e in kernels)
+    enqueue = []
+    for _ in range(5):
+        torch.cuda.synchronize()
+        t0 = time.perf_counter()
+        step(*x)
+        enqueue.append((time.perf_counter() - t0) * 1e3)
+        torch.cuda.synchronize()
+    print(f"kernels and memsets: {len(kernels)}, GPU time {gpu_us / 1e3:.3f} ms; host enqueue of one step "
+          f"(median of 5): {sorted(enqueue)[2]:.3f} ms")
 
 
 if __name__ == "__main__":
