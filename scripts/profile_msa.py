@@ -3,7 +3,8 @@ torch.profiler: python scripts/profile_msa.py [N ...]. Prints one table per N, k
 MSA_PROFILE_DETERMINISTIC=1 profiles deterministic=True instead, MSA_PROFILE_WARMUP=1 warmup=True,
 MSA_PROFILE_WARMUP=both the default step and then warmup=True (one A/B call that changes both paths).
 MSA_PROFILE_ROWS=K prints K kernel rows (default 18); every table ends with the step's kernel launches and
-GPU time, and the host time to enqueue one step (the GPU idle beforehand, no sync inside)."""
+GPU time, and the host time to enqueue one step (the GPU idle beforehand, no sync inside).
+MSA_PROFILE_HOST=1 adds a table of the host side (CPU activity: ops and CUDA API calls by self CPU time)."""
 import os
 import sys
 import time
@@ -44,6 +45,11 @@ def profile_one(n, det, warm):
         step(*x)
         enqueue.append((time.perf_counter() - t0) * 1e3)
         torch.cuda.synchronize()
+    if os.environ.get("MSA_PROFILE_HOST") == "1":
+        with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU]) as host:
+            step(*x)
+            torch.cuda.synchronize()
+        print(host.key_averages().table(sort_by="self_cpu_time_total", row_limit=rows, max_name_column_width=70))
     print(f"kernels and memsets: {len(kernels)}, GPU time {gpu_us / 1e3:.3f} ms; host enqueue of one step "
           f"(median of 5): {sorted(enqueue)[2]:.3f} ms")
 
