@@ -42,6 +42,17 @@ SparseForward dense_kl_cuda(const Tensor& q, const Tensor& k, const Tensor& q_id
                             const SeqMap& seqs, int64_t max_seqlen, double softmax_scale, double index_scale,
                             bool index_grad, const Tensor& lse, const Tensor& lse_idx);
 
+// An fp32 gradient and the input whose dtype and shape it takes; scale: a device scalar it is multiplied
+// by, or nullptr; lo: an fp32 array added to it first (deterministic mode's low parts), or nullptr.
+struct GradCast {
+  const Tensor& f32;
+  const Tensor& like;
+  const float* scale = nullptr;
+  const float* lo = nullptr;
+};
+// The gradients cast (and scaled), bf16 ones in one launch and fp16 ones in another.
+std::vector<Tensor> cast_grads(std::initializer_list<GradCast> grads, cudaStream_t stream);
+
 // The main branch's gradients (SPEC 3) from the forward's lse.
 std::tuple<Tensor, Tensor, Tensor> sparse_backward_cuda(
     const Tensor& dout, const Tensor& q, const Tensor& k, const Tensor& v, const Tensor& out,

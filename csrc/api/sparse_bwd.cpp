@@ -27,10 +27,39 @@ namespace {
 int64_t bwd_units_per_item() { return env_positive("MSA_BWD_UNITS_PER_ITEM", msa::kBwdUnitsPerItem); }
 }  // namespace
 
-std::tuple<Tensor, Tensor, Tensor> sparse_backward_cuda(const Tensor& dout_in, const Tensor& q_in, const Tensor& k_in,
-                                                        const Tensor& v_in, const Tensor& out_in, const Tensor& lse,
-                                                        const Tensor& indices, const SeqMap& seqs, int64_t block_size,
-                                                        double softmax_scale, bool deterministic) {
+std::vector<Tensor> cast_grads(std::initializer_list<GradCast> grads, cudaStream_t stream) {
+  smxx::CastSegments bf16, fp16;
+  std::vector<Tensor> res;
+  if (grads.size() == 0) return res;
+  const DeviceGuard guard(grads.begin()->like.get_device_index());  // the launches go to that device's stream
+  for (const GradCast& g : grads) {
+    MSA_CHECK(g.f32.scalar_type() == kFloat && g.f32.is_contiguous() && g.f32.numel() == g.like.numel(),
+              "cast_grads: expected a contiguous fp32 gradient of ", g.like.numel(), " elements");
+    res.push_back(empty_as(g.like));
+    const bool is_bf16 = g.like.scalar_type() == kBFloat16;
+    MSA_CHECK(is_bf16 || g.like.scalar_type() == kHalf, "cast_grads: expected bf16 or fp16, got ", dtype(g.like));
+    smxx::CastSegments& segs = is_bf16 ? bf16 : fp16;
+    if (!segs.add(ptr<float>(g.f32), res.back().data_ptr(), g.f32.numel(), g.scale, g.lo)) {
+      MSA_LAUNCH_CHECK(smxx::launch_cast_segments(segs, is_bf16, stream), "the gradients' cast");
+      segs = smxx::CastSegments{};
+      segs.add(ptr<float>(g.f32), res.back().data_ptr(), g.f32.numel(), g.scale, g.lo);
+    }
+  }
+  MSA_LAUNCH_CHECK(smxx::launch_cast_segments(bf16, true, stream), "the gradients' cast");
+  MSA_LAUNCH_CHECK(smxx::launch_cast_segments(fp16, false, stream), "the gradients' cast");
+  return res;
+}
+
+namespace {
+// The main branch's gradients in fp32 before their cast; deterministic mode: dq's exact sum is dq + dq_lo (added
+// by the cast).
+struct SparseGradsF32 {
+  Tensor dq, dk, dv, dq_lo;
+};
+
+SparseGradsF32 sparse_backward_f32(const Tensor& dout_in, const Tensor& q_in, const Tensor& k_in, const Tensor& v_in,
+                                   const Tensor& out_in, const Tensor& lse, const Tensor& indices, const SeqMap& seqs,
+                                   int64_t block_size, double softmax_scale, bool deterministic) {
   check_qkv_cuda(q_in, k_in, v_in, seqs.total_k);
   MSA_CHECK(same_device(dout_in, q_in) && same_device(out_in, q_in) && same_device(lse, q_in),
             "dout, out, lse: expected the device of q, ", dev(q_in));
@@ -57,9 +86,12 @@ std::tuple<Tensor, Tensor, Tensor> sparse_backward_cuda(const Tensor& dout_in, c
   const Tensor dout = aligned_rows(dout_in), out = aligned_rows(out_in);
   const Tensor lse_c = contig(lse);
   const Tensor delta = empty({Hq, T}, kFloat, q);
-  Tensor dq = zeros({T, Hq, D}, kFloat, q);
-  const Tensor dk = zeros({Tk, Hkv, D}, kFloat, q);
-  const Tensor dv = zeros({Tk, Hkv, D}, kFloat, q);
+  // The fp32 accumulators (and deterministic mode's dq_lo), zeroed by one memset.
+  std::vector<Tensor> acc = deterministic
+      ? zeros_f32_parts({{T, Hq, D}, {Tk, Hkv, D}, {Tk, Hkv, D}, {T, Hq, D}}, q, stream)
+      : zeros_f32_parts({{T, Hq, D}, {Tk, Hkv, D}, {Tk, Hkv, D}}, q, stream);
+  Tensor dq = acc[0];
+  const Tensor dk = acc[1], dv = acc[2];
   Tensor dq_lo, dq_grid, dkv_part;  // deterministic mode
   if (T > 0) {
     BwdDeltaParams dp{};
@@ -109,7 +141,7 @@ std::tuple<Tensor, Tensor, Tensor> sparse_backward_cuda(const Tensor& dout_in, c
       // most scale * D * max|dO| * (max|V| + max|O|) * max|K| (|dP|, |delta| <= D max|dO| max|V or O|,
       // sum of P <= 1), doubled for the rounding of P and dS to the input dtype. dK, dV: per-item partials.
       dq_grid = det_grid({dout, v, out, k}, 0, 2.0 * softmax_scale * double(D), indices.size(2));
-      dq_lo = zeros_as(dq);
+      dq_lo = acc[3];
       const int64_t J = Hkv > Hi ? Hkv / Hi : 1;
       dkv_part = empty({ri.max_items * J * 2 * sm80::kBwdKeys * D}, kFloat, q);
       p.dq_lo = ptr<float>(dq_lo);
@@ -141,10 +173,25 @@ std::tuple<Tensor, Tensor, Tensor> sparse_backward_cuda(const Tensor& dout_in, c
     });
     if (deterministic) {
       item_reduce(dkv_part, p.item_offsets, p.block_offsets, seqs, block_size, ri.max_blocks, Hi, {dk, dv});
-      dq = add(dq, dq_lo);
     }
   }
-  return {cast(dq, q.scalar_type()), cast(dk, q.scalar_type()), cast(dv, q.scalar_type())};
+  return {dq, dk, dv, dq_lo};
+}
+
+// The cast of g's dq (with dq_lo where present), dk and dv to the dtypes of q, k, v.
+GradCast cast_dq(const SparseGradsF32& g, const Tensor& q) {
+  return {g.dq, q, nullptr, g.dq_lo.defined() ? ptr<float>(g.dq_lo) : nullptr};
+}
+}  // namespace
+
+std::tuple<Tensor, Tensor, Tensor> sparse_backward_cuda(const Tensor& dout, const Tensor& q, const Tensor& k,
+                                                        const Tensor& v, const Tensor& out, const Tensor& lse,
+                                                        const Tensor& indices, const SeqMap& seqs, int64_t block_size,
+                                                        double softmax_scale, bool deterministic) {
+  const SparseGradsF32 f =
+      sparse_backward_f32(dout, q, k, v, out, lse, indices, seqs, block_size, softmax_scale, deterministic);
+  const std::vector<Tensor> g = cast_grads({cast_dq(f, q), {f.dk, k}, {f.dv, v}}, current_stream(q));
+  return {g[0], g[1], g[2]};
 }
 
 namespace {
@@ -193,6 +240,8 @@ std::tuple<Tensor, Tensor, Tensor, Tensor, Tensor> msa_bwd_cuda(
   (void)index_scale;
   check_qkv_cuda(q, k, v, rows(k));  // the key rows against the layout: seq_map
   Tensor dq, dk, dv, dq_idx, dk_idx;
+  // The sparse backward's fp32 gradients, cast together with the index gradients below (one launch).
+  SparseGradsF32 f;
   if (dout.has_value()) {
     const SeqMap seqs = seq_map(cu_seqlens, q.size(0), max_seqlen, cu_seqlens_k, max_seqlen_k, k.size(0), q);
     const DeviceGuard guard(q.get_device_index());
@@ -201,14 +250,14 @@ std::tuple<Tensor, Tensor, Tensor, Tensor, Tensor> msa_bwd_cuda(
       std::tie(dq, dk, dv) =
           dense_attention_backward(*dout, q, k, v, out, lse, seqs, max_seqlen, softmax_scale, deterministic);
     } else {
-      std::tie(dq, dk, dv) =
-          sparse_backward_cuda(*dout, q, k, v, out, lse, indices, seqs, block_size, softmax_scale, deterministic);
+      f = sparse_backward_f32(*dout, q, k, v, out, lse, indices, seqs, block_size, softmax_scale, deterministic);
     }
   } else {
     dq = zeros_as(q);
     dk = zeros_as(k);
     dv = zeros_as(v);
   }
+  const bool sparse = f.dq.defined();
   if (dkl.has_value()) {
     // SPEC 4: the KL's gradient is linear in d_kl; the forward computed it for d_kl = 1.
     MSA_CHECK(same_shape(kl_dq_idx, q_idx) && same_shape(kl_dk_idx, k_idx),
@@ -223,16 +272,20 @@ std::tuple<Tensor, Tensor, Tensor, Tensor, Tensor> msa_bwd_cuda(
     const Tensor s = contig(cast(*dkl, kFloat));
     const cudaStream_t stream = current_stream(q_idx);
     // One pass each: the fp32 gradient for d_kl = 1, times d_kl (a device scalar), cast to the input dtype.
-    auto scale_cast = [&](const Tensor& g, const Tensor& like) {
-      Tensor res = empty_as(like);
-      MSA_LAUNCH_CHECK(smxx::launch_scale_cast(ptr<float>(g), ptr<float>(s), res.data_ptr(), g.numel(),
-                                               like.scalar_type() == kBFloat16, stream),
-                       "msa_bwd (index gradients)");
-      return res;
-    };
-    dq_idx = scale_cast(kl_dq_idx, q_idx);
-    dk_idx = scale_cast(kl_dk_idx, k_idx);
+    const float* sc = ptr<float>(s);
+    if (sparse) {
+      const std::vector<Tensor> g =
+          cast_grads({cast_dq(f, q), {f.dk, k}, {f.dv, v}, {kl_dq_idx, q_idx, sc}, {kl_dk_idx, k_idx, sc}}, stream);
+      dq = g[0], dk = g[1], dv = g[2], dq_idx = g[3], dk_idx = g[4];
+    } else {
+      const std::vector<Tensor> g = cast_grads({{kl_dq_idx, q_idx, sc}, {kl_dk_idx, k_idx, sc}}, stream);
+      dq_idx = g[0], dk_idx = g[1];
+    }
   } else {
+    if (sparse) {
+      const std::vector<Tensor> g = cast_grads({cast_dq(f, q), {f.dk, k}, {f.dv, v}}, current_stream(q));
+      dq = g[0], dk = g[1], dv = g[2];
+    }
     dq_idx = zeros_as(q_idx);
     dk_idx = zeros_as(k_idx);
   }

@@ -124,16 +124,23 @@ SparseForward sparse_forward_cuda(const Tensor& q_in, const Tensor& k_in, const 
   res.lse_idx = no_stats ? contig(*lse_idx_given) : empty({index ? Hi : 0, T}, kFloat, q);
   res.kl_rows = empty({index ? Hi : 0, T}, kFloat, q);
   const bool grad = index && index_grad;
-  if (grad) {
-    res.kl_dq_idx = zeros({T, Hi, Di}, kFloat, q);
-    res.kl_dk_idx = zeros({Tk, Hki, Di}, kFloat, q);
+  const bool det = grad && deterministic;
+  Tensor dqi_lo;  // deterministic mode (params.h)
+  if (det) {
+    // Own buffers: kl_dq_idx is replaced by its sum with dqi_lo below, and a part of a shared buffer would
+    // stay allocated with kl_dk_idx (saved for the backward).
+    res.kl_dq_idx = zeros_f32({T, Hi, Di}, q, stream);
+    res.kl_dk_idx = zeros_f32({Tk, Hki, Di}, q, stream);
+    dqi_lo = zeros_f32({T, Hi, Di}, q, stream);
+  } else if (grad) {  // the fp32 accumulators, zeroed by memsets (op outputs: separate storage)
+    res.kl_dq_idx = zeros_f32({T, Hi, Di}, q, stream);
+    res.kl_dk_idx = zeros_f32({Tk, Hki, Di}, q, stream);
   }
   if (T == 0) return res;
 
   // Chunk of query tokens: its per-entry partials (output rows + stats) fit the budget. Deterministic
   // mode adds index_dk's per-item dk_idx partials: 128 x Di fp32 per item of <= units_per_item entries
   // (and at most one more item per key with an entry: max_work_items).
-  const bool det = grad && deterministic;
   const int units_per_item = fwd_units_per_item();
   // per_token does not depend on no_stats (idx_stats is then not allocated): the same chunks either way.
   const int64_t per_token =
@@ -145,18 +152,22 @@ SparseForward sparse_forward_cuda(const Tensor& q_in, const Tensor& k_in, const 
   MSA_CHECK(Hi * T * topk < (int64_t(1) << 31) && num_keys < (int64_t(1) << 30),
                     "q: too many tokens for the int32 reverse index, T = ", T, ", T_k = ", Tk);
 
-  const Tensor stats = empty({kl_only ? 0 : entries * G * 2}, kFloat, q);
-  const Tensor idx_stats = empty({index && !no_stats ? entries * 2 : 0}, kFloat, q);
+  // The slots' (max, sum) of the main heads and then of the index head: one buffer, zeroed per chunk by one
+  // memset (slots that select nothing are never written: they stay (0, 0), "no keys").
+  const int64_t stats_floats = kl_only ? 0 : entries * G * 2;
+  const int64_t all_stats_floats = stats_floats + (index && !no_stats ? entries * 2 : 0);
+  const Tensor all_stats = empty({all_stats_floats}, kFloat, q);
+  float* const stats = ptr<float>(all_stats);
+  float* const idx_stats = stats + stats_floats;
   const Tensor kl_part = empty({index ? entries : 0}, kFloat, q);
   const Tensor out_part = empty({kl_only ? 0 : entries * G * D}, q.scalar_type(), q);
   const Tensor dsi_part = empty({grad ? entries * 128 : 0}, q.scalar_type(), q);
-  Tensor dqi_lo, dqi_grid, dki_part;  // deterministic mode (params.h)
+  Tensor dqi_grid, dki_part;  // deterministic mode (params.h)
   if (det) {
     // dq_idx: exact hi / lo sums; per element topk * J contributions (one per slot and kv head) whose |x|
     // sum to at most 2 * dqi_scale * max|k_idx| (the |Pidx - P| of a row sum to <= 2), doubled for the
     // rounding of dsi to the input dtype. dk_idx: per-item partials, reduced per chunk.
     dqi_grid = det_grid({ki}, 1, 4.0 * index_scale / double(T * Hi), topk * J);
-    dqi_lo = zeros_as(res.kl_dq_idx);
     dki_part = empty({max_work_items(entries, units_per_item, num_keys) * 128 * Di}, kFloat, q);
   }
 
@@ -210,8 +221,8 @@ SparseForward sparse_forward_cuda(const Tensor& q_in, const Tensor& k_in, const 
   // The warp-specialized stats pass only when asked for (MSA_FWD_WS_STATS=1, with the output pass's): it
   // measured no faster than the general one (1.545 vs 1.518 ms at 32K, s16).
   fp.stats_ws = env_is("MSA_FWD_WS_STATS", "1");
-  fp.stats = reinterpret_cast<float2*>(ptr<float>(stats));
-  fp.idx_stats = index && !no_stats ? reinterpret_cast<float2*>(ptr<float>(idx_stats)) : nullptr;
+  fp.stats = reinterpret_cast<float2*>(stats);
+  fp.idx_stats = index && !no_stats ? reinterpret_cast<float2*>(idx_stats) : nullptr;
   fp.lse = ptr<float>(res.lse);
   fp.out_part = out_part.data_ptr();
   fp.kl_part = index ? ptr<float>(kl_part) : nullptr;
@@ -275,12 +286,9 @@ SparseForward sparse_forward_cuda(const Tensor& q_in, const Tensor& k_in, const 
     fp.work.max_items = int(max_work_items(n, units_per_item, num_keys));
     rp.max_items = fp.work.max_items;  // the launch order covers the grid
     MSA_LAUNCH_CHECK(run_reverse_index(rp, stream), "sparse_fwd (reverse index)");
-    // Slots that select nothing are never written: their stats stay (0, 0), "no keys".
-    if (!kl_only) {
-      MSA_LAUNCH_CHECK(cudaMemsetAsync(stats.data_ptr(), 0, size_t(n * G) * sizeof(float2), stream), "sparse_fwd");
-    }
-    if (index && !no_stats) {
-      MSA_LAUNCH_CHECK(cudaMemsetAsync(idx_stats.data_ptr(), 0, size_t(n) * sizeof(float2), stream), "sparse_fwd");
+    // The whole stats buffer (a chunk's n <= entries slots: only a last, shorter chunk zeroes more than it needs).
+    if (all_stats_floats > 0) {
+      MSA_LAUNCH_CHECK(cudaMemsetAsync(stats, 0, size_t(all_stats_floats) * sizeof(float), stream), "sparse_fwd");
     }
     if (no_stats) {  // the kl combine then sums every slot: a slot that selects nothing must hold 0
       MSA_LAUNCH_CHECK(cudaMemsetAsync(kl_part.data_ptr(), 0, size_t(n) * sizeof(float), stream), "sparse_fwd");

@@ -135,4 +135,38 @@ inline cudaStream_t current_stream(const Tensor& t) {
   return static_cast<cudaStream_t>(s);
 }
 
+// A zeroed fp32 tensor by one memset on `stream` (no fill kernel; the caller holds a DeviceGuard of like's device).
+inline Tensor zeros_f32(const std::vector<int64_t>& shape, const Tensor& like, cudaStream_t stream) {
+  Tensor t = torch::stable::new_empty(like, shape, kFloat);
+  const int64_t n = t.numel();
+  if (n > 0) {
+    const cudaError_t err = cudaMemsetAsync(t.data_ptr(), 0, size_t(n) * sizeof(float), stream);
+    if (err != cudaSuccess) fail("msa: cudaMemsetAsync failed: ", cudaGetErrorString(err));
+  }
+  return t;
+}
+
+// Zeroed fp32 tensors of the given shapes: views of one buffer (each part starting 16-byte aligned) zeroed
+// by one memset on `stream` (the caller holds a DeviceGuard of like's device), in place of one fill launch per
+// tensor. Not for op outputs (outputs must not share storage): zeros_f32 below.
+inline std::vector<Tensor> zeros_f32_parts(const std::vector<std::vector<int64_t>>& shapes, const Tensor& like,
+                                           cudaStream_t stream) {
+  std::vector<int64_t> begin;
+  int64_t total = 0;
+  for (const auto& sh : shapes) {
+    int64_t n = 1;
+    for (int64_t d : sh) n *= d;
+    begin.push_back(total);
+    total += (n + 3) / 4 * 4;
+  }
+  Tensor buf = zeros_f32({total}, like, stream);
+  std::vector<Tensor> parts;
+  for (size_t i = 0; i < shapes.size(); ++i) {
+    int64_t n = 1;
+    for (int64_t d : shapes[i]) n *= d;
+    parts.push_back(torch::stable::view(torch::stable::narrow(buf, 0, begin[i], n), shapes[i]));
+  }
+  return parts;
+}
+
 }  // namespace msa::api

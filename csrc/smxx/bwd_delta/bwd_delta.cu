@@ -1,5 +1,7 @@
 // The backward's small kernels: the preprocess delta[h, t] = sum_d dout[t, h, d] * out[t, h, d] in
-// fp32 (FA2's D_i), and the index gradients' final scale and cast.
+// fp32 (FA2's D_i), and the final scale and cast of the fp32 gradients (one launch for all of them).
+#include <algorithm>
+
 #include "common/mma_sm80.h"
 #include "smxx/bwd_delta/bwd_delta.h"
 
@@ -34,14 +36,23 @@ __global__ void bwd_delta_kernel(BwdDeltaParams p) {
   if (ok && c == 0) p.delta[int64_t(h) * p.total_tokens + t] = acc;
 }
 
-// out[i] = T(in[i] * scale[0]), four elements per thread (n a multiple of 4, 16-byte aligned in).
+// Every segment of s, one per blockIdx.y: out[i] = T((in[i] + lo[i]) * scale[0]) (lo 0 and scale 1 where the
+// segment has none; in + lo in fp32 is the exact sum's rounding, as an fp32 add before the cast), four elements
+// per thread and grid-stride step (n a multiple of 4, in and lo 16-byte aligned).
 template <typename T>
-__global__ void scale_cast_kernel(const float* in, const float* scale, T* out, int64_t n4) {
-  const int64_t i = blockIdx.x * int64_t(blockDim.x) + threadIdx.x;
-  if (i >= n4) return;
-  const float s = *scale;
-  const float4 v = reinterpret_cast<const float4*>(in)[i];
-  reinterpret_cast<uint2*>(out)[i] = make_uint2(pack2<T>(v.x * s, v.y * s), pack2<T>(v.z * s, v.w * s));
+__global__ void cast_segments_kernel(CastSegments s) {
+  const CastSegment& g = s.seg[blockIdx.y];
+  const float sc = g.scale != nullptr ? *g.scale : 1.f;
+  T* out = static_cast<T*>(g.out);
+  const int64_t n4 = g.n / 4;
+  for (int64_t i = blockIdx.x * int64_t(blockDim.x) + threadIdx.x; i < n4; i += int64_t(gridDim.x) * blockDim.x) {
+    float4 v = reinterpret_cast<const float4*>(g.in)[i];
+    if (g.lo != nullptr) {
+      const float4 l = reinterpret_cast<const float4*>(g.lo)[i];
+      v = make_float4(v.x + l.x, v.y + l.y, v.z + l.z, v.w + l.w);
+    }
+    reinterpret_cast<uint2*>(out)[i] = make_uint2(pack2<T>(v.x * sc, v.y * sc), pack2<T>(v.z * sc, v.w * sc));
+  }
 }
 
 }  // namespace
@@ -60,13 +71,22 @@ cudaError_t launch_bwd_delta(const BwdDeltaParams& p, bool bf16, cudaStream_t st
   return cudaGetLastError();
 }
 
-cudaError_t launch_scale_cast(const float* in, const float* scale, void* out, int64_t n, bool bf16,
-                              cudaStream_t stream) {
-  const int64_t n4 = n / 4;
-  if (n4 == 0) return cudaSuccess;
-  const unsigned blocks = unsigned((n4 + 255) / 256);
-  if (bf16) scale_cast_kernel<<<blocks, 256, 0, stream>>>(in, scale, static_cast<__nv_bfloat16*>(out), n4);
-  else scale_cast_kernel<<<blocks, 256, 0, stream>>>(in, scale, static_cast<__half*>(out), n4);
+cudaError_t launch_cast_segments(const CastSegments& s, bool bf16, cudaStream_t stream) {
+  if (s.count < 0 || s.count > kMaxCastSegments) return cudaErrorInvalidValue;
+  int64_t n4 = 0;
+  for (int i = 0; i < s.count; ++i) {
+    const CastSegment& g = s.seg[i];
+    if (g.n < 0 || g.n % 4 != 0 || reinterpret_cast<uintptr_t>(g.in) % 16 != 0 ||
+        reinterpret_cast<uintptr_t>(g.lo) % 16 != 0 || reinterpret_cast<uintptr_t>(g.out) % 8 != 0) {
+      return cudaErrorInvalidValue;
+    }
+    n4 = std::max(n4, g.n / 4);
+  }
+  if (s.count == 0 || n4 == 0) return cudaSuccess;
+  // Grid-stride over the longest segment (at most 4096 CTAs of 256 threads); a shorter segment's extra CTAs exit.
+  const dim3 grid(unsigned(std::min<int64_t>((n4 + 255) / 256, 4096)), unsigned(s.count));
+  if (bf16) cast_segments_kernel<__nv_bfloat16><<<grid, 256, 0, stream>>>(s);
+  else cast_segments_kernel<__half><<<grid, 256, 0, stream>>>(s);
   return cudaGetLastError();
 }
 

@@ -1,6 +1,8 @@
 // Reverse index: for every (index head r, kv block b) the tokens whose selection holds b.
 // A stable radix sort of (key, token) pairs in (r, token, slot) order keeps each key's tokens
 // ascending, so the map (and everything that reduces over it) is deterministic.
+#include <algorithm>
+
 #include <cub/device/device_radix_sort.cuh>
 #include <cub/device/device_scan.cuh>
 
@@ -50,49 +52,52 @@ __global__ void reverse_index_keys_kernel(ReverseIndexParams p) {
   }
 }
 
-// items[key] = ceil(count(key) / units_per_item), items[num_keys] = 0 (the scan turns it into the total).
-__global__ void reverse_index_items_kernel(const int32_t* offsets, int32_t* items, int num_keys, int per_item) {
-  const int key = blockIdx.x * blockDim.x + threadIdx.x;
-  if (key > num_keys) return;
-  items[key] = key < num_keys ? (offsets[key + 1] - offsets[key] + per_item - 1) / per_item : 0;
-}
-
-// offsets[key] = first position of key in the sorted keys (lower bound); offsets[num_keys] = count.
-__global__ void reverse_index_offsets_kernel(const int32_t* sorted_keys, int64_t n, int32_t* offsets,
-                                             int num_keys) {
-  const int key = blockIdx.x * blockDim.x + threadIdx.x;
-  if (key > num_keys) return;
+// First position of `key` in the sorted keys (lower bound).
+__device__ __forceinline__ int32_t lower_bound_key(const int32_t* sorted_keys, int64_t n, int key) {
   int64_t lo = 0, hi = n;
   while (lo < hi) {
     const int64_t mid = (lo + hi) >> 1;
     if (sorted_keys[mid] < key) lo = mid + 1; else hi = mid;
   }
-  offsets[key] = int32_t(lo);
+  return int32_t(lo);
 }
 
-// One thread per key writes its items (key, first unit): kernels then find their item in one load.
-__global__ void reverse_index_item_list_kernel(const int32_t* offsets, const int32_t* item_offsets, int2* items,
-                                               int num_keys, int per_item) {
+// offsets[key] = first position of key in the sorted keys; offsets[num_keys] = count. With items != nullptr
+// also items[key] = ceil(count(key) / per_item) and items[num_keys] = 0 (the scan turns it into the total).
+__global__ void reverse_index_offsets_kernel(const int32_t* sorted_keys, int64_t n, int32_t* offsets,
+                                             int32_t* items, int num_keys, int per_item) {
   const int key = blockIdx.x * blockDim.x + threadIdx.x;
-  if (key >= num_keys) return;
-  const int first = item_offsets[key], count = item_offsets[key + 1] - first;
-  for (int c = 0; c < count; ++c) items[first + c] = make_int2(key, offsets[key] + c * per_item);
+  if (key > num_keys) return;
+  const int32_t first = lower_bound_key(sorted_keys, n, key);
+  offsets[key] = first;
+  if (items != nullptr) {
+    items[key] = key < num_keys ? (lower_bound_key(sorted_keys, n, key + 1) - first + per_item - 1) / per_item : 0;
+  }
 }
 
-// Sort keys of the launch order: slot i < item count gets its item's unit count, later slots 0 (they
-// sort last and hold values >= the count, which the kernels skip).
-__global__ void reverse_index_item_sizes_kernel(const int32_t* offsets, const int32_t* item_offsets,
-                                                const int2* items, int num_keys, int per_item, int max_items,
-                                                int32_t* sizes, int32_t* vals) {
+// Thread i: the items of key i (key, first unit), so kernels find their item in one load; with sizes !=
+// nullptr also the sort keys and values of the launch order over max_items slots: an item's slot gets its
+// unit count, the slots past the item count 0 (they sort last and hold values >= the count, which the
+// kernels skip). The grid covers max(num_keys, max_items) threads.
+__global__ void reverse_index_item_list_kernel(const int32_t* offsets, const int32_t* item_offsets, int2* items,
+                                               int num_keys, int per_item, int max_items, int32_t* sizes,
+                                               int32_t* vals) {
   const int i = blockIdx.x * blockDim.x + threadIdx.x;
-  if (i >= max_items) return;
-  int size = 0;
-  if (i < item_offsets[num_keys]) {
-    const int2 it = items[i];
-    size = min(per_item, offsets[it.x + 1] - it.y);
+  if (i < num_keys) {
+    const int first = item_offsets[i], count = item_offsets[i + 1] - first;
+    const int units = offsets[i + 1] - offsets[i];
+    for (int c = 0; c < count; ++c) {
+      items[first + c] = make_int2(i, offsets[i] + c * per_item);
+      if (sizes != nullptr) {
+        sizes[first + c] = min(per_item, units - c * per_item);
+        vals[first + c] = first + c;
+      }
+    }
   }
-  sizes[i] = size;
-  vals[i] = i;
+  if (sizes != nullptr && i < max_items && i >= item_offsets[num_keys]) {
+    sizes[i] = 0;
+    vals[i] = i;
+  }
 }
 
 int key_bits(int num_keys) {
@@ -148,27 +153,30 @@ cudaError_t run_reverse_index(const ReverseIndexParams& p, cudaStream_t stream) 
   }
   const int threads = 256;
   const int key_blocks = (num_keys + 1 + threads - 1) / threads;
-  reverse_index_offsets_kernel<<<key_blocks, threads, 0, stream>>>(p.keys_out, n, p.offsets, num_keys);
-  MSA_CUDA_TRY(cudaGetLastError());
-  if (p.item_offsets != nullptr) {
-    // Counts per key, then an in-place exclusive scan: item_offsets[num_keys] = number of items.
-    reverse_index_items_kernel<<<key_blocks, threads, 0, stream>>>(p.offsets, p.item_offsets, num_keys,
+  const bool work_list = p.item_offsets != nullptr;
+  // Offsets, and for a work list the per-key item counts (scanned in place below).
+  reverse_index_offsets_kernel<<<key_blocks, threads, 0, stream>>>(p.keys_out, n, p.offsets,
+                                                                   work_list ? p.item_offsets : nullptr, num_keys,
                                                                    p.units_per_item);
-    MSA_CUDA_TRY(cudaGetLastError());
+  MSA_CUDA_TRY(cudaGetLastError());
+  if (work_list) {
+    // In-place exclusive scan: item_offsets[num_keys] = number of items.
     size_t bytes = p.scan_temp_bytes;
     MSA_CUDA_TRY(cub::DeviceScan::ExclusiveSum(p.scan_temp, bytes, p.item_offsets, p.item_offsets, num_keys + 1,
                                                stream));
     if (p.items != nullptr) {
-      reverse_index_item_list_kernel<<<key_blocks, threads, 0, stream>>>(p.offsets, p.item_offsets, p.items,
-                                                                        num_keys, p.units_per_item);
-      MSA_CUDA_TRY(cudaGetLastError());
-      if (p.item_order != nullptr && p.max_items > 0) {
-        // Largest items first: a launch's tail is then made of small items (a full item is up to a tenth
-        // of an SM's work in a pass), and the launches end closer together across SMs.
-        const int n_items = p.max_items;
-        reverse_index_item_sizes_kernel<<<(n_items + threads - 1) / threads, threads, 0, stream>>>(
-            p.offsets, p.item_offsets, p.items, num_keys, p.units_per_item, n_items, p.order_keys, p.order_vals);
+      // Largest items first (item_order): a launch's tail is then made of small items (a full item is up
+      // to a tenth of an SM's work in a pass), and the launches end closer together across SMs.
+      const bool order = p.item_order != nullptr && p.max_items > 0;
+      const int list_threads = order ? std::max(num_keys, p.max_items) : num_keys;
+      if (list_threads > 0) {
+        reverse_index_item_list_kernel<<<(list_threads + threads - 1) / threads, threads, 0, stream>>>(
+            p.offsets, p.item_offsets, p.items, num_keys, p.units_per_item, order ? p.max_items : 0,
+            order ? p.order_keys : nullptr, p.order_vals);
         MSA_CUDA_TRY(cudaGetLastError());
+      }
+      if (order) {
+        const int n_items = p.max_items;
         size_t obytes = p.order_temp_bytes;
         MSA_CUDA_TRY(cub::DeviceRadixSort::SortPairsDescending(p.order_temp, obytes, p.order_keys,
                                                                p.order_keys + n_items, p.order_vals, p.item_order,
