@@ -4,8 +4,10 @@ Each line: the median over 7 calls of the wall time of one call that returns bef
 idle beforehand, a sync after), so it is the host's own cost: Python, checks, the dispatcher, allocations and
 launches. Compare a piece with its kernels' GPU time (scripts/profile_msa.py): where the host takes longer, the GPU
 waits in a real step. Pieces: the whole step (forward + backward), the forward alone (autograd on, no backward),
-the forward with autograd off, the msa_fwd op called directly, select_blocks, and the backward alone (timed
-from a forward done beforehand, the autograd engine included)."""
+the forward with autograd off, the msa_fwd op called directly, select_blocks, the reverse_index op (one
+build over all tokens), the sparse_fwd op (the main branch given a selection: its chunks' reverse indices,
+passes and combines) and the backward alone (timed from a forward done beforehand, the autograd engine
+included)."""
 import os
 import statistics
 import sys
@@ -52,6 +54,9 @@ def main():
             return torch.ops.msa.msa_fwd(*flat, None, n, c["topk"], c["block_size"], scale, iscale, False, False,
                                          True, False)
 
+        idx = bench.synthetic_indices(n, q.device, seed=n)
+        cu = torch.tensor([0, n], dtype=torch.int32, device=q.device)
+
         def forward_state():
             out, kl = msa.msa_attention(q, k, v, qi, ki, **kw)
             return out, kl, torch.ones_like(out), torch.ones_like(kl)
@@ -64,6 +69,8 @@ def main():
                 ("forward, no_grad", host_ms(fwd_nograd)),
                 ("msa_fwd op, direct", host_ms(op_direct)),
                 ("select_blocks", host_ms(lambda _: bench.select_fn(qi, ki))),
+                ("reverse_index op", host_ms(lambda _: torch.ops.msa.reverse_index(idx, cu, n, c["block_size"]))),
+                ("sparse_fwd op", host_ms(lambda _: bench.sparse_fwd(*flat[:3], idx, cu, n))),
                 ("backward (autograd.grad)", host_ms(bwd_only, before=forward_state))]
         print(f"## N = {n}: host ms per call (median of 7)")
         for name, ms in rows:
