@@ -271,7 +271,8 @@ std::tuple<Tensor, Tensor, Tensor, Tensor, Tensor> msa_bwd_cuda(
     const DeviceGuard guard(q_idx.get_device_index());
     const Tensor s = contig(cast(*dkl, kFloat));
     const cudaStream_t stream = current_stream(q_idx);
-    // One pass each: the fp32 gradient for d_kl = 1, times d_kl (a device scalar), cast to the input dtype.
+    // The fp32 index gradients for d_kl = 1, times d_kl (a device scalar), cast to the input dtype in the
+    // launch that casts the main branch's gradients.
     const float* sc = ptr<float>(s);
     if (sparse) {
       const std::vector<Tensor> g =
