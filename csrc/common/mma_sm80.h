@@ -200,6 +200,22 @@ __device__ __forceinline__ float fast_log2(float x) {
   return y;
 }
 
+// x = c * scale for a warp's m16 x (8 N) fragment array whose lane holds columns col0 + 8 n + 2 tq and + 1 of
+// rows g (entries 0-1) and g + 8 (entries 2-3); -inf past a row's last visible column (lim0 for row g, lim1
+// for g + 8; -1 masks the whole row). The index logits' masking before quad_row_max_sum.
+template <int N>
+__device__ __forceinline__ void masked_scaled(const float (&c)[N][4], float scale, int col0, int tq, int lim0,
+                                              int lim1, float (&x)[N][4]) {
+#pragma unroll
+  for (int n = 0; n < N; ++n) {
+    const int col = col0 + n * 8 + 2 * tq;
+    x[n][0] = col <= lim0 ? c[n][0] * scale : -__builtin_huge_valf();
+    x[n][1] = col + 1 <= lim0 ? c[n][1] * scale : -__builtin_huge_valf();
+    x[n][2] = col <= lim1 ? c[n][2] * scale : -__builtin_huge_valf();
+    x[n][3] = col + 1 <= lim1 ? c[n][3] * scale : -__builtin_huge_valf();
+  }
+}
+
 // Per row of a warp's m16 x (8 N) fragment array (rows g and g + 8 of the lane, entries 0-1 and 2-3):
 // m = the row's max of x * scale (-inf when the row is all -inf) and l = sum of exp2(x * scale - m),
 // both reduced over the quad of lanes that holds the row; x * scale is in the log2 domain. scale > 0

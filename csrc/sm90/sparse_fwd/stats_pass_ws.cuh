@@ -18,6 +18,7 @@
 namespace msa::sm90::stats_ws {
 
 using namespace out_ws;  // the layout constants and helpers of the output pass
+using sm80::masked_scaled;
 using sm80::quad_row_max_sum;
 
 constexpr int kStages = 6;
@@ -153,14 +154,7 @@ __global__ void __launch_bounds__(kThreads, 1) stats_pass_ws_kernel(SparseFwdPar
       // Index logits of units g, g + 8 over this warp's keys: (max, sum) per unit, the masked ones -inf.
       const int lima = key_limit(g), limb = key_limit(g + 8);
       float x[4][4];
-#pragma unroll
-      for (int n = 0; n < 4; ++n) {
-        const int col = wq * 32 + n * 8 + 2 * tq;
-        x[n][0] = col <= lima ? ci[n][0] * iscale2 : kNegInf;
-        x[n][1] = col + 1 <= lima ? ci[n][1] * iscale2 : kNegInf;
-        x[n][2] = col <= limb ? ci[n][2] * iscale2 : kNegInf;
-        x[n][3] = col + 1 <= limb ? ci[n][3] * iscale2 : kNegInf;
-      }
+      masked_scaled(ci, iscale2, wq * 32, tq, lima, limb, x);
       float m[2], l[2];
       quad_row_max_sum(x, m, l);
       if (tq == 0) {

@@ -373,14 +373,7 @@ __global__ void __launch_bounds__(SparseFwdShape::threads<kOut, Mma::kWgmma, kRo
         const int ua = mt * 16 + g, ub2 = ua + 8;
         const int lima = key_limit(ua, nu), limb = key_limit(ub2, nu);
         float x[NI][4];
-#pragma unroll
-        for (int n = 0; n < NI; ++n) {
-          const int col = kc0 + n * 8 + 2 * tq;
-          x[n][0] = col <= lima ? ci[n][0] * iscale2 : kFwdNegInf;
-          x[n][1] = col + 1 <= lima ? ci[n][1] * iscale2 : kFwdNegInf;
-          x[n][2] = col <= limb ? ci[n][2] * iscale2 : kFwdNegInf;
-          x[n][3] = col + 1 <= limb ? ci[n][3] * iscale2 : kFwdNegInf;
-        }
+        masked_scaled(ci, iscale2, kc0, tq, lima, limb, x);
         float m[2], l[2];
         quad_row_max_sum(x, m, l);
         if (tq == 0) {
