@@ -50,8 +50,9 @@ struct GradCast {
   const float* scale = nullptr;
   const float* lo = nullptr;
 };
-// The gradients cast (and scaled), bf16 ones in one launch and fp16 ones in another.
-std::vector<Tensor> cast_grads(std::initializer_list<GradCast> grads, cudaStream_t stream);
+// The gradients cast (and scaled), bf16 ones in one launch and fp16 ones in another; at most
+// smxx::kMaxCastSegments (5: a step's five gradients) per call.
+std::vector<Tensor> cast_grads(const std::vector<GradCast>& grads, cudaStream_t stream);
 
 // The main branch's gradients (SPEC 3) from the forward's lse.
 std::tuple<Tensor, Tensor, Tensor> sparse_backward_cuda(

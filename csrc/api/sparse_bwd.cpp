@@ -27,23 +27,20 @@ namespace {
 int64_t bwd_units_per_item() { return env_positive("MSA_BWD_UNITS_PER_ITEM", msa::kBwdUnitsPerItem); }
 }  // namespace
 
-std::vector<Tensor> cast_grads(std::initializer_list<GradCast> grads, cudaStream_t stream) {
+std::vector<Tensor> cast_grads(const std::vector<GradCast>& grads, cudaStream_t stream) {
   smxx::CastSegments bf16, fp16;
   std::vector<Tensor> res;
-  if (grads.size() == 0) return res;
-  const DeviceGuard guard(grads.begin()->like.get_device_index());  // the launches go to that device's stream
+  if (grads.empty()) return res;
+  MSA_CHECK(grads.size() <= size_t(smxx::kMaxCastSegments), "cast_grads: at most ", smxx::kMaxCastSegments,
+            " gradients per call, got ", grads.size());
+  const DeviceGuard guard(grads.front().like.get_device_index());  // the launches go to that device's stream
   for (const GradCast& g : grads) {
     MSA_CHECK(g.f32.scalar_type() == kFloat && g.f32.is_contiguous() && g.f32.numel() == g.like.numel(),
               "cast_grads: expected a contiguous fp32 gradient of ", g.like.numel(), " elements");
     res.push_back(empty_as(g.like));
     const bool is_bf16 = g.like.scalar_type() == kBFloat16;
     MSA_CHECK(is_bf16 || g.like.scalar_type() == kHalf, "cast_grads: expected bf16 or fp16, got ", dtype(g.like));
-    smxx::CastSegments& segs = is_bf16 ? bf16 : fp16;
-    if (!segs.add(ptr<float>(g.f32), res.back().data_ptr(), g.f32.numel(), g.scale, g.lo)) {
-      MSA_LAUNCH_CHECK(smxx::launch_cast_segments(segs, is_bf16, stream), "the gradients' cast");
-      segs = smxx::CastSegments{};
-      segs.add(ptr<float>(g.f32), res.back().data_ptr(), g.f32.numel(), g.scale, g.lo);
-    }
+    (is_bf16 ? bf16 : fp16).add(ptr<float>(g.f32), res.back().data_ptr(), g.f32.numel(), g.scale, g.lo);  // fits
   }
   MSA_LAUNCH_CHECK(smxx::launch_cast_segments(bf16, true, stream), "the gradients' cast");
   MSA_LAUNCH_CHECK(smxx::launch_cast_segments(fp16, false, stream), "the gradients' cast");
@@ -239,6 +236,7 @@ std::tuple<Tensor, Tensor, Tensor, Tensor, Tensor> msa_bwd_cuda(
   (void)lse_idx;
   (void)index_scale;
   check_qkv_cuda(q, k, v, rows(k));  // the key rows against the layout: seq_map
+  MSA_CHECK(same_device(q_idx, q) && same_device(k_idx, q), "q_idx, k_idx: expected device ", dev(q));
   Tensor dq, dk, dv, dq_idx, dk_idx;
   // The sparse backward's fp32 gradients, cast together with the index gradients below (one launch).
   SparseGradsF32 f;
@@ -258,6 +256,14 @@ std::tuple<Tensor, Tensor, Tensor, Tensor, Tensor> msa_bwd_cuda(
     dv = zeros_as(v);
   }
   const bool sparse = f.dq.defined();
+  // One cast launch for the sparse backward's fp32 gradients and the index gradients.
+  std::vector<GradCast> casts;
+  if (sparse) {
+    casts.push_back(cast_dq(f, q));
+    casts.push_back({f.dk, k});
+    casts.push_back({f.dv, v});
+  }
+  Tensor s;  // d_kl in fp32 on the device (alive until the cast is enqueued)
   if (dkl.has_value()) {
     // SPEC 4: the KL's gradient is linear in d_kl; the forward computed it for d_kl = 1.
     MSA_CHECK(same_shape(kl_dq_idx, q_idx) && same_shape(kl_dk_idx, k_idx),
@@ -269,24 +275,20 @@ std::tuple<Tensor, Tensor, Tensor, Tensor, Tensor> msa_bwd_cuda(
                   kl_dk_idx.scalar_type() == kFloat,
               "kl_dq_idx, kl_dk_idx: expected the forward's contiguous fp32 index gradients");
     const DeviceGuard guard(q_idx.get_device_index());
-    const Tensor s = contig(cast(*dkl, kFloat));
-    const cudaStream_t stream = current_stream(q_idx);
-    // The fp32 index gradients for d_kl = 1, times d_kl (a device scalar), cast to the input dtype in the
-    // launch that casts the main branch's gradients.
+    s = contig(cast(*dkl, kFloat));
+    // The fp32 index gradients for d_kl = 1, times d_kl (a device scalar).
     const float* sc = ptr<float>(s);
-    if (sparse) {
-      const std::vector<Tensor> g =
-          cast_grads({cast_dq(f, q), {f.dk, k}, {f.dv, v}, {kl_dq_idx, q_idx, sc}, {kl_dk_idx, k_idx, sc}}, stream);
-      dq = g[0], dk = g[1], dv = g[2], dq_idx = g[3], dk_idx = g[4];
-    } else {
-      const std::vector<Tensor> g = cast_grads({{kl_dq_idx, q_idx, sc}, {kl_dk_idx, k_idx, sc}}, stream);
-      dq_idx = g[0], dk_idx = g[1];
-    }
-  } else {
-    if (sparse) {
-      const std::vector<Tensor> g = cast_grads({cast_dq(f, q), {f.dk, k}, {f.dv, v}}, current_stream(q));
-      dq = g[0], dk = g[1], dv = g[2];
-    }
+    casts.push_back({kl_dq_idx, q_idx, sc});
+    casts.push_back({kl_dk_idx, k_idx, sc});
+  }
+  if (!casts.empty()) {
+    const DeviceGuard guard(q_idx.get_device_index());
+    const std::vector<Tensor> g = cast_grads(casts, current_stream(q_idx));
+    size_t i = 0;
+    if (sparse) dq = g[i++], dk = g[i++], dv = g[i++];
+    if (dkl.has_value()) dq_idx = g[i++], dk_idx = g[i++];
+  }
+  if (!dkl.has_value()) {
     dq_idx = zeros_as(q_idx);
     dk_idx = zeros_as(k_idx);
   }

@@ -151,20 +151,19 @@ inline Tensor zeros_f32(const std::vector<int64_t>& shape, const Tensor& like, c
 // tensor. Not for op outputs (outputs must not share storage): zeros_f32 below.
 inline std::vector<Tensor> zeros_f32_parts(const std::vector<std::vector<int64_t>>& shapes, const Tensor& like,
                                            cudaStream_t stream) {
-  std::vector<int64_t> begin;
+  std::vector<int64_t> begin, numel;
   int64_t total = 0;
   for (const auto& sh : shapes) {
     int64_t n = 1;
     for (int64_t d : sh) n *= d;
     begin.push_back(total);
+    numel.push_back(n);
     total += (n + 3) / 4 * 4;
   }
   Tensor buf = zeros_f32({total}, like, stream);
   std::vector<Tensor> parts;
   for (size_t i = 0; i < shapes.size(); ++i) {
-    int64_t n = 1;
-    for (int64_t d : shapes[i]) n *= d;
-    parts.push_back(torch::stable::view(torch::stable::narrow(buf, 0, begin[i], n), shapes[i]));
+    parts.push_back(torch::stable::view(torch::stable::narrow(buf, 0, begin[i], numel[i]), shapes[i]));
   }
   return parts;
 }
