@@ -6,6 +6,7 @@
 
 #include "api/checks.h"
 #include "api/dispatch.h"
+#include "api/host_phases.h"
 #include "api/ops.h"
 #include "common/workspace.h"
 #include "sm80/sparse_bwd/sparse_bwd.h"
@@ -57,6 +58,7 @@ struct SparseGradsF32 {
 SparseGradsF32 sparse_backward_f32(const Tensor& dout_in, const Tensor& q_in, const Tensor& k_in, const Tensor& v_in,
                                    const Tensor& out_in, const Tensor& lse, const Tensor& indices, const SeqMap& seqs,
                                    int64_t block_size, double softmax_scale, bool deterministic) {
+  HostPhases hp("sparse_backward");
   check_qkv_cuda(q_in, k_in, v_in, seqs.total_k);
   MSA_CHECK(same_device(dout_in, q_in) && same_device(out_in, q_in) && same_device(lse, q_in),
             "dout, out, lse: expected the device of q, ", dev(q_in));
@@ -77,7 +79,9 @@ SparseGradsF32 sparse_backward_f32(const Tensor& dout_in, const Tensor& q_in, co
   const bool small = small_smem_bwd_config(q_in, D);
   check_smem(q_in, sm80::sparse_smem_bytes(int(D), 2, 128, small), "the sparse backward");
   const cudaStream_t stream = current_stream(q_in);
+  hp.mark("checks");
   const ReverseIndex ri = build_reverse_index(indices, seqs, block_size, bwd_units_per_item());
+  hp.mark("ri");
   const int64_t S = seqs.num_seqs;
   const Tensor q = aligned_rows(q_in), k = aligned_rows(k_in), v = aligned_rows(v_in);
   const Tensor dout = aligned_rows(dout_in), out = aligned_rows(out_in);
@@ -89,6 +93,7 @@ SparseGradsF32 sparse_backward_f32(const Tensor& dout_in, const Tensor& q_in, co
       : zeros_f32_parts({{T, Hq, D}, {Tk, Hkv, D}, {Tk, Hkv, D}}, q, stream);
   Tensor dq = acc[0];
   const Tensor dk = acc[1], dv = acc[2];
+  hp.mark("buffers");
   Tensor dq_lo, dq_grid, dkv_part;  // deterministic mode
   if (T > 0) {
     BwdDeltaParams dp{};
@@ -168,6 +173,7 @@ SparseGradsF32 sparse_backward_f32(const Tensor& dout_in, const Tensor& q_in, co
 #endif
       MSA_LAUNCH_CHECK((sm80::launch_sparse_bwd<T_, D_>(p, stream)), "sparse_bwd");
     });
+    hp.mark("delta+kernel");
     if (deterministic) {
       item_reduce(dkv_part, p.item_offsets, p.block_offsets, seqs, block_size, ri.max_blocks, Hi, {dk, dv});
     }

@@ -8,6 +8,7 @@
 
 #include "api/checks.h"
 #include "api/dispatch.h"
+#include "api/host_phases.h"
 #include "api/ops.h"
 #include "common/workspace.h"
 #include "sm80/sparse_fwd/sparse_fwd.h"
@@ -77,6 +78,7 @@ SparseForward sparse_forward_cuda(const Tensor& q_in, const Tensor& k_in, const 
                                   double softmax_scale, double index_scale, bool index_grad, bool deterministic,
                                   bool dense, const std::optional<Tensor>& lse_given,
                                   const std::optional<Tensor>& lse_idx_given) {
+  HostPhases hp("sparse_forward");
   check_qkv_cuda(q_in, k_in, v_in, seqs.total_k);
   check_cuda_int32(indices, "indices", 3);
   const bool kl_only = lse_given.has_value();
@@ -171,7 +173,9 @@ SparseForward sparse_forward_cuda(const Tensor& q_in, const Tensor& k_in, const 
     dki_part = empty({max_work_items(entries, units_per_item, num_keys) * 128 * Di}, kFloat, q);
   }
 
+  hp.mark("checks+buffers");
   ReverseIndex ri = alloc_reverse_index(indices, seqs, topk, block_size, entries, units_per_item);
+  hp.mark("ri_alloc");
   ReverseIndexParams& rp = ri.params;
   rp.emit_entries = true;
   rp.dense = dense;
@@ -285,7 +289,9 @@ SparseForward sparse_forward_cuda(const Tensor& q_in, const Tensor& k_in, const 
     // The grid: the chunk's work-list bound, within the one the buffers were sized for (n <= entries).
     fp.work.max_items = int(max_work_items(n, units_per_item, num_keys));
     rp.max_items = fp.work.max_items;  // the launch order covers the grid
+    hp.mark("chunk_setup");
     MSA_LAUNCH_CHECK(run_reverse_index(rp, stream), "sparse_fwd (reverse index)");
+    hp.mark("ri_build");
     // The whole stats buffer (a chunk's n <= entries slots: only a last, shorter chunk zeroes more than it needs).
     if (all_stats_floats > 0) {
       MSA_LAUNCH_CHECK(cudaMemsetAsync(stats, 0, size_t(all_stats_floats) * sizeof(float), stream), "sparse_fwd");
@@ -312,6 +318,7 @@ SparseForward sparse_forward_cuda(const Tensor& q_in, const Tensor& k_in, const 
       }
       MSA_LAUNCH_CHECK(smxx::launch_sparse_combine_kl(cp, stream), "sparse_fwd (kl combine)");
     });
+    hp.mark("passes+combines");
     if (grad) {
       dp.chunk_tokens = int(tc);
       dp.work.max_items = fp.work.max_items;
@@ -321,6 +328,7 @@ SparseForward sparse_forward_cuda(const Tensor& q_in, const Tensor& k_in, const 
       }
     }
   }
+  hp.mark("index_dk");
   if (det) res.kl_dq_idx = add(res.kl_dq_idx, dqi_lo);
   return res;
 }
@@ -365,9 +373,11 @@ msa_fwd_cuda(const Tensor& q, const Tensor& k, const Tensor& v, const Tensor& q_
              int64_t block_size, double softmax_scale, double index_scale, bool warmup, bool return_indices,
              bool index_grad, bool deterministic, const std::optional<Tensor>& cu_seqlens_k,
              std::optional<int64_t> max_seqlen_k) {
+  HostPhases hp("msa_fwd");
   check_qkv_cuda(q, k, v, rows(k));  // the key rows against the layout: seq_map
   check_index_cuda(q, k, q_idx, k_idx);  // before the dense kernels of warmup, too
   const SeqMap seqs = seq_map(cu_seqlens, q.size(0), max_seqlen, cu_seqlens_k, max_seqlen_k, k.size(0), q);
+  hp.mark("checks+seq_map");
   Tensor indices;
   SparseForward r;
   if (warmup) {
@@ -391,11 +401,14 @@ msa_fwd_cuda(const Tensor& q, const Tensor& k, const Tensor& v, const Tensor& q_
     r.out = out;  // the KL-only pass returns the given lse and no output
   } else {
     indices = select_blocks_cuda(q_idx, k_idx, seqs, max_seqlen, topk, block_size, index_scale);
+    hp.mark("select_blocks");
     r = sparse_forward_cuda(q, k, v, q_idx, k_idx, indices, seqs, block_size, softmax_scale, index_scale,
                             index_grad, deterministic);
   }
   // SPEC 4: kl = sum over rows / rows, rows = T * Hi (a fixed-order reduction: deterministic).
+  hp.mark("forward");
   const Tensor kl = mean(r.kl_rows);
+  hp.mark("kl_mean");
   auto none = [&] { return empty({0}, kFloat, q); };  // distinct: outputs must not alias
   return {r.out, kl, indices, r.lse, r.lse_idx, index_grad ? r.kl_dq_idx : none(), index_grad ? r.kl_dk_idx : none(),
           r.kl_rows};
