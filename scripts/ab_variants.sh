@@ -7,7 +7,7 @@
 # set, e.g. fewer N than the variants' final run, else the bench args). Then per variant: apply, rebuild, the
 # tests in MSA_AB_B_TESTS (default tests -m gpu), benchmark, revert. A variant whose patches do not apply is
 # reported and skipped. MSA_AB_PROFILE=N adds a per-kernel profile (scripts/profile_msa.py N) of each side
-# (profile.txt). Logs (scripts/gpu_check.sh each) land in LOGDIR/a and LOGDIR/<variant name> and come back
+# (profile.txt); MSA_AB_EXTRA=CMD runs CMD after it (extra.txt). Logs (scripts/gpu_check.sh each) land in LOGDIR/a and LOGDIR/<variant name> and come back
 # packed as LOGDIR.tgz (only a few files return from a device call). scripts/ab_patch.sh: one variant.
 set -uo pipefail
 LOG=${1:?usage: scripts/ab_variants.sh LOGDIR VARIANT [VARIANT ...] [-- bench args]}
@@ -18,7 +18,13 @@ while [ $# -gt 0 ] && [ "$1" != "--" ]; do variants+=("$1"); shift; done
 [ ${#variants[@]} -gt 0 ] || { echo "no patch given"; exit 2; }
 here=$(cd "$(dirname "$0")" && pwd)
 base=$(cat .msa_commit 2>/dev/null || echo unknown)
-profile() { [ -n "${MSA_AB_PROFILE:-}" ] && ${PYTHON:-python3} "$here/profile_msa.py" $MSA_AB_PROFILE > "$1/profile.txt" 2>&1; }
+profile() {
+  [ -n "${MSA_AB_PROFILE:-}" ] && ${PYTHON:-python3} "$here/profile_msa.py" $MSA_AB_PROFILE > "$1/profile.txt" 2>&1
+  # MSA_AB_EXTRA: one more command per side (e.g. "MSA_HOST_PHASES=1 python3 scripts/host_time.py 8192"), its
+  # stdout and stderr in extra.txt.
+  [ -n "${MSA_AB_EXTRA:-}" ] && bash -c "$MSA_AB_EXTRA" > "$1/extra.txt" 2>&1
+  return 0
+}
 summary() { echo "$1: $(tr '\n' ' ' < "$LOG/$1/summary.txt" 2> /dev/null)"; }
 # Undoes the current variant's applied patches, last first.
 revert() { for ((i = ${#applied[@]} - 1; i >= 0; i--)); do patch -p1 -R --no-backup-if-mismatch < "${applied[i]}" > /dev/null 2>&1; done; }
