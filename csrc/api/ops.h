@@ -7,6 +7,7 @@
 
 #include "api/checks.h"
 #include "api/stable.h"
+#include "common/workspace.h"
 #include "params.h"
 
 namespace msa::api {
@@ -63,21 +64,30 @@ std::tuple<Tensor, Tensor, Tensor> sparse_backward_cuda(
 // The reverse index of a whole selection: per key (index group r, global block) the tokens that selected
 // it, ascending; with units_per_item > 0 also the work list that splits hot keys into items of at most
 // that many tokens (item_offsets (keys + 1), items (max_items, 2) = (key, first row)).
+// A reverse index as the kernels read it: params points into `storage` (outputs), and during the build into
+// `work` (keys, rows_in, temp); the forward places both in its own workspace (storage and work undefined).
 struct ReverseIndex {
-  Tensor offsets, rows, block_offsets, item_offsets, items;
-  Tensor order;  // (4 max_items): the launch order, then its sort's keys (2 x) and values
+  Tensor storage, work;
   int64_t max_blocks = 0, units_per_item = 0, max_items = 0;
-  Tensor keys, rows_in, temp;  // workspace of the build
-  ReverseIndexParams params{};     // points at the tensors above; the whole token range
+  ReverseIndexParams params{};  // the whole token range
 };
-// Allocates a reverse index (and its workspace) with room for `capacity` entries (all of `indices`, or
-// one query chunk's) and fills the params every build shares; callers set the chunk's token range,
-// emit_entries and dense. topk: slots per token (indices.size(2), or the dense mode's block count).
-// units_per_item > 0 adds the work list. Keys are (index group, global block of seqs' key layout).
-ReverseIndex alloc_reverse_index(const Tensor& indices, const SeqMap& seqs, int64_t topk, int64_t block_size,
-                                 int64_t capacity, int64_t units_per_item);
+// The sizes of a reverse index with room for `capacity` entries (all of `indices`, or one query chunk's) and
+// where its outputs and workspace lie in allocations planned by `out` and `work` (which may be one plan).
+// topk: slots per token (indices.size(2), or the dense mode's block count). units_per_item > 0 adds the work
+// list. Keys are (index group, global block of seqs' key layout).
+struct ReverseIndexPlan {
+  ReverseIndexSizes sizes;
+  ReverseIndexLayout layout;
+};
+ReverseIndexPlan plan_reverse_index(const Tensor& indices, const SeqMap& seqs, int64_t topk, int64_t block_size,
+                                    int64_t capacity, int64_t units_per_item, BytePlan& out, BytePlan& work);
+// The reverse index over the plan's places in `out` and `work` (device memory the caller keeps alive); callers
+// set the chunk's token range, emit_entries and dense in params.
+ReverseIndex place_reverse_index(const ReverseIndexPlan& plan, const Tensor& indices, const SeqMap& seqs, char* out,
+                                 char* work);
 // Whether the work list gets a launch order, largest items first (default; MSA_ITEM_ORDER=0: key order).
 bool item_order_enabled();
+// Built over all of `indices` in two allocations (outputs; the workspace, released once the build is enqueued).
 ReverseIndex build_reverse_index(const Tensor& indices, const SeqMap& seqs, int64_t block_size,
                                  int64_t units_per_item);
 

@@ -86,13 +86,13 @@ SparseGradsF32 sparse_backward_f32(const Tensor& dout_in, const Tensor& q_in, co
   const Tensor q = aligned_rows(q_in), k = aligned_rows(k_in), v = aligned_rows(v_in);
   const Tensor dout = aligned_rows(dout_in), out = aligned_rows(out_in);
   const Tensor lse_c = contig(lse);
-  const Tensor delta = empty({Hq, T}, kFloat, q);
-  // The fp32 accumulators (and deterministic mode's dq_lo), zeroed by one memset.
+  // The fp32 accumulators (and deterministic mode's dq_lo), zeroed by one memset, and delta (written by its
+  // kernel), in one buffer.
   std::vector<Tensor> acc = deterministic
-      ? zeros_f32_parts({{T, Hq, D}, {Tk, Hkv, D}, {Tk, Hkv, D}, {T, Hq, D}}, q, stream)
-      : zeros_f32_parts({{T, Hq, D}, {Tk, Hkv, D}, {Tk, Hkv, D}}, q, stream);
+      ? zeros_f32_parts({{T, Hq, D}, {Tk, Hkv, D}, {Tk, Hkv, D}, {T, Hq, D}, {Hq, T}}, q, stream, 4)
+      : zeros_f32_parts({{T, Hq, D}, {Tk, Hkv, D}, {Tk, Hkv, D}, {Hq, T}}, q, stream, 3);
   Tensor dq = acc[0];
-  const Tensor dk = acc[1], dv = acc[2];
+  const Tensor dk = acc[1], dv = acc[2], delta = acc.back();
   hp.mark("buffers");
   Tensor dq_lo, dq_grid, dkv_part;  // deterministic mode
   if (T > 0) {
@@ -126,12 +126,12 @@ SparseGradsF32 sparse_backward_f32(const Tensor& dout_in, const Tensor& q_in, co
     p.delta = ptr<float>(delta);
     p.cu_seqlens = ptr<int32_t>(seqs.cu);
     p.cu_seqlens_k = ptr<int32_t>(seqs.cu_k);  // seqs.cu itself without a key layout
-    p.offsets = ptr<int32_t>(ri.offsets);
-    p.tokens = ptr<int32_t>(ri.rows);
-    p.block_offsets = ptr<int32_t>(ri.block_offsets);
-    p.item_offsets = ptr<int32_t>(ri.item_offsets);
-    p.items = reinterpret_cast<const int2*>(ptr<int32_t>(ri.items));
-    p.item_order = ri.order.defined() ? ptr<int32_t>(ri.order) : nullptr;
+    p.offsets = ri.params.offsets;
+    p.tokens = ri.params.rows;
+    p.block_offsets = ri.params.block_offsets;
+    p.item_offsets = ri.params.item_offsets;
+    p.items = ri.params.items;
+    p.item_order = ri.params.item_order;
     p.num_keys = int(Hi * ri.max_blocks);
     p.units_per_item = int(ri.units_per_item);
     p.max_items = int(ri.max_items);

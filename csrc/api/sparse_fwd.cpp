@@ -158,12 +158,22 @@ SparseForward sparse_forward_cuda(const Tensor& q_in, const Tensor& k_in, const 
   // memset (slots that select nothing are never written: they stay (0, 0), "no keys").
   const int64_t stats_floats = kl_only ? 0 : entries * G * 2;
   const int64_t all_stats_floats = stats_floats + (index && !no_stats ? entries * 2 : 0);
-  const Tensor all_stats = empty({all_stats_floats}, kFloat, q);
-  float* const stats = ptr<float>(all_stats);
+  // The chunk's workspace in one allocation: stats, KL and output partials, dsi partials and the reverse index
+  // (its outputs and its build's workspace).
+  BytePlan ws;
+  const size_t elem = size_t(q.element_size());
+  const size_t at_stats = ws.add(size_t(all_stats_floats) * sizeof(float));
+  const size_t at_kl = ws.add(size_t(index ? entries : 0) * sizeof(float));
+  const size_t at_out = ws.add(size_t(kl_only ? 0 : entries * G * D) * elem);
+  const size_t at_dsi = ws.add(size_t(grad ? entries * 128 : 0) * elem);
+  const ReverseIndexPlan ri_plan = plan_reverse_index(indices, seqs, topk, block_size, entries, units_per_item, ws, ws);
+  const Tensor workspace = empty({int64_t(ws.total)}, kByte, q);
+  char* const base = static_cast<char*>(workspace.data_ptr());
+  float* const stats = reinterpret_cast<float*>(base + at_stats);
   float* const idx_stats = stats + stats_floats;
-  const Tensor kl_part = empty({index ? entries : 0}, kFloat, q);
-  const Tensor out_part = empty({kl_only ? 0 : entries * G * D}, q.scalar_type(), q);
-  const Tensor dsi_part = empty({grad ? entries * 128 : 0}, q.scalar_type(), q);
+  float* const kl_part = reinterpret_cast<float*>(base + at_kl);
+  void* const out_part = base + at_out;
+  void* const dsi_part = base + at_dsi;
   Tensor dqi_grid, dki_part;  // deterministic mode (params.h)
   if (det) {
     // dq_idx: exact hi / lo sums; per element topk * J contributions (one per slot and kv head) whose |x|
@@ -174,7 +184,7 @@ SparseForward sparse_forward_cuda(const Tensor& q_in, const Tensor& k_in, const 
   }
 
   hp.mark("checks+buffers");
-  ReverseIndex ri = alloc_reverse_index(indices, seqs, topk, block_size, entries, units_per_item);
+  ReverseIndex ri = place_reverse_index(ri_plan, indices, seqs, base, base);
   hp.mark("ri_alloc");
   ReverseIndexParams& rp = ri.params;
   rp.emit_entries = true;
@@ -228,10 +238,10 @@ SparseForward sparse_forward_cuda(const Tensor& q_in, const Tensor& k_in, const 
   fp.stats = reinterpret_cast<float2*>(stats);
   fp.idx_stats = index && !no_stats ? reinterpret_cast<float2*>(idx_stats) : nullptr;
   fp.lse = ptr<float>(res.lse);
-  fp.out_part = out_part.data_ptr();
-  fp.kl_part = index ? ptr<float>(kl_part) : nullptr;
+  fp.out_part = out_part;
+  fp.kl_part = index ? kl_part : nullptr;
   fp.lse_idx = index ? ptr<float>(res.lse_idx) : nullptr;
-  fp.dsi_part = grad ? dsi_part.data_ptr() : nullptr;
+  fp.dsi_part = grad ? dsi_part : nullptr;
   fp.dqi_accum = grad ? ptr<float>(res.kl_dq_idx) : nullptr;
   fp.dqi_lo = det ? ptr<float>(dqi_lo) : nullptr;
   fp.dqi_grid = det ? reinterpret_cast<const float4*>(ptr<float>(dqi_grid)) : nullptr;
@@ -245,7 +255,7 @@ SparseForward sparse_forward_cuda(const Tensor& q_in, const Tensor& k_in, const 
     dp.q_idx = qi.data_ptr();
     dp.qi_stride_t = qi.stride(0);
     dp.qi_stride_h = qi.stride(1);
-    dp.dsi_part = dsi_part.data_ptr();
+    dp.dsi_part = dsi_part;
     dp.cu_seqlens = fp.cu_seqlens;
     dp.cu_seqlens_k = fp.cu_seqlens_k;
     dp.work = fp.work;
@@ -297,7 +307,7 @@ SparseForward sparse_forward_cuda(const Tensor& q_in, const Tensor& k_in, const 
       MSA_LAUNCH_CHECK(cudaMemsetAsync(stats, 0, size_t(all_stats_floats) * sizeof(float), stream), "sparse_fwd");
     }
     if (no_stats) {  // the kl combine then sums every slot: a slot that selects nothing must hold 0
-      MSA_LAUNCH_CHECK(cudaMemsetAsync(kl_part.data_ptr(), 0, size_t(n) * sizeof(float), stream), "sparse_fwd");
+      MSA_LAUNCH_CHECK(cudaMemsetAsync(kl_part, 0, size_t(n) * sizeof(float), stream), "sparse_fwd");
     }
     fp.chunk_begin = cp.chunk_begin = int(t0);
     fp.chunk_tokens = cp.chunk_tokens = int(tc);

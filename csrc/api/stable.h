@@ -82,8 +82,33 @@ inline bool same_shape(const Tensor& a, const Tensor& b) {
   return true;
 }
 // New contiguous tensors on the device of `like`.
+// A new uninitialized contiguous tensor of `st` on like's device, through the C shim's empty_strided: one direct
+// call (new_empty goes through the boxed dispatcher, aten::new_empty then aten::empty: a few microseconds more
+// of host time per allocation, and a step makes ~40).
+inline Tensor empty_on(const int64_t* sizes, size_t ndim, ScalarType st, const Tensor& like) {
+  std::array<int64_t, 8> strides{};
+  if (ndim > strides.size()) fail("msa: empty_on: at most 8 dims, got ", ndim);
+  int64_t stride = 1;
+  for (size_t i = ndim; i-- > 0;) {
+    strides[i] = stride;
+    stride *= sizes[i] > 1 ? sizes[i] : 1;
+  }
+  int32_t device_type = 0, device_index = 0;
+  AtenTensorHandle h = nullptr;
+  const int32_t dtype = torch::stable::detail::to<int32_t>(torch::stable::detail::from(st));
+  if (aoti_torch_get_device_type(like.get(), &device_type) != AOTI_TORCH_SUCCESS ||
+      aoti_torch_get_device_index(like.get(), &device_index) != AOTI_TORCH_SUCCESS ||
+      aoti_torch_empty_strided(int64_t(ndim), sizes, strides.data(), dtype, device_type, device_index, &h) !=
+          AOTI_TORCH_SUCCESS) {
+    fail("msa: cannot allocate a tensor of ", ndim, " dims on ", dev(like));
+  }
+  return Tensor(h);
+}
 inline Tensor empty(std::initializer_list<int64_t> sizes, ScalarType st, const Tensor& like) {
-  return torch::stable::new_empty(like, std::vector<int64_t>(sizes), st);
+  return empty_on(sizes.begin(), sizes.size(), st, like);
+}
+inline Tensor empty(const std::vector<int64_t>& sizes, ScalarType st, const Tensor& like) {
+  return empty_on(sizes.data(), sizes.size(), st, like);
 }
 inline Tensor zeros(std::initializer_list<int64_t> sizes, ScalarType st, const Tensor& like) {
   return torch::stable::new_zeros(like, std::vector<int64_t>(sizes), st);
@@ -93,7 +118,7 @@ inline std::vector<int64_t> sizes_of(const Tensor& t) {
   for (int64_t i = 0; i < t.dim(); ++i) s[size_t(i)] = t.size(i);
   return s;
 }
-inline Tensor empty_as(const Tensor& t) { return torch::stable::new_empty(t, sizes_of(t)); }
+inline Tensor empty_as(const Tensor& t) { return empty(sizes_of(t), t.scalar_type(), t); }
 inline Tensor zeros_as(const Tensor& t) { return torch::stable::new_zeros(t, sizes_of(t)); }
 inline Tensor cast(const Tensor& t, ScalarType st) { return torch::stable::to(t, st); }
 inline Tensor contig(const Tensor& t) { return torch::stable::contiguous(t); }
@@ -137,7 +162,7 @@ inline cudaStream_t current_stream(const Tensor& t) {
 
 // A zeroed fp32 tensor by one memset on `stream` (no fill kernel; the caller holds a DeviceGuard of like's device).
 inline Tensor zeros_f32(const std::vector<int64_t>& shape, const Tensor& like, cudaStream_t stream) {
-  Tensor t = torch::stable::new_empty(like, shape, kFloat);
+  Tensor t = empty(shape, kFloat, like);
   const int64_t n = t.numel();
   if (n > 0) {
     const cudaError_t err = cudaMemsetAsync(t.data_ptr(), 0, size_t(n) * sizeof(float), stream);
@@ -146,25 +171,48 @@ inline Tensor zeros_f32(const std::vector<int64_t>& shape, const Tensor& like, c
   return t;
 }
 
-// Zeroed fp32 tensors of the given shapes: views of one buffer (each part starting 16-byte aligned) zeroed
-// by one memset on `stream` (the caller holds a DeviceGuard of like's device), in place of one fill launch per
-// tensor. Not for op outputs (outputs must not share storage): zeros_f32 below.
+// A contiguous view of `shape` into `base` (contiguous, storage offset 0) from its element `offset`, through the C
+// shim (one direct call; narrow + view take two dispatcher round trips). Shares base's storage: not for op outputs.
+inline Tensor part_view(const Tensor& base, int64_t offset, const std::vector<int64_t>& shape) {
+  std::array<int64_t, 8> strides{};
+  if (shape.size() > strides.size()) fail("msa: part_view: at most 8 dims, got ", shape.size());
+  int64_t stride = 1, n = 1;
+  for (size_t i = shape.size(); i-- > 0;) {
+    strides[i] = stride;
+    stride *= shape[i] > 1 ? shape[i] : 1;
+    n *= shape[i];
+  }
+  if (offset < 0 || offset + n > base.numel()) fail("msa: part_view: [", offset, ", ", offset + n, ") outside ", base.numel());
+  AtenTensorHandle h = nullptr;
+  if (aoti_torch__reinterpret_tensor(base.get(), int64_t(shape.size()), shape.data(), strides.data(), offset, &h) !=
+      AOTI_TORCH_SUCCESS) {
+    fail("msa: part_view failed");
+  }
+  return Tensor(h);
+}
+
+// fp32 tensors of the given shapes as views of one buffer (each part starting 16-byte aligned), the first
+// `zeroed` of them (all: -1) zeroed by one memset on `stream` (the caller holds a DeviceGuard of like's device):
+// one allocation and one memset in place of one each per tensor. Not for op outputs (outputs must not share
+// storage): zeros_f32 above.
 inline std::vector<Tensor> zeros_f32_parts(const std::vector<std::vector<int64_t>>& shapes, const Tensor& like,
-                                           cudaStream_t stream) {
-  std::vector<int64_t> begin, numel;
-  int64_t total = 0;
-  for (const auto& sh : shapes) {
-    int64_t n = 1;
-    for (int64_t d : sh) n *= d;
-    begin.push_back(total);
-    numel.push_back(n);
-    total += (n + 3) / 4 * 4;
-  }
-  Tensor buf = zeros_f32({total}, like, stream);
-  std::vector<Tensor> parts;
+                                           cudaStream_t stream, int zeroed = -1) {
+  std::vector<int64_t> begin;
+  int64_t total = 0, zero_end = 0;
   for (size_t i = 0; i < shapes.size(); ++i) {
-    parts.push_back(torch::stable::view(torch::stable::narrow(buf, 0, begin[i], numel[i]), shapes[i]));
+    int64_t n = 1;
+    for (int64_t d : shapes[i]) n *= d;
+    begin.push_back(total);
+    total += (n + 3) / 4 * 4;
+    if (zeroed < 0 || int(i) < zeroed) zero_end = total;
   }
+  Tensor buf = empty({total}, kFloat, like);
+  if (zero_end > 0) {
+    const cudaError_t err = cudaMemsetAsync(buf.data_ptr(), 0, size_t(zero_end) * sizeof(float), stream);
+    if (err != cudaSuccess) fail("msa: cudaMemsetAsync failed: ", cudaGetErrorString(err));
+  }
+  std::vector<Tensor> parts;
+  for (size_t i = 0; i < shapes.size(); ++i) parts.push_back(part_view(buf, begin[i], shapes[i]));
   return parts;
 }
 

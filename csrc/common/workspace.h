@@ -144,6 +144,57 @@ inline ReverseIndexParams reverse_index_params(const ReverseIndexSizes& s, const
   return p;
 }
 
+// Byte offsets of the parts of one device allocation: each part starts 256-byte aligned (cub's temporaries and
+// every vector access of the kernels are satisfied by that).
+struct BytePlan {
+  size_t total = 0;
+  size_t add(size_t bytes) {
+    const size_t at = total;
+    total += (bytes + 255) / 256 * 256;
+    return at;
+  }
+};
+
+// Where the buffers of one reverse index (ReverseIndexBuffers) lie: the outputs (what kernels read after the
+// build) in one allocation, the build's workspace (keys, rows_in, temp) in another or in the same one.
+struct ReverseIndexLayout {
+  size_t offsets = 0, rows = 0, block_offsets = 0, item_offsets = 0, items = 0, order = 0;  // in `out`
+  size_t keys = 0, rows_in = 0, temp = 0;                                                  // in `work`
+};
+inline ReverseIndexLayout reverse_index_layout(const ReverseIndexSizes& s, BytePlan& out, BytePlan& work) {
+  constexpr size_t i4 = sizeof(int32_t);
+  ReverseIndexLayout l;
+  l.offsets = out.add(size_t(s.num_keys + 1) * i4);
+  l.rows = out.add(size_t(s.capacity) * i4);
+  l.block_offsets = out.add(size_t(s.num_seqs + 1) * i4);
+  if (s.units_per_item > 0) {
+    l.item_offsets = out.add(size_t(s.num_keys + 1) * i4);
+    l.items = out.add(size_t(s.max_items) * 2 * i4);
+    if (s.order) l.order = out.add(size_t(4 * s.max_items) * i4);
+  }
+  l.keys = work.add(size_t(2 * s.capacity) * i4);
+  l.rows_in = work.add(size_t(s.capacity) * i4);
+  l.temp = work.add(s.temp_bytes());
+  return l;
+}
+inline ReverseIndexBuffers reverse_index_buffers(const ReverseIndexSizes& s, const ReverseIndexLayout& l, char* out,
+                                                 char* work) {
+  auto at = [](char* base, size_t off) { return reinterpret_cast<int32_t*>(base + off); };
+  ReverseIndexBuffers b;
+  b.offsets = at(out, l.offsets);
+  b.rows = at(out, l.rows);
+  b.block_offsets = at(out, l.block_offsets);
+  if (s.units_per_item > 0) {
+    b.item_offsets = at(out, l.item_offsets);
+    b.items = reinterpret_cast<int2*>(at(out, l.items));
+    if (s.order) b.order = at(out, l.order);
+  }
+  b.keys = at(work, l.keys);
+  b.rows_in = at(work, l.rows_in);
+  b.temp = work + l.temp;
+  return b;
+}
+
 // The reverse index as the sparse forward's kernels read it (max_items: set per chunk).
 inline SparseWork sparse_work(const ReverseIndexParams& rp) {
   SparseWork w{};
