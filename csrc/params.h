@@ -41,16 +41,10 @@ struct ReverseIndexParams {
   int32_t* item_offsets;
   int2* items;                // (key, first unit) per item, nullable with item_offsets
   int units_per_item;
-  void* scan_temp;
-  size_t scan_temp_bytes;
-  // Launch order (nullable, with items): item_order[i] = the item CTA i runs, the items by size
-  // descending (stable: full items first, in key order), then the unused slots (values >= the item
-  // count). max_items slots; order_keys / order_vals: 2 x max_items of workspace each.
+  // Launch order (nullable, with items): item_order[i] = the item CTA i runs, max_items slots: the full
+  // items in key order, then the partial ones (one per key at most) by size descending in 64 classes (key
+  // order within a class), then the unused slots (values >= the item count).
   int32_t* item_order;
-  int32_t* order_keys;
-  int32_t* order_vals;
-  void* order_temp;
-  size_t order_temp_bytes;
   int max_items;
 };
 

@@ -41,6 +41,11 @@ STABLE_TORCH_LIBRARY(msa, m) {
   // without reading cu_seqlens); block_offsets[s] is the first global block of sequence s.
   m.def("reverse_index(Tensor indices, Tensor? cu_seqlens, SymInt max_seqlen, int block_size) -> "
         "(Tensor offsets, Tensor rows, Tensor block_offsets)");
+  // For tests (CUDA): the backward's reverse index with its work list of items of <= units_per_item tokens
+  // (item_offsets (keys + 1), items (max_items, 2) = (key, first row)) and launch order (max_items; empty
+  // with MSA_ITEM_ORDER=0), copied out of the build.
+  m.def("_work_list(Tensor indices, Tensor? cu_seqlens, SymInt max_seqlen, int block_size, int units_per_item) -> "
+        "(Tensor offsets, Tensor rows, Tensor item_offsets, Tensor items, Tensor order)");
   // Checks cu_seqlens (SPEC 7) and, on CUDA, remembers the values read, so later calls on the same
   // tensor version (a CUDA graph capture among them) read nothing back.
   m.def("validate_cu_seqlens(Tensor cu_seqlens, int total_tokens, int max_seqlen) -> ()");

@@ -368,6 +368,16 @@ def _reverse_index_fake(indices, cu_seqlens, max_seqlen, block_size):
             indices.new_empty(S + 1))
 
 
+@torch.library.register_fake("msa::_work_list")
+def _work_list_fake(indices, cu_seqlens, max_seqlen, block_size, units_per_item):
+    Hi, T, k = indices.shape
+    S = T // max_seqlen if cu_seqlens is None else cu_seqlens.shape[0] - 1
+    keys, entries = Hi * (T // block_size + S), Hi * T * k
+    items = entries // units_per_item + min(keys, entries)  # csrc/common/workspace.h: max_work_items
+    return (indices.new_empty(keys + 1), indices.new_empty(entries), indices.new_empty(keys + 1),
+            indices.new_empty(items, 2), indices.new_empty(items))
+
+
 @torch.library.register_fake("msa::validate_cu_seqlens")
 def _validate_cu_seqlens_fake(cu_seqlens, total_tokens, max_seqlen):
     return None

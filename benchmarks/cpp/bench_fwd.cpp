@@ -21,7 +21,7 @@ RevIndex::RevIndex(const ReverseIndexSizes& s, const Problem& pb) {
   if (s.units_per_item > 0) {
     item_offsets = Buf(sizeof(int32_t) * (s.num_keys + 1));
     items = Buf(sizeof(int2) * s.max_items);
-    if (s.order) order = Buf(sizeof(int32_t) * 4 * s.max_items);
+    if (s.order) order = Buf(sizeof(int32_t) * s.max_items);
   }
   ReverseIndexBuffers b;
   b.offsets = offsets.as<int32_t>();
@@ -137,7 +137,7 @@ FwdBench::FwdBench(const Problem& pb_, const FwdConfig& cfg_, int n_sets, uint64
       c.block_offsets = Buf(sizeof(int32_t) * (ri.num_seqs + 1));
       c.item_offsets = Buf(sizeof(int32_t) * (ri.num_keys + 1));
       c.items = Buf(sizeof(int2) * ri.max_items);
-      if (ri.order) c.order = Buf(sizeof(int32_t) * 4 * ri.max_items);
+      if (ri.order) c.order = Buf(sizeof(int32_t) * ri.max_items);
       ReverseIndexBuffers b;
       b.offsets = c.offsets.as<int32_t>();
       b.rows = c.rows.as<int32_t>();

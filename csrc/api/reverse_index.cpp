@@ -69,7 +69,7 @@ ReverseIndex build_reverse_index(const Tensor& indices, const SeqMap& seqs, int6
   // not when the caller (the backward) drops the result; params no longer point into it.
   ReverseIndexParams& p = ri.params;
   p.keys_in = p.keys_out = p.rows_in = nullptr;
-  p.sort_temp = p.scan_temp = p.order_temp = nullptr;
+  p.sort_temp = nullptr;
   return ri;
 }
 
@@ -94,6 +94,35 @@ std::tuple<Tensor, Tensor, Tensor> reverse_index_cuda(const Tensor& indices, con
   return {offsets, rows, block_offsets};
 }
 
-STABLE_TORCH_LIBRARY_IMPL(msa, CUDA, m) { m.impl("reverse_index", TORCH_BOX(&reverse_index_cuda)); }
+// msa::_work_list (tests): a build as the backward makes it, its outputs copied into tensors of their own.
+std::tuple<Tensor, Tensor, Tensor, Tensor, Tensor> work_list_cuda(const Tensor& indices,
+                                                                  const std::optional<Tensor>& cu_seqlens,
+                                                                  int64_t max_seqlen, int64_t block_size,
+                                                                  int64_t units_per_item) {
+  check_cuda_int32(indices, "indices", 3);
+  MSA_CHECK(units_per_item >= 1 && units_per_item < (int64_t(1) << 30), "units_per_item: expected >= 1, got ",
+            units_per_item);
+  const SeqMap seqs = seq_map(cu_seqlens, indices.size(1), max_seqlen, indices);
+  const DeviceGuard guard(indices.get_device_index());
+  const ReverseIndex ri = build_reverse_index(indices, seqs, block_size, units_per_item);
+  const ReverseIndexParams& p = ri.params;
+  const int64_t num_keys = int64_t(p.num_heads) * p.max_blocks, rows_n = indices.numel();
+  const cudaStream_t stream = current_stream(indices);
+  auto copy = [&](const void* src, std::initializer_list<int64_t> shape) {
+    Tensor t = empty(shape, kInt, indices);
+    if (t.numel() > 0) {
+      MSA_LAUNCH_CHECK(cudaMemcpyAsync(t.data_ptr(), src, size_t(t.numel()) * sizeof(int32_t),
+                                       cudaMemcpyDeviceToDevice, stream), "_work_list");
+    }
+    return t;
+  };
+  return {copy(p.offsets, {num_keys + 1}), copy(p.rows, {rows_n}), copy(p.item_offsets, {num_keys + 1}),
+          copy(p.items, {ri.max_items, 2}), copy(p.item_order, {p.item_order != nullptr ? ri.max_items : 0})};
+}
+
+STABLE_TORCH_LIBRARY_IMPL(msa, CUDA, m) {
+  m.impl("reverse_index", TORCH_BOX(&reverse_index_cuda));
+  m.impl("_work_list", TORCH_BOX(&work_list_cuda));
+}
 
 }  // namespace msa::api

@@ -54,9 +54,8 @@ struct ReverseIndexSizes {
   int64_t units_per_item = 0;  // 0: no work list
   int64_t max_items = 0;       // max_work_items(capacity, units_per_item, num_keys) (work list), else 0
   bool order = false;          // item_order (needs the work list)
-  size_t sort_bytes = 0, scan_bytes = 0, order_bytes = 0;
-  // One temp buffer serves the three (they run one after the other on one stream).
-  size_t temp_bytes() const { return std::max(sort_bytes, std::max(scan_bytes, order_bytes)); }
+  size_t sort_bytes = 0;  // the radix sort's temporaries
+  size_t temp_bytes() const { return sort_bytes; }
 };
 
 inline ReverseIndexSizes reverse_index_sizes(int64_t heads, int64_t tokens, int64_t tokens_k, int64_t topk,
@@ -75,8 +74,6 @@ inline ReverseIndexSizes reverse_index_sizes(int64_t heads, int64_t tokens, int6
   s.order = s.units_per_item > 0 && order;
   s.max_items = s.units_per_item > 0 ? max_work_items(capacity, s.units_per_item, s.num_keys) : 0;
   s.sort_bytes = reverse_index_sort_bytes(int(capacity), int(s.num_keys));
-  s.scan_bytes = s.units_per_item > 0 ? reverse_index_scan_bytes(int(s.num_keys)) : 0;
-  s.order_bytes = s.order ? reverse_index_order_bytes(int(s.max_items), int(s.units_per_item)) : 0;
   return s;
 }
 
@@ -97,7 +94,7 @@ struct ReverseIndexBuffers {
   void* temp = nullptr;              // s.temp_bytes() (workspace)
   int32_t* item_offsets = nullptr;   // s.num_keys + 1 (work list)
   int2* items = nullptr;             // s.max_items (work list)
-  int32_t* order = nullptr;          // 4 * s.max_items: the launch order, its sort's keys (2 x) and values
+  int32_t* order = nullptr;          // s.max_items: the launch order
 };
 
 // The params every build over these buffers shares: the whole token range, rows = tokens (callers set
@@ -130,16 +127,8 @@ inline ReverseIndexParams reverse_index_params(const ReverseIndexSizes& s, const
     p.item_offsets = b.item_offsets;
     p.items = b.items;
     p.units_per_item = int(s.units_per_item);
-    p.scan_temp = b.temp;
-    p.scan_temp_bytes = s.scan_bytes;
     p.max_items = int(s.max_items);
-    if (s.order) {
-      p.item_order = b.order;
-      p.order_keys = b.order + s.max_items;
-      p.order_vals = b.order + 3 * s.max_items;
-      p.order_temp = b.temp;
-      p.order_temp_bytes = s.order_bytes;
-    }
+    if (s.order) p.item_order = b.order;
   }
   return p;
 }
@@ -170,7 +159,7 @@ inline ReverseIndexLayout reverse_index_layout(const ReverseIndexSizes& s, ByteP
   if (s.units_per_item > 0) {
     l.item_offsets = out.add(size_t(s.num_keys + 1) * i4);
     l.items = out.add(size_t(s.max_items) * 2 * i4);
-    if (s.order) l.order = out.add(size_t(4 * s.max_items) * i4);
+    if (s.order) l.order = out.add(size_t(s.max_items) * i4);
   }
   l.keys = work.add(size_t(2 * s.capacity) * i4);
   l.rows_in = work.add(size_t(s.capacity) * i4);

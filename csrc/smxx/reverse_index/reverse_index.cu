@@ -4,7 +4,6 @@
 #include <algorithm>
 
 #include <cub/device/device_radix_sort.cuh>
-#include <cub/device/device_scan.cuh>
 
 #include "common/block_span.h"
 #include "common/cuda_check.h"
@@ -52,51 +51,127 @@ __global__ void reverse_index_keys_kernel(ReverseIndexParams p) {
   }
 }
 
-// First position of `key` in the sorted keys (lower bound).
-__device__ __forceinline__ int32_t lower_bound_key(const int32_t* sorted_keys, int64_t n, int key) {
-  int64_t lo = 0, hi = n;
-  while (lo < hi) {
-    const int64_t mid = (lo + hi) >> 1;
-    if (sorted_keys[mid] < key) lo = mid + 1; else hi = mid;
-  }
-  return int32_t(lo);
-}
-
-// offsets[key] = first position of key in the sorted keys; offsets[num_keys] = count. With items != nullptr
-// also items[key] = ceil(count(key) / per_item) and items[num_keys] = 0 (the scan turns it into the total).
-__global__ void reverse_index_offsets_kernel(const int32_t* sorted_keys, int64_t n, int32_t* offsets,
-                                             int32_t* items, int num_keys, int per_item) {
-  const int key = blockIdx.x * blockDim.x + threadIdx.x;
-  if (key > num_keys) return;
-  const int32_t first = lower_bound_key(sorted_keys, n, key);
-  offsets[key] = first;
-  if (items != nullptr) {
-    items[key] = key < num_keys ? (lower_bound_key(sorted_keys, n, key + 1) - first + per_item - 1) / per_item : 0;
+// offsets[key] = first position of key in the sorted keys (whose sentinels, key num_keys, sort last);
+// offsets[num_keys] = the entries with a key. Position i starts every key in (keys[i - 1], keys[i]] (keys[-1] =
+// -1, keys[n] = num_keys): one pass over the sorted keys, O(n + num_keys) writes in all.
+__global__ void reverse_index_offsets_kernel(const int32_t* sorted_keys, int64_t n, int32_t* offsets, int num_keys) {
+  for (int64_t i = blockIdx.x * int64_t(blockDim.x) + threadIdx.x; i <= n; i += int64_t(gridDim.x) * blockDim.x) {
+    const int prev = i > 0 ? sorted_keys[i - 1] : -1;
+    const int cur = i < n ? sorted_keys[i] : num_keys;
+    for (int k = prev + 1; k <= cur; ++k) offsets[k] = int32_t(i);
   }
 }
 
-// Thread i: the items of key i (key, first unit), so kernels find their item in one load; with sizes !=
-// nullptr also the sort keys and values of the launch order over max_items slots: an item's slot gets its
-// unit count, the slots past the item count 0 (they sort last and hold values >= the count, which the
-// kernels skip). The grid covers max(num_keys, max_items) threads.
-__global__ void reverse_index_item_list_kernel(const int32_t* offsets, const int32_t* item_offsets, int2* items,
-                                               int num_keys, int per_item, int max_items, int32_t* sizes,
-                                               int32_t* vals) {
-  const int i = blockIdx.x * blockDim.x + threadIdx.x;
-  if (i < num_keys) {
-    const int first = item_offsets[i], count = item_offsets[i + 1] - first;
-    const int units = offsets[i + 1] - offsets[i];
-    for (int c = 0; c < count; ++c) {
-      items[first + c] = make_int2(i, offsets[i] + c * per_item);
-      if (sizes != nullptr) {
-        sizes[first + c] = min(per_item, units - c * per_item);
-        vals[first + c] = first + c;
-      }
+// The work list in one CTA (two passes over the keys in chunks of kListThreads): item_offsets (scan of the
+// per-key item counts ceil(count / per_item)), items (key, first unit) and, with item_order != nullptr, the
+// launch order: the full items first in key order, then the partial ones (at most one per key, its last) by
+// size descending in kOrderBuckets classes (key order within a class), then the max_items - items idle slots
+// (values >= the item count, which the kernels skip). Deterministic; the order only schedules (every item's
+// work is the same wherever it runs).
+constexpr int kListThreads = 1024;
+constexpr int kOrderBuckets = 64;
+
+__device__ __forceinline__ int order_bucket(int size, int per_item) {  // size in [1, per_item)
+  return int(int64_t(size) * kOrderBuckets / per_item);
+}
+
+// Exclusive prefix sums of (x, y) over the CTA's kListThreads threads; *total: the CTA's sums (every thread).
+__device__ __forceinline__ int2 cta_exclusive_sum(int2 v, int2* warp_sums, int2* total) {
+  const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
+  int2 x = v;
+  for (int o = 1; o < 32; o <<= 1) {
+    const int a = __shfl_up_sync(~0u, x.x, o), b = __shfl_up_sync(~0u, x.y, o);
+    if (lane >= o) x.x += a, x.y += b;
+  }
+  if (lane == 31) warp_sums[warp] = x;
+  __syncthreads();
+  if (warp == 0) {
+    int2 w = warp_sums[lane];
+    for (int o = 1; o < 32; o <<= 1) {
+      const int a = __shfl_up_sync(~0u, w.x, o), b = __shfl_up_sync(~0u, w.y, o);
+      if (lane >= o) w.x += a, w.y += b;
+    }
+    warp_sums[lane] = w;
+  }
+  __syncthreads();
+  const int2 before = warp > 0 ? warp_sums[warp - 1] : make_int2(0, 0);
+  *total = warp_sums[31];
+  __syncthreads();  // warp_sums is reused by the next call
+  return make_int2(before.x + x.x - v.x, before.y + x.y - v.y);
+}
+
+__global__ void __launch_bounds__(kListThreads)
+    reverse_index_work_list_kernel(const int32_t* offsets, int32_t* item_offsets, int2* items, int32_t* item_order,
+                                   int num_keys, int per_item, int max_items) {
+  __shared__ int2 warp_sums[32];
+  __shared__ int bucket_next[kOrderBuckets];              // next order slot of each class
+  __shared__ int warp_class[32][kOrderBuckets];           // a chunk's partial items per (warp, class), then slots
+  const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5;
+  const bool order = item_order != nullptr;
+  if (tid < kOrderBuckets) bucket_next[tid] = 0;
+  __syncthreads();
+  // Pass 1: item offsets, the item and full-item totals, the partial items per class.
+  int2 sum = make_int2(0, 0);  // (items, full items) of the chunks so far; the same in every thread
+  for (int base = 0; base < num_keys; base += kListThreads) {
+    const int k = base + tid;
+    const int units = k < num_keys ? offsets[k + 1] - offsets[k] : 0;
+    const int n = (units + per_item - 1) / per_item, full = units / per_item;
+    int2 total;
+    const int2 ex = cta_exclusive_sum(make_int2(n, full), warp_sums, &total);
+    if (k < num_keys) item_offsets[k] = sum.x + ex.x;
+    if (order && n > full) atomicAdd(&bucket_next[order_bucket(units - full * per_item, per_item)], 1);
+    sum.x += total.x, sum.y += total.y;
+  }
+  __syncthreads();  // the last chunk's class counts
+  if (tid == 0) {
+    item_offsets[num_keys] = sum.x;
+    int at = sum.y;  // the partial items follow the full ones, largest class first
+    for (int b = kOrderBuckets - 1; b >= 0; --b) {
+      const int c = bucket_next[b];
+      bucket_next[b] = at;
+      at += c;
     }
   }
-  if (sizes != nullptr && i < max_items && i >= item_offsets[num_keys]) {
-    sizes[i] = 0;
-    vals[i] = i;
+  __syncthreads();
+  if (items == nullptr) return;
+  // Pass 2: items and their launch slots.
+  int2 done = make_int2(0, 0);
+  for (int base = 0; base < num_keys; base += kListThreads) {
+    const int k = base + tid;
+    const int first_unit = k < num_keys ? offsets[k] : 0;
+    const int units = k < num_keys ? offsets[k + 1] - first_unit : 0;
+    const int n = (units + per_item - 1) / per_item, full = units / per_item;
+    int2 total;
+    const int2 ex = cta_exclusive_sum(make_int2(n, full), warp_sums, &total);
+    const int first = done.x + ex.x;
+    for (int c = 0; c < n; ++c) items[first + c] = make_int2(k, first_unit + c * per_item);
+    if (order) {
+      for (int c = 0; c < full; ++c) item_order[done.y + ex.y + c] = first + c;
+      // The partial item's slot: its class's next slot plus its rank among the chunk's earlier partial items of
+      // the class (earlier warps, then earlier lanes).
+      const int cls = n > full ? order_bucket(units - full * per_item, per_item) : -1;
+      for (int i = tid; i < 32 * kOrderBuckets; i += kListThreads) (&warp_class[0][0])[i] = 0;
+      __syncthreads();
+      const unsigned peers = __match_any_sync(~0u, cls);
+      if (cls >= 0 && lane == __ffs(peers) - 1) warp_class[warp][cls] = __popc(peers);
+      __syncthreads();
+      if (tid < kOrderBuckets) {
+        int at = bucket_next[tid];
+        for (int w = 0; w < 32; ++w) {
+          const int c = warp_class[w][tid];
+          warp_class[w][tid] = at;
+          at += c;
+        }
+        bucket_next[tid] = at;
+      }
+      __syncthreads();
+      if (cls >= 0) item_order[warp_class[warp][cls] + __popc(peers & ((1u << lane) - 1u))] = first + full;
+      __syncthreads();  // warp_class is cleared by the next chunk
+    }
+    done.x += total.x, done.y += total.y;
+  }
+  if (order) {
+    for (int i = sum.x + tid; i < max_items; i += kListThreads) item_order[i] = i;
   }
 }
 
@@ -107,21 +182,6 @@ int key_bits(int num_keys) {
 }
 
 }  // namespace
-
-size_t reverse_index_order_bytes(int max_items, int units_per_item) {
-  size_t bytes = 0;
-  cub::DeviceRadixSort::SortPairsDescending(nullptr, bytes, static_cast<int32_t*>(nullptr),
-                                            static_cast<int32_t*>(nullptr), static_cast<int32_t*>(nullptr),
-                                            static_cast<int32_t*>(nullptr), max_items, 0, key_bits(units_per_item));
-  return bytes;
-}
-
-size_t reverse_index_scan_bytes(int num_keys) {
-  size_t bytes = 0;
-  cub::DeviceScan::ExclusiveSum(nullptr, bytes, static_cast<int32_t*>(nullptr), static_cast<int32_t*>(nullptr),
-                                num_keys + 1);
-  return bytes;
-}
 
 size_t reverse_index_sort_bytes(int num_entries, int num_keys) {
   size_t bytes = 0;
@@ -152,37 +212,16 @@ cudaError_t run_reverse_index(const ReverseIndexParams& p, cudaStream_t stream) 
                                                  int(n), 0, key_bits(num_keys), stream));
   }
   const int threads = 256;
-  const int key_blocks = (num_keys + 1 + threads - 1) / threads;
-  const bool work_list = p.item_offsets != nullptr;
-  // Offsets, and for a work list the per-key item counts (scanned in place below).
-  reverse_index_offsets_kernel<<<key_blocks, threads, 0, stream>>>(p.keys_out, n, p.offsets,
-                                                                   work_list ? p.item_offsets : nullptr, num_keys,
-                                                                   p.units_per_item);
+  const int64_t offset_blocks = std::min<int64_t>((n + 1 + threads - 1) / threads, 4096);
+  reverse_index_offsets_kernel<<<int(offset_blocks), threads, 0, stream>>>(p.keys_out, n, p.offsets, num_keys);
   MSA_CUDA_TRY(cudaGetLastError());
-  if (work_list) {
-    // In-place exclusive scan: item_offsets[num_keys] = number of items.
-    size_t bytes = p.scan_temp_bytes;
-    MSA_CUDA_TRY(cub::DeviceScan::ExclusiveSum(p.scan_temp, bytes, p.item_offsets, p.item_offsets, num_keys + 1,
-                                               stream));
-    if (p.items != nullptr) {
-      // Largest items first (item_order): a launch's tail is then made of small items (a full item is up
-      // to a tenth of an SM's work in a pass), and the launches end closer together across SMs.
-      const bool order = p.item_order != nullptr && p.max_items > 0;
-      const int list_threads = order ? std::max(num_keys, p.max_items) : num_keys;
-      if (list_threads > 0) {
-        reverse_index_item_list_kernel<<<(list_threads + threads - 1) / threads, threads, 0, stream>>>(
-            p.offsets, p.item_offsets, p.items, num_keys, p.units_per_item, order ? p.max_items : 0,
-            order ? p.order_keys : nullptr, p.order_vals);
-        MSA_CUDA_TRY(cudaGetLastError());
-      }
-      if (order) {
-        const int n_items = p.max_items;
-        size_t obytes = p.order_temp_bytes;
-        MSA_CUDA_TRY(cub::DeviceRadixSort::SortPairsDescending(p.order_temp, obytes, p.order_keys,
-                                                               p.order_keys + n_items, p.order_vals, p.item_order,
-                                                               n_items, 0, key_bits(p.units_per_item), stream));
-      }
-    }
+  if (p.item_offsets != nullptr) {
+    // The work list and, with item_order, its launch order (largest items first: a launch's tail is then made
+    // of small items, and the CTAs end closer together across SMs).
+    const bool order = p.items != nullptr && p.item_order != nullptr && p.max_items > 0;
+    reverse_index_work_list_kernel<<<1, kListThreads, 0, stream>>>(p.offsets, p.item_offsets, p.items,
+                                                                   order ? p.item_order : nullptr, num_keys,
+                                                                   p.units_per_item, p.max_items);
   }
   return cudaGetLastError();
 }

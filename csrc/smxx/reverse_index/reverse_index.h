@@ -7,10 +7,6 @@ namespace msa {
 
 // Bytes of radix-sort workspace for `num_entries` (key, token) pairs.
 size_t reverse_index_sort_bytes(int num_entries, int num_keys);
-// Bytes of sort workspace for the work list's launch order over `max_items` slots.
-size_t reverse_index_order_bytes(int max_items, int units_per_item);
-// Bytes of scan workspace for the work list over `num_keys` keys.
-size_t reverse_index_scan_bytes(int num_keys);
 // block_offsets (num_seqs + 1) = prefix sums of ceil(len / block_size) over the sequences of cu_seqlens.
 cudaError_t launch_block_offsets(const int32_t* cu_seqlens, int32_t* block_offsets, int num_seqs, int block_size,
                                  cudaStream_t stream);
