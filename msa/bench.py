@@ -54,6 +54,46 @@ class Timer:
                 times.append((time.perf_counter() - t0) * 1e3)
         return statistics.median(times)
 
+    def graphed(self, fn, input_sets):
+        """Median ms of `fn` captured once in a CUDA graph (torch.cuda.graph) and replayed: each replay on the next
+        input set, copied into the captured tensors before its timed span. The GPU time of the step without the
+        host's launch costs (what torch.compile's mode="reduce-overhead" or a captured training step gets).
+        None, with the reason in CAPTURE_FAILURES, when the capture fails."""
+        static = [x.detach().clone().requires_grad_(x.requires_grad) for x in input_sets[0]]
+        side = torch.cuda.Stream()
+        side.wait_stream(torch.cuda.current_stream())
+        with torch.cuda.stream(side):
+            for _ in range(2):  # allocator and lazy initialisation outside the capture
+                fn(*static)
+        torch.cuda.current_stream().wait_stream(side)
+        graph = torch.cuda.CUDAGraph()
+        try:
+            with torch.cuda.graph(graph):
+                fn(*static)
+        except RuntimeError as e:
+            CAPTURE_FAILURES.append(f"{getattr(fn, '__name__', fn)}: {str(e).splitlines()[0]}")
+            torch.cuda.synchronize()
+            return None
+        times = []
+        for i in range(self.warmup + self.reps):
+            with torch.no_grad():
+                for s, x in zip(static, input_sets[i % len(input_sets)]):
+                    s.copy_(x)
+            start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+            start.record()
+            graph.replay()
+            end.record()
+            end.synchronize()
+            if i >= self.warmup:
+                times.append(start.elapsed_time(end))
+        del graph, static
+        torch.cuda.empty_cache()
+        return statistics.median(times)
+
+
+# Captures that failed in this run (Timer.graphed), stated in the stored run's header.
+CAPTURE_FAILURES: list[str] = []
+
 
 def make_inputs(N, device, dtype, seed, requires_grad=True):
     g = torch.Generator(device="cpu").manual_seed(seed)
@@ -244,6 +284,10 @@ def run(args, peak_tflops=None):
                     row["floor"] = msa_step_flops(N, att_groups) / peak_tflops / 1e9
                     row["floor_frac"] = row["floor"] / row["msa_fwdbwd"]
                 row["ratio"] = row["dense_fwdbwd"] / row["msa_fwdbwd"]
+                if on_gpu:
+                    progress(f"[{step}/{steps}] N={N}: msa and dense fwd+bwd, CUDA graph replays")
+                    row["msa_fwdbwd_graph"] = timer.graphed(msa_fwd_bwd, sets)
+                    row["dense_fwdbwd_graph"] = timer.graphed(dense_fwd_bwd, sets)
                 progress(f"[{step}/{steps}] N={N}: msa fwd+bwd, deterministic=True")
                 row["msa_fwdbwd_det"] = timer(msa_fwd_bwd_det, sets)
                 row["det_cost"] = row["msa_fwdbwd_det"] / row["msa_fwdbwd"] - 1
@@ -318,7 +362,9 @@ def table(rows, device):
             ("warmup / dense fwd+bwd", "warmup_over_dense", ".2f"),
             ("msa fwd+bwd, last N/2 queries ms", "msa_fwdbwd_suffix", ".3f")]
     if device.type == "cuda":
-        cols += [("msa fwd+bwd from (B,H,N,D) views ms", "msa_fwdbwd_bhnd", ".3f"), ("index top-k ms", "index_topk", ".3f"), ("index TFLOP/s", "index_tflops", ".3g"),
+        cols += [("msa fwd+bwd, CUDA graph ms", "msa_fwdbwd_graph", ".3f"),
+                 ("dense fwd+bwd, CUDA graph ms", "dense_fwdbwd_graph", ".3f"),
+                 ("msa fwd+bwd from (B,H,N,D) views ms", "msa_fwdbwd_bhnd", ".3f"), ("index top-k ms", "index_topk", ".3f"), ("index TFLOP/s", "index_tflops", ".3g"),
                  ("reverse index ms", "reverse_index", ".3f"), ("sparse fwd ms", "sparse_fwd", ".3f"),
                  ("sparse fwd TFLOP/s", "sparse_fwd_tflops", ".3g"), ("sparse bwd ms", "sparse_bwd", ".3f"),
                  ("sparse bwd TFLOP/s", "sparse_bwd_tflops", ".3g"), ("sparse bwd, sink ms", "sparse_bwd_sink", ".3f"), ("msa fwd+bwd peak above inputs GiB", "peak_extra_gib", ".2f"),
@@ -337,6 +383,7 @@ def header(device, argv, peak_tflops=None):
         notes.append("msa_fwd has no CUDA kernel in this build yet: msa columns are n/a (not timed).")
     if device.type == "cpu":
         notes.append("CPU: msa runs the chunked PyTorch reference (msa/reference.py); dense is torch's CPU SDPA.")
+    notes += [f"CUDA graph capture failed (column n/a): {f}" for f in CAPTURE_FAILURES]
     return "\n".join([
         f"- date: {datetime.datetime.now(datetime.timezone.utc).strftime('%Y-%m-%d %H:%M UTC')}",
         f"- commit: {git_commit()}",
@@ -353,7 +400,9 @@ def header(device, argv, peak_tflops=None):
         f"views = the inputs as transposes of (B, H, N, D) tensors (one internal copy each); warmup = msa fwd+bwd "
         f"with warmup=True (dense main branch, KL over the full causal set), and its time over dense fwd+bwd; last N/2 "
         f"queries = msa fwd+bwd of queries N/2..N-1 over all N keys (suffix queries, bottom-right causal: a query "
-        f"shard of context parallelism; dk, dv, dk_idx over all N); floor = the step's useful FLOPs (attended "
+        f"shard of context parallelism; dk, dv, dk_idx over all N); CUDA graph = the same fwd+bwd captured once "
+        f"(torch.cuda.graph) and replayed on each input set copied into the captured tensors: the GPU time without "
+        f"the host's launch costs; floor = the step's useful FLOPs (attended "
         f"fwd+bwd, index scoring, and the KL's index-branch GEMMs 6*Di*sum over (i, r) |T(i, r)|: msa.bench."
         f"msa_step_flops) at the matmul peak below, floor / msa fwd+bwd = the fraction of it reached",
         f"- matmul peak (this run): " + (f"{peak_tflops:.0f} TFLOP/s (bf16 torch.matmul, best of 8192^3 and 16384^3)"

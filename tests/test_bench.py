@@ -1,6 +1,7 @@
 """msa.bench's accounting (CPU): the attended-token count against brute force, and the floor's FLOPs
 (msa_step_flops) against a GEMM-by-GEMM count of the same selection; and a CPU run's table has the floor
 columns (n/a off the GPU: no matmul peak is measured there)."""
+import pytest
 import torch
 
 import msa
@@ -45,3 +46,22 @@ def test_cpu_bench_table_has_the_floor_columns(capsys):
     cols = [x.strip() for x in head.strip("|").split("|")]
     assert cells[cols.index("msa fwd+bwd floor ms")] == "n/a"
     assert "matmul peak (this run): n/a" in out
+
+
+@pytest.mark.gpu
+def test_cuda_bench_graph_columns(capsys):
+    """The CUDA bench at a short N: the CUDA-graph replays of msa and dense fwd+bwd are captured (no failure note)
+    and timed, and a replay takes no longer than the eager step plus noise (it runs the same kernels without the
+    host's launch costs)."""
+    bench.CAPTURE_FAILURES.clear()
+    assert bench.main(["--n", "1024", "--reps", "5"]) == 0
+    out = capsys.readouterr().out
+    assert "CUDA graph capture failed" not in out
+    head = next(line for line in out.splitlines() if line.startswith("| N |"))
+    row = next(line for line in out.splitlines() if line.startswith("| 1024 |"))
+    cols = [x.strip() for x in head.strip("|").split("|")]
+    cells = dict(zip(cols, (x.strip() for x in row.strip("|").split("|"))))
+    for eager, graph in (("msa fwd+bwd ms", "msa fwd+bwd, CUDA graph ms"),
+                         ("dense fwd+bwd ms", "dense fwd+bwd, CUDA graph ms")):
+        assert cells[graph] != "n/a" and float(cells[graph]) > 0
+        assert float(cells[graph]) <= 1.5 * float(cells[eager]) + 0.05, (graph, cells[graph], cells[eager])
