@@ -61,13 +61,10 @@ std::tuple<Tensor, Tensor, Tensor> sparse_backward_cuda(
     const Tensor& lse, const Tensor& indices, const SeqMap& seqs, int64_t block_size, double softmax_scale,
     bool deterministic);
 
-// The reverse index of a whole selection: per key (index group r, global block) the tokens that selected
-// it, ascending; with units_per_item > 0 also the work list that splits hot keys into items of at most
-// that many tokens (item_offsets (keys + 1), items (max_items, 2) = (key, first row)).
-// A reverse index as the kernels read it: params points into `storage` (outputs), and during the build into
-// `work` (keys, rows_in, temp); the forward places both in its own workspace (storage and work undefined).
+// A reverse index as the kernels read it: params points into `storage` (its outputs; the build's workspace
+// only while the build is enqueued); the forward places everything in its own workspace (storage undefined).
 struct ReverseIndex {
-  Tensor storage, work;
+  Tensor storage;
   int64_t max_blocks = 0, units_per_item = 0, max_items = 0;
   ReverseIndexParams params{};  // the whole token range
 };
@@ -87,7 +84,10 @@ ReverseIndex place_reverse_index(const ReverseIndexPlan& plan, const Tensor& ind
                                  char* work);
 // Whether the work list gets a launch order, largest items first (default; MSA_ITEM_ORDER=0: key order).
 bool item_order_enabled();
-// Built over all of `indices` in two allocations (outputs; the workspace, released once the build is enqueued).
+// The reverse index of a whole selection: per key (index group r, global block) the tokens that selected
+// it, ascending; with units_per_item > 0 also the work list that splits hot keys into items of at most
+// that many tokens (item_offsets (keys + 1), items (max_items, 2) = (key, first row)). Built in two
+// allocations (the outputs; the workspace, released once the build is enqueued).
 ReverseIndex build_reverse_index(const Tensor& indices, const SeqMap& seqs, int64_t block_size,
                                  int64_t units_per_item);
 

@@ -287,8 +287,7 @@ std::tuple<Tensor, Tensor, Tensor, Tensor, Tensor> msa_bwd_cuda(
     casts.push_back({kl_dq_idx, q_idx, sc});
     casts.push_back({kl_dk_idx, k_idx, sc});
   }
-  if (!casts.empty()) {
-    const DeviceGuard guard(q_idx.get_device_index());
+  if (!casts.empty()) {  // cast_grads holds the device guard
     const std::vector<Tensor> g = cast_grads(casts, current_stream(q_idx));
     size_t i = 0;
     if (sparse) dq = g[i++], dk = g[i++], dv = g[i++];

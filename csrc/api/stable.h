@@ -85,14 +85,24 @@ inline bool same_shape(const Tensor& a, const Tensor& b) {
 // A new uninitialized contiguous tensor of `st` on like's device, through the C shim's empty_strided: one direct
 // call (new_empty goes through the boxed dispatcher, aten::new_empty then aten::empty: a few microseconds more
 // of host time per allocation, and a step makes ~40).
-inline Tensor empty_on(const int64_t* sizes, size_t ndim, ScalarType st, const Tensor& like) {
+// Row-major strides of `sizes` (at most 8 dims), as PyTorch gives a new contiguous tensor (size-0/1 dims count 1).
+inline std::array<int64_t, 8> contiguous_strides(const int64_t* sizes, size_t ndim) {
   std::array<int64_t, 8> strides{};
-  if (ndim > strides.size()) fail("msa: empty_on: at most 8 dims, got ", ndim);
+  if (ndim > strides.size()) fail("msa: at most 8 dims, got ", ndim);
   int64_t stride = 1;
   for (size_t i = ndim; i-- > 0;) {
     strides[i] = stride;
     stride *= sizes[i] > 1 ? sizes[i] : 1;
   }
+  return strides;
+}
+// cudaMemsetAsync of `bytes` zero bytes at `ptr` on `stream`, failing with CUDA's message.
+inline void zero_bytes(void* ptr, size_t bytes, cudaStream_t stream) {
+  const cudaError_t err = cudaMemsetAsync(ptr, 0, bytes, stream);
+  if (err != cudaSuccess) fail("msa: cudaMemsetAsync failed: ", cudaGetErrorString(err));
+}
+inline Tensor empty_on(const int64_t* sizes, size_t ndim, ScalarType st, const Tensor& like) {
+  const std::array<int64_t, 8> strides = contiguous_strides(sizes, ndim);
   int32_t device_type = 0, device_index = 0;
   AtenTensorHandle h = nullptr;
   const int32_t dtype = torch::stable::detail::to<int32_t>(torch::stable::detail::from(st));
@@ -163,25 +173,16 @@ inline cudaStream_t current_stream(const Tensor& t) {
 // A zeroed fp32 tensor by one memset on `stream` (no fill kernel; the caller holds a DeviceGuard of like's device).
 inline Tensor zeros_f32(const std::vector<int64_t>& shape, const Tensor& like, cudaStream_t stream) {
   Tensor t = empty(shape, kFloat, like);
-  const int64_t n = t.numel();
-  if (n > 0) {
-    const cudaError_t err = cudaMemsetAsync(t.data_ptr(), 0, size_t(n) * sizeof(float), stream);
-    if (err != cudaSuccess) fail("msa: cudaMemsetAsync failed: ", cudaGetErrorString(err));
-  }
+  if (t.numel() > 0) zero_bytes(t.data_ptr(), size_t(t.numel()) * sizeof(float), stream);
   return t;
 }
 
 // A contiguous view of `shape` into `base` (contiguous, storage offset 0) from its element `offset`, through the C
 // shim (one direct call; narrow + view take two dispatcher round trips). Shares base's storage: not for op outputs.
 inline Tensor part_view(const Tensor& base, int64_t offset, const std::vector<int64_t>& shape) {
-  std::array<int64_t, 8> strides{};
-  if (shape.size() > strides.size()) fail("msa: part_view: at most 8 dims, got ", shape.size());
-  int64_t stride = 1, n = 1;
-  for (size_t i = shape.size(); i-- > 0;) {
-    strides[i] = stride;
-    stride *= shape[i] > 1 ? shape[i] : 1;
-    n *= shape[i];
-  }
+  const std::array<int64_t, 8> strides = contiguous_strides(shape.data(), shape.size());
+  int64_t n = 1;
+  for (int64_t d : shape) n *= d;
   if (offset < 0 || offset + n > base.numel()) fail("msa: part_view: [", offset, ", ", offset + n, ") outside ", base.numel());
   AtenTensorHandle h = nullptr;
   if (aoti_torch__reinterpret_tensor(base.get(), int64_t(shape.size()), shape.data(), strides.data(), offset, &h) !=
@@ -207,10 +208,7 @@ inline std::vector<Tensor> zeros_f32_parts(const std::vector<std::vector<int64_t
     if (zeroed < 0 || int(i) < zeroed) zero_end = total;
   }
   Tensor buf = empty({total}, kFloat, like);
-  if (zero_end > 0) {
-    const cudaError_t err = cudaMemsetAsync(buf.data_ptr(), 0, size_t(zero_end) * sizeof(float), stream);
-    if (err != cudaSuccess) fail("msa: cudaMemsetAsync failed: ", cudaGetErrorString(err));
-  }
+  if (zero_end > 0) zero_bytes(buf.data_ptr(), size_t(zero_end) * sizeof(float), stream);
   std::vector<Tensor> parts;
   for (size_t i = 0; i < shapes.size(); ++i) parts.push_back(part_view(buf, begin[i], shapes[i]));
   return parts;
