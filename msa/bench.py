@@ -185,7 +185,8 @@ def synthetic_indices(N, device, seed):
         earlier = (torch.rand(c["Hi"], N, k - 1, generator=g) * local[None, :, None]).long()
     else:
         keys = keys.masked_fill(torch.arange(N // bs + 1)[None, None, :] >= local[None, :, None], 2.0)
-        earlier = keys.topk(k - 1, largest=False).indices
+        earlier = keys.topk(min(k - 1, keys.shape[-1]), largest=False).indices  # N < (k-1)*bs: fewer blocks
+        earlier = torch.nn.functional.pad(earlier, (0, k - 1 - earlier.shape[-1]), value=-1)
         earlier = torch.where(torch.arange(k - 1)[None, None, :] < local[None, :, None], earlier, -1)
     idx = torch.cat([local[None, :, None].expand(c["Hi"], N, 1), earlier], dim=-1)
     idx = torch.where(idx < 0, N, idx).sort(-1).values  # ascending, -1 padding last

@@ -36,6 +36,23 @@ def test_attended_tokens_and_step_flops_match_a_brute_force_count():
     assert bench.msa_step_flops(N, att, c) == main + scores + kl
 
 
+@pytest.mark.parametrize("N", [1024, 2048, 5000])
+def test_synthetic_indices_are_a_valid_selection(N):
+    """The timing selection at N below, at and above topk blocks: the own block first-in, distinct blocks at or
+    before it, every earlier block taken while fewer than topk exist, -1 padding last."""
+    c = bench.CONFIG
+    bs, k = c["block_size"], c["topk"]
+    idx = bench.synthetic_indices(N, "cpu", 0)
+    assert idx.shape == (c["Hi"], N, k) and idx.dtype == torch.int32
+    for i in (0, 1, bs, N // 2, N - 1):
+        row = idx[:, i].long()
+        for r in range(c["Hi"]):
+            sel = [int(b) for b in row[r] if b >= 0]
+            assert sel == sorted(set(sel)) and (i // bs) in sel and max(sel) == i // bs
+            assert len(sel) == min(k, i // bs + 1)
+            assert (row[r, len(sel):] == -1).all()
+
+
 def test_cpu_bench_table_has_the_floor_columns(capsys):
     assert bench.main(["--device", "cpu", "--n", "256", "--reps", "1"]) == 0
     out = capsys.readouterr().out
