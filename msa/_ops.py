@@ -423,6 +423,38 @@ def _key_args(cu_k, max_k):
 torch.library.register_autograd("msa::msa_fwd", _msa_backward, setup_context=_msa_setup)
 
 
+class MsaFunction(torch.autograd.Function):
+    """msa_fwd with the autograd above (_msa_setup / _msa_backward) as a plain autograd.Function, for eager calls
+    (msa.interface._msa takes it where eager_autograd_applies). The op runs below the autograd key, so the
+    registered Python autograd kernel (torch.library's wrapper: a boxed hop into Python, its metadata and a
+    fill_defaults of the 17-argument schema per call) is not on the host's path before the launches. The same
+    math and saved tensors as the registered path, which torch.compile, autocast and tensor subclasses keep."""
+
+    @staticmethod
+    def forward(ctx, *args):
+        with torch._C._AutoDispatchBelowAutograd():
+            output = ops.msa_fwd.default(*args)
+        _msa_setup(ctx, args, output)
+        return output
+
+    @staticmethod
+    def backward(ctx, *grads):
+        return _msa_backward(ctx, *grads)
+
+
+def eager_autograd_applies(tensors) -> bool:
+    """Whether an eager msa_fwd call may take MsaFunction: grad mode on and an input needing it, plain tensors (no
+    subclass or torch-function mode, which dispatch through the registered op), no autocast on their device, and
+    not traced by torch.compile."""
+    if not torch.is_grad_enabled() or torch.compiler.is_compiling():
+        return False
+    if not any(t.requires_grad for t in tensors) or any(type(t) is not torch.Tensor for t in tensors):
+        return False
+    if torch._C._is_torch_function_mode_enabled():
+        return False
+    return not torch.is_autocast_enabled(tensors[0].device.type)
+
+
 def _sparse_setup(ctx, inputs, output):
     q, k, v, indices, cu_seqlens, max_seqlen, block_size, scale, det = inputs[:9]
     cu_k, max_k = (tuple(inputs[9:]) + (None, None))[:2]

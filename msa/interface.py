@@ -15,7 +15,7 @@ import re
 
 import torch
 
-from ._ops import has_cuda_kernel, ops
+from ._ops import MsaFunction, eager_autograd_applies, has_cuda_kernel, ops
 
 HEAD_DIMS = (64, 128)
 BLOCK_SIZES = (64, 128)
@@ -238,9 +238,11 @@ def _msa(q, k, v, q_idx, k_idx, cu_seqlens, max_seqlen, topk, block_size, softma
     iscale = _scale("index_scale", index_scale, q_idx.shape[-1])
     # The KL's index gradient is computed with the KL itself when autograd will ask for it (SPEC 4).
     index_grad = torch.is_grad_enabled() and (q_idx.requires_grad or k_idx.requires_grad)
-    return _values_checked(ops.msa_fwd, q, k, v, q_idx, k_idx, cu_seqlens, max_seqlen, topk, block_size, scale,
-                           iscale, bool(warmup), bool(return_indices), index_grad, _deterministic(deterministic),
-                           *key_layout)
+    args = (q, k, v, q_idx, k_idx, cu_seqlens, max_seqlen, topk, block_size, scale, iscale, bool(warmup),
+            bool(return_indices), index_grad, _deterministic(deterministic), *key_layout)
+    if eager_autograd_applies((q, k, v, q_idx, k_idx)):
+        return _value_errors(MsaFunction.apply, *args)
+    return _values_checked(ops.msa_fwd, *args)
 
 
 def msa_attention(q, k, v, q_idx, k_idx, *, topk=16, block_size=128, softmax_scale=None, index_scale=None,

@@ -80,6 +80,28 @@ def test_autograd_routing():
     assert all(x is None for x in g[:3]) and all(x is not None and x.abs().sum() > 0 for x in g[3:])
 
 
+@pytest.mark.parametrize("warmup", [False, True])
+def test_eager_function_matches_the_registered_autograd(warmup):
+    """msa_attention in eager mode runs msa_fwd under msa._ops.MsaFunction (no Python autograd kernel on the host's
+    path); its outputs and all five gradients equal those of the op through its registered autograd, and autocast
+    keeps the registered path."""
+    q, k, v, qi, ki = make_inputs(2, 150, (8, 2, 4, 1), 64, 64, seed=11, requires_grad=True)
+    out, kl = msa.msa_attention(q, k, v, qi, ki, topk=2, block_size=64, warmup=warmup)
+    assert type(kl.grad_fn).__name__ == "MsaFunctionBackward"  # out is a view of the op's output
+    dout = torch.randn_like(out)
+    want = torch.autograd.grad((out * dout).sum() + 0.7 * kl, (q, k, v, qi, ki))
+    flat = [x.reshape(300, *x.shape[2:]) for x in (q, k, v, qi, ki)]
+    out2, kl2 = ops.msa_fwd(*flat, None, 150, 2, 64, 64 ** -0.5, 64 ** -0.5, warmup, False, True, False)[:2]
+    assert type(kl2.grad_fn).__name__.startswith("GeneratedBackwardFor_msa_msa_fwd")
+    got = torch.autograd.grad((out2.view_as(out) * dout).sum() + 0.7 * kl2, (q, k, v, qi, ki))
+    assert torch.equal(out2.view_as(out), out) and torch.equal(kl2, kl)
+    for a, b in zip(want, got):
+        assert torch.equal(a, b)
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        _, kl3 = msa.msa_attention(q, k, v, qi, ki, topk=2, block_size=64, warmup=warmup)
+    assert type(kl3.grad_fn).__name__.startswith("GeneratedBackwardFor_msa_msa_fwd")
+
+
 def test_kl_gradient_is_pidx_minus_p():
     """SPEC 4 directly: with k_idx = I-like keys, d kl / d S_idx = (Pidx - P) / rows; checked through
     the chain rule on q_idx for a one-sequence, one-head case against explicit probabilities."""
