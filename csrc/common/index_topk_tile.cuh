@@ -62,7 +62,7 @@ __device__ __forceinline__ void write_index_row(const IndexTopkParams& p, const 
   const int tok = t.tok0 + row / t.hr;
   if (tok >= t.n) return;
   int32_t* out = p.indices + (int64_t(t.kh * t.hr + row % t.hr) * p.total_tokens + t.seq_start + tok) * p.topk;
-  SmemTopHeap{sScore + row * SmemTopHeap::kSlots, sBlock + row * SmemTopHeap::kSlots, p.topk - 1}.write_sorted(
+  SmemTopHeap(sScore, sBlock, row, p.topk).write_sorted(
       out, p.topk, (tok + t.shift) / p.block_size);
 }
 

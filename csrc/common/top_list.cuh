@@ -13,18 +13,28 @@ constexpr float kNegInf = -__builtin_huge_valf();
 // (lowest score, then highest block), so the root's score is the row's threshold and an insertion is
 // one sift-down (depth <= 5). Only the threshold lives in registers. Blocks are offered in ascending
 // order, so a new block enters only when it beats the root strictly (ties keep the lower block).
+// Rows are kSlots = 32 words apart, so slot j of every row would sit in bank j: the lanes of a warp, each
+// on its own row at the same heap position, would meet in one bank (a 16- to 32-way conflict on every
+// access). Slot j of row r is therefore stored at position j ^ (r % 32) of the row: one bank per row of
+// 32 consecutive rows.
 struct SmemTopHeap {
   static constexpr int kSlots = 32;  // shared-memory slots per row (>= topk - 1)
-  float* score;
+  static_assert(kSlots == 32, "the bank swizzle permutes the 32 slots of a row");
+  float* score;  // the row's slots (kSlots words, swizzled)
   int* block;
   int size;  // topk - 1
+  int swz;   // row % 32
+  __device__ __forceinline__ SmemTopHeap(float* scores, int* blocks, int row, int topk)
+      : score(scores + row * kSlots), block(blocks + row * kSlots), size(topk - 1), swz(row & (kSlots - 1)) {}
+  __device__ __forceinline__ float& sc(int j) const { return score[j ^ swz]; }
+  __device__ __forceinline__ int& bl(int j) const { return block[j ^ swz]; }
   __device__ __forceinline__ static bool worse(float sa, int ba, float sb, int bb) {
     return sa < sb || (sa == sb && ba > bb);
   }
   __device__ __forceinline__ void init() {
     for (int j = 0; j < size; ++j) {
-      score[j] = kNegInf;
-      block[j] = -1;
+      sc(j) = kNegInf;
+      bl(j) = -1;
     }
   }
   // Replaces the root by (s, b), restores the heap and returns the new threshold. One thread per row.
@@ -39,36 +49,35 @@ struct SmemTopHeap {
       int w = i;
       float ws = s;
       int wb = b;
-      if (l < size && worse(score[l], block[l], ws, wb)) { w = l; ws = score[l]; wb = block[l]; }
-      if (r < size && worse(score[r], block[r], ws, wb)) { w = r; ws = score[r]; wb = block[r]; }
+      if (l < size && worse(sc(l), bl(l), ws, wb)) { w = l; ws = sc(l); wb = bl(l); }
+      if (r < size && worse(sc(r), bl(r), ws, wb)) { w = r; ws = sc(r); wb = bl(r); }
       if (w == i) break;
-      score[i] = ws;
-      block[i] = wb;
+      sc(i) = ws;
+      bl(i) = wb;
       i = w;
     }
-    score[i] = s;
-    block[i] = b;
-    return score[0];
+    sc(i) = s;
+    bl(i) = b;
+    return sc(0);
   }
   // The row's output (SPEC 2): the kept blocks ascending, then the local block, then -1 padding.
   // Sorts the heap's block array in place. One thread per row.
   __device__ __forceinline__ void write_sorted(int32_t* out, int topk, int local_block) {
-    int* v = block;
     int cnt = 0;
     for (int j = 0; j < size; ++j) {
-      const int x = v[j];
-      if (x >= 0) v[cnt++] = x;
+      const int x = bl(j);
+      if (x >= 0) bl(cnt++) = x;
     }
     for (int j = 1; j < cnt; ++j) {  // at most 31 entries
-      const int x = v[j];
+      const int x = bl(j);
       int m = j - 1;
-      while (m >= 0 && v[m] > x) {
-        v[m + 1] = v[m];
+      while (m >= 0 && bl(m) > x) {
+        bl(m + 1) = bl(m);
         --m;
       }
-      v[m + 1] = x;
+      bl(m + 1) = x;
     }
-    for (int j = 0; j < cnt; ++j) out[j] = v[j];
+    for (int j = 0; j < cnt; ++j) out[j] = bl(j);
     out[cnt] = local_block;
     for (int j = cnt + 1; j < topk; ++j) out[j] = -1;
   }

@@ -76,7 +76,7 @@ __global__ void __launch_bounds__(IndexTopkShape<Warps>::kThreads, 8 / Warps) in
   cp_async_commit();
   if (total > 1) load_k(1, 1);
   cp_async_commit();
-  if (tid < S::kRows) SmemTopHeap{sScore + tid * S::kSlots, sBlock + tid * S::kSlots, p.topk - 1}.init();
+  if (tid < S::kRows) SmemTopHeap(sScore, sBlock, tid, p.topk).init();
   cp_async_wait<2>();  // Q
   __syncthreads();
 
@@ -92,7 +92,7 @@ __global__ void __launch_bounds__(IndexTopkShape<Warps>::kThreads, 8 / Warps) in
   const int g = lane / 4, tq = lane % 4;
   const int my_row = warp * 32 + (tq / 2) * 16 + g + 8 * (tq & 1);
   const int my_local = (pos0 + my_row / hr) / p.block_size;
-  SmemTopHeap heap{sScore + my_row * S::kSlots, sBlock + my_row * S::kSlots, p.topk - 1};
+  SmemTopHeap heap(sScore, sBlock, my_row, p.topk);
   static_assert(S::kSlots >= 31, "heap must hold topk - 1 <= 31 entries");
   float thr[4], bmax[4];
 #pragma unroll

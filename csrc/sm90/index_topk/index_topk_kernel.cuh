@@ -114,7 +114,7 @@ __global__ void __launch_bounds__(IndexTopkShape::kThreads, 1)
   }
   const float abs_scale = fabsf(p.scale);
   __syncthreads();  // Q is in registers: its space now holds the top lists
-  if (tid < S::kRows) SmemTopHeap{sScore + tid * S::kSlots, sBlock + tid * S::kSlots, p.topk - 1}.init();
+  if (tid < S::kRows) SmemTopHeap(sScore, sBlock, tid, p.topk).init();
   __syncthreads();  // a list is initialised by thread `row` and used by the row's owner lane
 
   // Lanes t = 0 and 1 of each quad keep the lists of rows g and g + 8 of the warp's 16 (SPEC 2 order).
@@ -122,7 +122,7 @@ __global__ void __launch_bounds__(IndexTopkShape::kThreads, 1)
   const bool owner = tq < 2;
   const int my_row = warp * 16 + g + 8 * (tq & 1);
   const int my_local = (pos0 + my_row / hr) / p.block_size;
-  SmemTopHeap heap{sScore + my_row * S::kSlots, sBlock + my_row * S::kSlots, p.topk - 1};
+  SmemTopHeap heap(sScore, sBlock, my_row, p.topk);
   float thr = p.topk > 1 ? kNegInf : kPosInf;
 
   float c[S::kKeys / 2];
