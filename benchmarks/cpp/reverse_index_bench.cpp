@@ -29,11 +29,11 @@ int main(int argc, char** argv) {
   Options opt;
   FwdConfig fcfg;
   std::string config = "all";
-  int64_t bwd_units = kBwdUnitsPerItem;
+  int64_t bwd_units = 0;  // 0: the op's choice, bwd_units_per_item(entries)
   std::vector<Knob> knobs = fwd_knobs(fcfg, false);
   knobs.push_back({"--config", "all|op|bwd|fwd", "which configurations to time (default all)",
                    [&](const char* v) { config = v; }});
-  knobs.push_back({"--bwd-units", "U", "tokens per backward work item (default 2048; MSA_BWD_UNITS_PER_ITEM)",
+  knobs.push_back({"--bwd-units", "U", "tokens per backward work item (default: the op's, 1024 up to 2^20 entries, else 2048; MSA_BWD_UNITS_PER_ITEM)",
                    [&](const char* v) { bwd_units = std::max<int64_t>(1, std::atoll(v)); }});
   parse_options(argc, argv,
                 "Reverse index (kv block -> the tokens / entries that selected it) in the ops' three configurations.\n"
@@ -75,14 +75,15 @@ int main(int argc, char** argv) {
       print_row("reverse_index", pb.shape, ms, 0, 8.0 * entries + 4.0 * (rs.num_keys + 1));
     }
     if (all || config == "bwd") {
-      const ReverseIndexSizes rs = reverse_index_sizes(Hi, T, K, pb.b, pb.block, entries, bwd_units, fcfg.item_order);
+      const int64_t item_units = bwd_units > 0 ? bwd_units : bwd_units_per_item(entries);  // per shape
+      const ReverseIndexSizes rs = reverse_index_sizes(Hi, T, K, pb.b, pb.block, entries, item_units, fcfg.item_order);
       RevIndex ri(rs, pb);
       const double ms = time_ms(opt, s, n_sets, [&](int i) {
         ReverseIndexParams p = ri.p;
         p.indices = idx[i].as<int32_t>();
         BENCH_CHECK(run_reverse_index(p, s));
       });
-      print_row("reverse_index_bwd", pb.shape + " units=" + std::to_string(bwd_units), ms, 0,
+      print_row("reverse_index_bwd", pb.shape + " units=" + std::to_string(item_units), ms, 0,
                 8.0 * entries + 4.0 * (rs.num_keys + 1) + list_bytes(rs.num_keys, rs.max_items, true, rs.order));
     }
     if (all || config == "fwd") {

@@ -26,11 +26,11 @@ struct BwdSet {
 
 int main(int argc, char** argv) {
   Options opt;
-  int64_t units = kBwdUnitsPerItem;
+  int64_t units = 0;  // 0: the op's choice, bwd_units_per_item(entries)
   bool item_order = true, sink = false, ws = false;
   std::string only;
   const std::vector<Knob> knobs = {
-      {"--units-per-item", "U", "tokens per backward work item (default 2048; MSA_BWD_UNITS_PER_ITEM)",
+      {"--units-per-item", "U", "tokens per backward work item (default: the op's, 1024 up to 2^20 entries, else 2048; MSA_BWD_UNITS_PER_ITEM)",
        [&](const char* v) { units = std::max<int64_t>(1, std::atoll(v)); }},
       {"--no-item-order", nullptr, "work items in key order, not largest first (MSA_ITEM_ORDER=0)",
        [&](const char*) { item_order = false; }},
@@ -59,7 +59,8 @@ int main(int argc, char** argv) {
     }
     const double set_bytes = double(T) * pb.elem * pb.d * (3.0 * pb.hq + 2.0 * pb.hkv);
     const int n_sets = rotating_sets(opt, set_bytes, 3);
-    const ReverseIndexSizes rs = reverse_index_sizes(Hi, T, K, pb.b, pb.block, entries, units, item_order);
+    const int64_t item_units = units > 0 ? units : bwd_units_per_item(entries);  // per shape
+    const ReverseIndexSizes rs = reverse_index_sizes(Hi, T, K, pb.b, pb.block, entries, item_units, item_order);
     std::vector<BwdSet> sets(n_sets);
     {
       // out and lse from the sparse forward (msa::sparse_fwd), then its workspace is released.
@@ -159,7 +160,7 @@ int main(int argc, char** argv) {
       });
     };
     const std::string path = path_suffix(pb.sm90, pb.small_smem_bwd) + (pb.sm90 && ws ? "-ws" : "");
-    const std::string shape = pb.shape + " units=" + std::to_string(units) + (sink ? " sink" : "");
+    const std::string shape = pb.shape + " units=" + std::to_string(rs.units_per_item) + (sink ? " sink" : "");
     const double F = 4.0 * pb.d * pb.g * att;
     auto want = [&](const char* row) { return only.empty() || only == row; };
     if (want("delta")) {

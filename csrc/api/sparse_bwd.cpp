@@ -22,10 +22,12 @@ bool small_smem_bwd_config(const Tensor& x, int64_t D) {
 }
 
 namespace {
-// Tokens per backward work item (kBwdUnitsPerItem, 2048: csrc/common/workspace.h): a key selected by more
-// tokens (a hot block, an attention sink) is split over several CTAs. MSA_BWD_UNITS_PER_ITEM overrides it
-// (tests force splits with small values).
-int64_t bwd_units_per_item() { return env_positive("MSA_BWD_UNITS_PER_ITEM", msa::kBwdUnitsPerItem); }
+// Tokens per backward work item (msa::bwd_units_per_item: 1024 up to 2^20 selection entries, then 2048;
+// csrc/common/workspace.h): a key selected by more tokens (a hot block, an attention sink) is split over
+// several CTAs. MSA_BWD_UNITS_PER_ITEM overrides it (tests force splits with small values).
+int64_t bwd_units_per_item(const Tensor& indices) {
+  return env_positive("MSA_BWD_UNITS_PER_ITEM", msa::bwd_units_per_item(indices.numel()));
+}
 }  // namespace
 
 std::vector<Tensor> cast_grads(const std::vector<GradCast>& grads, cudaStream_t stream) {
@@ -80,7 +82,7 @@ SparseGradsF32 sparse_backward_f32(const Tensor& dout_in, const Tensor& q_in, co
   check_smem(q_in, sm80::sparse_smem_bytes(int(D), 2, 128, small), "the sparse backward");
   const cudaStream_t stream = current_stream(q_in);
   hp.mark("checks");
-  const ReverseIndex ri = build_reverse_index(indices, seqs, block_size, bwd_units_per_item());
+  const ReverseIndex ri = build_reverse_index(indices, seqs, block_size, bwd_units_per_item(indices));
   hp.mark("ri");
   const int64_t S = seqs.num_seqs;
   const Tensor q = aligned_rows(q_in), k = aligned_rows(k_in), v = aligned_rows(v_in);

@@ -19,8 +19,17 @@ namespace msa {
 // MSA_FWD_UNITS_PER_ITEM, MSA_BWD_UNITS_PER_ITEM; benchmarks/NOTES_history.md s25 / s30 for the values).
 constexpr int64_t kFwdPartialBudget = int64_t(1) << 30;  // bytes of per-entry partials per forward chunk
 constexpr int kFwdUnitsPerItem = 512;                    // units per forward work item (<= kFwdMaxItemUnits)
-constexpr int64_t kBwdUnitsPerItem = 2048;               // tokens per backward work item
+constexpr int64_t kBwdUnitsPerItem = 2048;               // tokens per backward work item (long sequences)
+constexpr int64_t kBwdUnitsPerItemShort = 1024;          // ... up to kBwdShortEntries selection entries
+constexpr int64_t kBwdShortEntries = int64_t(1) << 20;   // Hi * T * topk: N = 16K in the bench configuration
 static_assert(kFwdUnitsPerItem <= sm80::kFwdMaxItemUnits, "the kernel's unit tables hold kFwdMaxItemUnits");
+
+// Tokens per backward work item for a selection of `entries` = Hi * T * topk slots: half-size items up to
+// kBwdShortEntries, so a short step still has several items per SM to balance (bench configuration, one call,
+// fwd+bwd: 8K 2.974 -> 2.787 ms with 1024, 2.855 with 512; 16K 5.743 -> 5.642; benchmarks/NOTES.md s25).
+inline int64_t bwd_units_per_item(int64_t entries) {
+  return entries <= kBwdShortEntries ? kBwdUnitsPerItemShort : kBwdUnitsPerItem;
+}
 
 // The forward's partial budget: kFwdPartialBudget, or where the forward computes the index gradients
 // (index_grad: training the indexer, so a backward follows) at least 8 T Hq D bytes, twice the
