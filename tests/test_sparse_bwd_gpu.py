@@ -97,8 +97,9 @@ def _check_sparse_backward(q, k, v, idx, cu, mx, bs):
 @pytest.mark.parametrize("per_item", [None, "7", "64"])
 def test_hot_block_split(monkeypatch, per_item):
     """Every token selects block 0 (an attention sink) and its own block: the backward splits that key
-    over many CTAs (small MSA_BWD_UNITS_PER_ITEM forces it; the default splits past 2048 tokens), and
-    the split CTAs' dK/dV must add up to the reference."""
+    over many CTAs (small MSA_BWD_UNITS_PER_ITEM forces it; the default splits past 1024 tokens at this size, the
+    1500-token sequence's sink included, and past 2048 above 2^20 selection entries), and the split CTAs' dK/dV must
+    add up to the reference."""
     lengths, bs = [1500, 300, 1], 64
     q, k, v, _, _, cu, mx = make_packed(lengths, (8, 2, 4, 1), 64, 64, dtype=torch.bfloat16, device="cuda", seed=21)
     parts = []
