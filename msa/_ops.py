@@ -445,9 +445,9 @@ class MsaFunction(torch.autograd.Function):
 def eager_autograd_applies(tensors) -> bool:
     """Whether an eager msa_fwd call may take MsaFunction: grad mode on and an input needing it, plain tensors (no
     subclass or torch-function mode, which dispatch through the registered op), no autocast on their device, and
-    not traced by torch.compile."""
-    if not torch.is_grad_enabled() or torch.compiler.is_compiling():
-        return False
+    not traced by torch.compile or torch.jit.trace."""
+    if not torch.is_grad_enabled() or torch.compiler.is_compiling() or torch.jit.is_tracing():
+        return False  # traced graphs (torch.jit.trace, TorchScript export) record the op, not a Python function
     if not any(t.requires_grad for t in tensors) or any(type(t) is not torch.Tensor for t in tensors):
         return False
     if torch._C._is_torch_function_mode_enabled():

@@ -80,26 +80,46 @@ def test_autograd_routing():
     assert all(x is None for x in g[:3]) and all(x is not None and x.abs().sum() > 0 for x in g[3:])
 
 
-@pytest.mark.parametrize("warmup", [False, True])
-def test_eager_function_matches_the_registered_autograd(warmup):
+@pytest.mark.parametrize("warmup,needs", [(False, "all"), (True, "all"), (False, "main"), (False, "index")])
+def test_eager_function_matches_the_registered_autograd(warmup, needs):
     """msa_attention in eager mode runs msa_fwd under msa._ops.MsaFunction (no Python autograd kernel on the host's
-    path); its outputs and all five gradients equal those of the op through its registered autograd, and autocast
-    keeps the registered path."""
-    q, k, v, qi, ki = make_inputs(2, 150, (8, 2, 4, 1), 64, 64, seed=11, requires_grad=True)
+    path); its outputs and the gradients of the inputs that need them (all five, only q / k / v, only the index
+    inputs) equal those of the op through its registered autograd, and autocast keeps the registered path."""
+    x = list(make_inputs(2, 150, (8, 2, 4, 1), 64, 64, seed=11))
+    grad_of = {"all": range(5), "main": range(3), "index": range(3, 5)}[needs]
+    for i in grad_of:
+        x[i].requires_grad_(True)
+    q, k, v, qi, ki = x
+    wrt = [x[i] for i in grad_of]
     out, kl = msa.msa_attention(q, k, v, qi, ki, topk=2, block_size=64, warmup=warmup)
-    assert type(kl.grad_fn).__name__ == "MsaFunctionBackward"  # out is a view of the op's output
+    fn = (kl if needs != "main" else out).grad_fn
+    if needs == "main":
+        fn = fn.next_functions[0][0]  # out is a view of the op's output
+    assert type(fn).__name__ == "MsaFunctionBackward"
     dout = torch.randn_like(out)
-    want = torch.autograd.grad((out * dout).sum() + 0.7 * kl, (q, k, v, qi, ki))
-    flat = [x.reshape(300, *x.shape[2:]) for x in (q, k, v, qi, ki)]
-    out2, kl2 = ops.msa_fwd(*flat, None, 150, 2, 64, 64 ** -0.5, 64 ** -0.5, warmup, False, True, False)[:2]
-    assert type(kl2.grad_fn).__name__.startswith("GeneratedBackwardFor_msa_msa_fwd")
-    got = torch.autograd.grad((out2.view_as(out) * dout).sum() + 0.7 * kl2, (q, k, v, qi, ki))
+    loss = lambda o, s: (o * dout).sum() * (needs != "index") + 0.7 * s * (needs != "main")  # noqa: E731
+    want = torch.autograd.grad(loss(out, kl), wrt)
+    flat = [t.reshape(300, *t.shape[2:]) for t in x]
+    out2, kl2 = ops.msa_fwd(*flat, None, 150, 2, 64, 64 ** -0.5, 64 ** -0.5, warmup, False, needs != "main", False)[:2]
+    got = torch.autograd.grad(loss(out2.view_as(out), kl2), wrt)
     assert torch.equal(out2.view_as(out), out) and torch.equal(kl2, kl)
     for a, b in zip(want, got):
         assert torch.equal(a, b)
     with torch.autocast("cpu", dtype=torch.bfloat16):
-        _, kl3 = msa.msa_attention(q, k, v, qi, ki, topk=2, block_size=64, warmup=warmup)
-    assert type(kl3.grad_fn).__name__.startswith("GeneratedBackwardFor_msa_msa_fwd")
+        out3, kl3 = msa.msa_attention(q, k, v, qi, ki, topk=2, block_size=64, warmup=warmup)
+    fn3 = (kl3 if needs != "main" else out3).grad_fn
+    names = {type(fn3).__name__} | {type(f).__name__ for f, _ in fn3.next_functions if f is not None}
+    assert any(n.startswith("GeneratedBackwardFor_msa_msa_fwd") for n in names), names
+
+
+@pytest.mark.filterwarnings("ignore::torch.jit.TracerWarning", "ignore:.*torch.jit.trace. is deprecated")
+def test_jit_trace_records_the_op():
+    """torch.jit.trace of msa_attention on inputs that need gradients records msa::msa_fwd (the registered path), not
+    the eager MsaFunction, so the traced module can be saved."""
+    q, k, v, qi, ki = make_inputs(1, 130, (8, 2, 4, 1), 64, 64, seed=12, requires_grad=True)
+    traced = torch.jit.trace(lambda *x: msa.msa_attention(*x, topk=2, block_size=64), (q, k, v, qi, ki),
+                             check_trace=False)
+    assert "msa::msa_fwd" in str(traced.graph) and "PythonOp" not in str(traced.graph)
 
 
 def test_kl_gradient_is_pidx_minus_p():
