@@ -81,10 +81,6 @@ inline bool same_shape(const Tensor& a, const Tensor& b) {
     if (a.size(i) != b.size(i)) return false;
   return true;
 }
-// New contiguous tensors on the device of `like`.
-// A new uninitialized contiguous tensor of `st` on like's device, through the C shim's empty_strided: one direct
-// call (new_empty goes through the boxed dispatcher, aten::new_empty then aten::empty: a few microseconds more
-// of host time per allocation, and a step makes ~40).
 // Row-major strides of `sizes` (at most 8 dims), as PyTorch gives a new contiguous tensor (size-0/1 dims count 1).
 inline std::array<int64_t, 8> contiguous_strides(const int64_t* sizes, size_t ndim) {
   std::array<int64_t, 8> strides{};
@@ -101,6 +97,10 @@ inline void zero_bytes(void* ptr, size_t bytes, cudaStream_t stream) {
   const cudaError_t err = cudaMemsetAsync(ptr, 0, bytes, stream);
   if (err != cudaSuccess) fail("msa: cudaMemsetAsync failed: ", cudaGetErrorString(err));
 }
+// New contiguous tensors on the device of `like`.
+// A new uninitialized contiguous tensor of `st` on like's device, through the C shim's empty_strided: one direct
+// call (new_empty goes through the boxed dispatcher, aten::new_empty then aten::empty: a few microseconds more
+// of host time per allocation, and a step makes ~40).
 inline Tensor empty_on(const int64_t* sizes, size_t ndim, ScalarType st, const Tensor& like) {
   const std::array<int64_t, 8> strides = contiguous_strides(sizes, ndim);
   int32_t device_type = 0, device_index = 0;
