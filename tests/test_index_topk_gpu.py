@@ -1,5 +1,6 @@
 """The CUDA index top-k (select_blocks) against SPEC 2 and the CPU reference."""
 import math
+import os
 
 import pytest
 import torch
@@ -84,3 +85,19 @@ def test_select_blocks_many_sequences():
     _, _, _, qi, ki, cu, mx = make_packed(lengths, (16, 2, 4, 1), 64, 128, dtype=torch.bfloat16, device="cuda",
                                           seed=21)
     _check(qi, ki, cu, mx, 16, 128)
+
+
+@pytest.mark.parametrize("lengths,heads", [([8192], (16, 2, 4, 1)), ([3000, 1, 700], (8, 2, 8, 1)),
+                                           ([2500], (16, 2, 16, 16)), ([900, 1300], (64, 1, 64, 1))])
+def test_select_blocks_warpgroup_count(monkeypatch, lengths, heads):
+    """The Hopper kernel's 2- and 4-warpgroup CTAs (MSA_TOPK_WG; by default 2 where the 4-warpgroup grid fits in
+    one wave) give the same selection bit for bit: a row's scores do not depend on how rows are tiled."""
+    if os.environ.get("MSA_PORTABLE_KERNELS") == "1" or int(torch.ops.msa.device_config(
+            torch.empty(0, device="cuda"))[1]) != 1:
+        pytest.skip("the warpgroup count is the sm_90a kernel's")
+    _, _, _, qi, ki, cu, mx = make_packed(lengths, heads, 64, 128, dtype=torch.bfloat16, device="cuda", seed=31)
+    got = {}
+    for wg in ("2", "4"):
+        monkeypatch.setenv("MSA_TOPK_WG", wg)
+        got[wg] = _check(qi, ki, cu, mx, 16, 128, ref_compare=wg == "2")
+    assert torch.equal(got["2"], got["4"])

@@ -1,11 +1,12 @@
 // Index top-k (SPEC 2), Hopper path (sm90a): the scores on warpgroup tensor cores (wgmma), the same
 // causal max-pool and streaming exp-free top list as the portable kernel (sm80/index_topk).
 //
-// A CTA owns 256 query rows: TM = 256 / Hr tokens x the Hr = Hi / Hki index heads of one index key
-// head, in 4 warpgroups of 64 rows. Each warpgroup keeps its rows' Q in registers (the A operand of an
+// A CTA owns 64 * WG query rows (WG = 4 warpgroups, or 2 where the 4-warpgroup grid would not fill the GPU
+// once: the CTAs then hold half the rows and the longest one, which sets the kernel's time at short N, half the
+// work): TM = 64 WG / Hr tokens x the Hr = Hi / Hki index heads of one index key head, a warpgroup per 64 rows. Each warpgroup keeps its rows' Q in registers (the A operand of an
 // RS wgmma, loaded once) and multiplies it by 128-key sub-tiles of K (one block of 128 or two of 64)
 // that one thread streams into shared memory with TMA (4 stages: a "full" mbarrier per stage completes
-// with the TMA bytes, an "empty" one when all 16 warps are done reading it, so the thread refills it)
+// with the TMA bytes, an "empty" one when all the CTA's warps are done reading it, so the thread refills it)
 // in the 128-byte-swizzled K-major layout wgmma reads. Per sub-tile a warpgroup issues D / 16 wgmma
 // m64n128k16 and waits. No CTA barrier in the loop: the warpgroups drift apart, and one group's row-max
 // epilogue overlaps the others' MMAs (benchmarks/NOTES.md s13 has the versions and their timings).
@@ -19,6 +20,9 @@
 #include <cudaTypedefs.h>
 #include <cuda_runtime.h>
 
+#include <algorithm>
+#include <cstdlib>
+
 #include "common/mma_sm80.h"
 #include "common/index_topk_tile.cuh"
 #include "common/tma_map.h"
@@ -30,8 +34,9 @@
 
 namespace msa::sm90 {
 
+template <int WG>
 struct IndexTopkShape {
-  static constexpr int kWarpgroups = 4;
+  static constexpr int kWarpgroups = WG;
   static constexpr int kThreads = kWarpgroups * 128;
   static constexpr int kRows = kWarpgroups * 64;
   static constexpr int kKeys = 128;  // keys per sub-tile: one block of 128 or two of 64
@@ -51,19 +56,19 @@ struct IndexTopkShape {
   static constexpr int smem_bytes() { return 1024 + k_bytes<D, T>() + q_or_list_bytes<D, T>() + 2 * kStages * 8; }
 };
 
-template <typename T, int D>
-__global__ void __launch_bounds__(IndexTopkShape::kThreads, 1)
+template <typename T, int D, int WG>
+__global__ void __launch_bounds__(IndexTopkShape<WG>::kThreads, 1)
     index_topk_sm90_kernel(const IndexTopkParams p, const __grid_constant__ CUtensorMap k_map) {
-  using S = IndexTopkShape;
+  using S = IndexTopkShape<WG>;
   using KTile = KMajorSw128<S::kKeys, D>;
   using QTile = sm80::SwizzledTile<D>;
   extern __shared__ unsigned char smem_raw[];
   unsigned char* smem = smem_raw + ((1024 - (sm80::smem_addr(smem_raw) & 1023)) & 1023);
   T* sK = reinterpret_cast<T*>(smem);
-  T* sQ = reinterpret_cast<T*>(smem + S::k_bytes<D, T>());
-  float* sScore = reinterpret_cast<float*>(smem + S::k_bytes<D, T>());  // after Q is in registers
+  T* sQ = reinterpret_cast<T*>(smem + S::template k_bytes<D, T>());
+  float* sScore = reinterpret_cast<float*>(smem + S::template k_bytes<D, T>());  // after Q is in registers
   int* sBlock = reinterpret_cast<int*>(sScore + S::kRows * S::kSlots);
-  uint64_t* full = reinterpret_cast<uint64_t*>(smem + S::k_bytes<D, T>() + S::q_or_list_bytes<D, T>());
+  uint64_t* full = reinterpret_cast<uint64_t*>(smem + S::template k_bytes<D, T>() + S::template q_or_list_bytes<D, T>());
   uint64_t* empty = full + S::kStages;
 
   const IndexTopkTile tl = IndexTopkTile::make(p, S::kRows);
@@ -189,28 +194,54 @@ __global__ void __launch_bounds__(IndexTopkShape::kThreads, 1)
 template <typename T, int D>
 cudaError_t make_k_map(const IndexTopkParams& p, CUtensorMap* map) {
   return make_rows_map<T>(p.k_idx, D, p.num_key_heads, p.total_tokens_k, p.k_stride_h, p.k_stride_t,
-                          IndexTopkShape::kKeys, map);
+                          IndexTopkShape<4>::kKeys, map);
+}
+
+// Warpgroups per CTA: 4 (256 rows), or 2 where the 4-warpgroup grid fits in one wave of the GPU's SMs (N <= 8K
+// in the bench configuration): there every CTA starts at once and the longest (the last tile of the longest
+// sequence, scoring every earlier block) alone sets the kernel's time. 128-row CTAs halve that CTA's work; at
+// Di = 128 one of them still fills an SM's shared memory (~161 KB), so their twice as many CTAs run in about two
+// waves, longest first, which balances them. MSA_TOPK_WG=2|4 forces one (tests compare the two).
+inline int topk_warpgroups(int ctas4) {
+  const char* env = std::getenv("MSA_TOPK_WG");
+  if (env != nullptr && (env[0] == '2' || env[0] == '4') && env[1] == '\0') return env[0] - '0';
+  int dev = 0, sms = 0;
+  if (cudaGetDevice(&dev) != cudaSuccess || cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, dev) != cudaSuccess) {
+    return 4;
+  }
+  return ctas4 <= sms ? 2 : 4;
+}
+
+template <typename T, int D, int WG>
+cudaError_t launch_index_topk_wg(const IndexTopkParams& p, const CUtensorMap& k_map, cudaStream_t stream) {
+  using S = IndexTopkShape<WG>;
+  const int hr = p.num_heads / p.num_key_heads;
+  const int tm = S::kRows / hr;
+  if (tm == 0) return cudaErrorInvalidValue;
+  const int tiles = (p.max_seqlen + tm - 1) / tm;
+  const dim3 grid(unsigned(tiles) * unsigned(p.num_seqs), unsigned(p.num_key_heads));
+  constexpr int smem = S::template smem_bytes<D, T>();
+  auto kernel = index_topk_sm90_kernel<T, D, WG>;
+  const cudaError_t err = cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, smem);
+  if (err != cudaSuccess) return err;
+  kernel<<<grid, S::kThreads, smem, stream>>>(p, k_map);
+  return cudaGetLastError();
 }
 
 // cudaErrorNotSupported (before any launch) when the TMA descriptor cannot describe k_idx (e.g. a zero
 // stride): the caller then takes the portable kernel.
 template <typename T, int D>
 cudaError_t launch_index_topk(const IndexTopkParams& p, cudaStream_t stream) {
-  using S = IndexTopkShape;
   const int hr = p.num_heads / p.num_key_heads;
-  const int tm = S::kRows / hr;
-  if (tm == 0) return cudaErrorInvalidValue;
+  const int tm4 = IndexTopkShape<4>::kRows / hr;
+  // Hr <= 64 (the op's check): a 2-warpgroup CTA holds at least 2 tokens, a 4-warpgroup one at least 4.
+  if (tm4 == 0 || IndexTopkShape<2>::kRows / hr == 0) return cudaErrorInvalidValue;
   CUtensorMap k_map;
-  cudaError_t err = make_k_map<T, D>(p, &k_map);
+  const cudaError_t err = make_k_map<T, D>(p, &k_map);
   if (err != cudaSuccess) return err;
-  const int tiles = (p.max_seqlen + tm - 1) / tm;
-  const dim3 grid(unsigned(tiles) * unsigned(p.num_seqs), unsigned(p.num_key_heads));
-  constexpr int smem = S::smem_bytes<D, T>();
-  auto kernel = index_topk_sm90_kernel<T, D>;
-  err = cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, smem);
-  if (err != cudaSuccess) return err;
-  kernel<<<grid, S::kThreads, smem, stream>>>(p, k_map);
-  return cudaGetLastError();
+  const int64_t ctas4 = int64_t((p.max_seqlen + tm4 - 1) / tm4) * p.num_seqs * p.num_key_heads;
+  return topk_warpgroups(int(std::min<int64_t>(ctas4, 1 << 30))) == 2 ? launch_index_topk_wg<T, D, 2>(p, k_map, stream)
+                                                                         : launch_index_topk_wg<T, D, 4>(p, k_map, stream);
 }
 
 }  // namespace msa::sm90
