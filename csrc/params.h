@@ -59,6 +59,7 @@ struct IndexTopkParams {
   const int32_t* cu_seqlens;    // (num_seqs + 1) queries
   const int32_t* cu_seqlens_k;  // (num_seqs + 1) keys (cu_seqlens itself: the queries' layout)
   int32_t* indices;           // out (Hi, T, topk)
+  float* lse;                 // out (Hi, T): sm90::launch_index_lse only (warmup's lse_idx)
   int64_t q_stride_t, q_stride_h;  // in elements
   int64_t k_stride_t, k_stride_h;
   int total_tokens;

@@ -17,7 +17,8 @@ KERNELS = {
                     (64, 128), "smxx"),
     # Hopper (sm90a) kernels: CMakeLists.txt lists these files under MSA_SM90_SOURCES.
     "index_topk_sm90": (["sm90/index_topk/index_topk_kernel.cuh"],
-                        [("launch_index_topk", "const IndexTopkParams&")], (64, 128), "sm90"),
+                        [("launch_index_topk", "const IndexTopkParams&"), ("launch_index_lse", "const IndexTopkParams&")],
+                        (64, 128), "sm90"),
     "sparse_fwd_sm90": (["sm90/sparse_fwd/sparse_fwd.cuh"],
                         [("launch_sparse_fwd", "const SparseFwdParams&, bool")], (64, 128), "sm90"),
     "sparse_bwd_sm90": (["sm90/sparse_bwd/sparse_bwd.cuh"],

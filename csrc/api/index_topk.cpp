@@ -1,4 +1,5 @@
-// msa::select_blocks on CUDA (SPEC 2): argument checks, allocation, params, dispatch on (dtype, Di).
+// msa::select_blocks on CUDA (SPEC 2): argument checks, allocation, params, dispatch on (dtype, Di); and warmup's
+// lse_idx on the same Hopper kernel (index_lse_cuda).
 #include "api/checks.h"
 #include "api/dispatch.h"
 #include "api/ops.h"
@@ -8,6 +9,32 @@
 #endif
 
 namespace msa::api {
+
+namespace {
+
+// The fields select_blocks and index_lse share (q, k: the 16-byte aligned q_idx, k_idx).
+IndexTopkParams index_params(const Tensor& q, const Tensor& k, const SeqMap& seqs, int64_t max_seqlen,
+                             double index_scale) {
+  IndexTopkParams p{};
+  p.q_idx = q.data_ptr();
+  p.k_idx = k.data_ptr();
+  p.cu_seqlens = ptr<int32_t>(seqs.cu);
+  p.cu_seqlens_k = ptr<int32_t>(seqs.cu_k);  // seqs.cu itself without a key layout
+  p.q_stride_t = q.stride(0);
+  p.q_stride_h = q.stride(1);
+  p.k_stride_t = k.stride(0);
+  p.k_stride_h = k.stride(1);
+  p.total_tokens = int(q.size(0));
+  p.total_tokens_k = int(seqs.total_k);
+  p.num_heads = int(q.size(1));
+  p.num_key_heads = int(k.size(1));
+  p.num_seqs = int(seqs.num_seqs);
+  p.max_seqlen = int(std::max<int64_t>(max_seqlen, 1));
+  p.scale = float(index_scale);
+  return p;
+}
+
+}  // namespace
 
 Tensor select_blocks_cuda(const Tensor& q_idx, const Tensor& k_idx, const SeqMap& seqs, int64_t max_seqlen,
                           int64_t topk, int64_t block_size, double index_scale) {
@@ -34,25 +61,10 @@ Tensor select_blocks_cuda(const Tensor& q_idx, const Tensor& k_idx, const SeqMap
   Tensor indices = empty({Hi, T, topk}, kInt, q_idx);
   if (T == 0) return indices;
   const Tensor q = aligned_rows(q_idx), k = aligned_rows(k_idx);
-  IndexTopkParams p{};
-  p.q_idx = q.data_ptr();
-  p.k_idx = k.data_ptr();
-  p.cu_seqlens = ptr<int32_t>(seqs.cu);
-  p.cu_seqlens_k = ptr<int32_t>(seqs.cu_k);  // seqs.cu itself without a key layout
+  IndexTopkParams p = index_params(q, k, seqs, max_seqlen, index_scale);
   p.indices = ptr<int32_t>(indices);
-  p.q_stride_t = q.stride(0);
-  p.q_stride_h = q.stride(1);
-  p.k_stride_t = k.stride(0);
-  p.k_stride_h = k.stride(1);
-  p.total_tokens = int(T);
-  p.total_tokens_k = int(Tk);
-  p.num_heads = int(Hi);
-  p.num_key_heads = int(Hki);
-  p.num_seqs = int(seqs.num_seqs);
-  p.max_seqlen = int(std::max<int64_t>(max_seqlen, 1));
   p.topk = int(topk);
   p.block_size = int(block_size);
-  p.scale = float(index_scale);
   p.small_smem = env_is("MSA_SMALL_SMEM", "1");  // forces the portable kernel's 64-row tile (99 KB GPUs take it)
   const cudaStream_t stream = current_stream(q_idx);
   [[maybe_unused]] const bool sm90 = use_sm90_kernels();
@@ -69,6 +81,35 @@ Tensor select_blocks_cuda(const Tensor& q_idx, const Tensor& k_idx, const SeqMap
     MSA_LAUNCH_CHECK((sm80::launch_index_topk<T_, D_>(p, stream)), "select_blocks");
   });
   return indices;
+}
+
+std::optional<Tensor> index_lse_cuda(const Tensor& q_idx, const Tensor& k_idx, const SeqMap& seqs, int64_t max_seqlen,
+                                     double index_scale) {
+#ifdef MSA_WITH_SM90
+  // Inputs as msa_fwd checked them (check_index_cuda: dtype, Di in {64, 128}, Hi / Hki <= 64, layout).
+  if (!use_sm90_kernels() || env_is("MSA_INDEX_LSE", "dense")) return std::nullopt;
+  const int64_t T = q_idx.size(0), Hi = q_idx.size(1), Di = q_idx.size(2);
+  const DeviceGuard guard(q_idx.get_device_index());
+  Tensor lse = empty({Hi, T}, kFloat, q_idx);
+  if (T == 0) return lse;
+  const Tensor q = aligned_rows(q_idx), k = aligned_rows(k_idx);
+  IndexTopkParams p = index_params(q, k, seqs, max_seqlen, index_scale);
+  p.lse = ptr<float>(lse);
+  p.topk = 1;
+  p.block_size = 128;
+  const cudaStream_t stream = current_stream(q_idx);
+  bool launched = false;
+  dispatch_dtype_dim(q.scalar_type(), Di, [&]<typename T_, int D_>() {
+    const cudaError_t err = sm90::launch_index_lse<T_, D_>(p, stream);
+    if (err == cudaErrorNotSupported) return;  // no TMA descriptor for this k_idx: nothing launched
+    MSA_LAUNCH_CHECK(err, "msa_fwd (index lse)");
+    launched = true;
+  });
+  if (launched) return lse;
+#else
+  (void)q_idx, (void)k_idx, (void)seqs, (void)max_seqlen, (void)index_scale;
+#endif
+  return std::nullopt;
 }
 
 namespace {

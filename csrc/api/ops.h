@@ -15,6 +15,11 @@ namespace msa::api {
 Tensor select_blocks_cuda(const Tensor& q_idx, const Tensor& k_idx, const SeqMap& seqs,
                               int64_t max_seqlen, int64_t topk, int64_t block_size, double index_scale);
 
+// Warmup's lse_idx (Hi, T) on the Hopper index kernel (csrc/sm90/index_topk, kLse), or nullopt where it does not
+// apply (not the sm90 path, MSA_INDEX_LSE=dense, no TMA descriptor for k_idx): the caller takes the dense forward.
+std::optional<Tensor> index_lse_cuda(const Tensor& q_idx, const Tensor& k_idx, const SeqMap& seqs, int64_t max_seqlen,
+                                     double index_scale);
+
 // The sparse forward of SPEC 3 (and, with q_idx/k_idx, the KL terms of SPEC 4) over `indices`.
 struct SparseForward {
   Tensor out;      // (T, Hq, D)

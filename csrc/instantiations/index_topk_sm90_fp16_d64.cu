@@ -3,4 +3,5 @@
 
 namespace msa::sm90 {
 template cudaError_t launch_index_topk<__half, 64>(const IndexTopkParams&, cudaStream_t);
+template cudaError_t launch_index_lse<__half, 64>(const IndexTopkParams&, cudaStream_t);
 }  // namespace msa::sm90

@@ -12,4 +12,9 @@ namespace msa::sm90 {
 template <typename T, int D>
 cudaError_t launch_index_topk(const IndexTopkParams& p, cudaStream_t stream);
 
+// The index branch's lse (warmup's lse_idx) on the same kernel: p.lse (Hi, T), natural log of the scaled logits
+// over every causally visible key. cudaErrorNotSupported (nothing launched) where no TMA descriptor fits k_idx.
+template <typename T, int D>
+cudaError_t launch_index_lse(const IndexTopkParams& p, cudaStream_t stream);
+
 }  // namespace msa::sm90

@@ -15,6 +15,12 @@
 // row ignores the blocks at or past its own.
 // A negative index scale is folded into Q (sign flip, exact): the block score is then |scale| times
 // the max of the flipped dot products, with no per-element select.
+//
+// kLse = true is the index branch's logsumexp (warmup, SPEC 5: lse_idx, natural log of the scaled logits over
+// every causally visible key) on the same tiles, K ring and GEMMs: no top list; each thread keeps a running max
+// and sum of 2^x per row over its 32 columns of the sub-tile (one exponential per score: MUFU and the tensor
+// pipe are about equally loaded at Di = 128), the sub-tiles run through the last token's own key, those that
+// reach past the first token's position are masked per row, and the four lanes of a row merge at the end.
 #pragma once
 #include <cuda.h>  // CUtensorMap (types only: the encoder is reached through the runtime)
 #include <cudaTypedefs.h>
@@ -56,7 +62,64 @@ struct IndexTopkShape {
   static constexpr int smem_bytes() { return 1024 + k_bytes<D, T>() + q_or_list_bytes<D, T>() + 2 * kStages * 8; }
 };
 
-template <typename T, int D, int WG>
+// kLse, one 128-key sub-tile: the thread's columns col0 + 8 j + e (j < 16, e < 2) of rows g (r = 0: c[4 j + e])
+// and g + 8 (r = 1: c[4 j + 2 + e]) fold into its running (max, sum) of 2^x per row, x = c * sl2 (sl2 > 0: the
+// max is taken on c, then scaled). kMasked: columns past the row's position pos_r[r] are out (the sub-tiles
+// that reach past the CTA's first token). An all-out row keeps max -inf and sum 0 (the exponent base is 0
+// then, so no -inf - -inf).
+template <bool kMasked>
+__device__ __forceinline__ void lse_tile_update(const float (&c)[64], float (&run_m)[2], float (&run_l)[2],
+                                                float sl2, int col0, const int (&pos_r)[2]) {
+#pragma unroll
+  for (int r = 0; r < 2; ++r) {
+    const int lim = kMasked ? pos_r[r] - col0 : 1 << 30;  // column offset 8 j + e visible iff <= lim
+    float t[16];
+#pragma unroll
+    for (int j = 0; j < 16; ++j) {
+      const float v0 = 8 * j <= lim ? c[4 * j + 2 * r] : kNegInf;
+      const float v1 = 8 * j + 1 <= lim ? c[4 * j + 2 * r + 1] : kNegInf;
+      t[j] = fmaxf(v0, v1);
+    }
+#pragma unroll
+    for (int j = 0; j < 8; ++j) t[j] = fmaxf(t[j], t[j + 8]);
+#pragma unroll
+    for (int j = 0; j < 4; ++j) t[j] = fmaxf(t[j], t[j + 4]);
+    const float m_new = fmaxf(run_m[r], fmaxf(fmaxf(t[0], t[2]), fmaxf(t[1], t[3])) * sl2);
+    const float base = m_new == kNegInf ? 0.f : m_new;
+    float sum[4] = {0.f, 0.f, 0.f, 0.f};  // four chains
+#pragma unroll
+    for (int j = 0; j < 16; ++j) {
+      const float e0 = 8 * j <= lim ? sm80::fast_exp2(fmaf(c[4 * j + 2 * r], sl2, -base)) : 0.f;
+      const float e1 = 8 * j + 1 <= lim ? sm80::fast_exp2(fmaf(c[4 * j + 2 * r + 1], sl2, -base)) : 0.f;
+      sum[j % 4] += e0 + e1;
+    }
+    run_l[r] = fmaf(run_l[r], sm80::fast_exp2(run_m[r] - base), (sum[0] + sum[1]) + (sum[2] + sum[3]));
+    run_m[r] = m_new;
+  }
+}
+
+// kLse, after the loop: the four lanes of a row (a quad) merge their (max, sum); lane tq = 0 writes the row's
+// natural-log lse = ln 2 (max + log2 sum) to p.lse (Hi, T) for the tile's valid rows (row0 = the warp's row g).
+__device__ __forceinline__ void lse_write_rows(const IndexTopkParams& p, const IndexTopkTile& tl, float (&run_m)[2],
+                                               float (&run_l)[2], int row0, int lane) {
+#pragma unroll
+  for (int r = 0; r < 2; ++r) {
+    float m = run_m[r];
+#pragma unroll
+    for (int off = 1; off <= 2; off <<= 1) m = fmaxf(m, __shfl_xor_sync(0xffffffffu, m, off));
+    const float base = m == kNegInf ? 0.f : m;
+    float l = run_l[r] * sm80::fast_exp2(run_m[r] - base);
+#pragma unroll
+    for (int off = 1; off <= 2; off <<= 1) l += __shfl_xor_sync(0xffffffffu, l, off);
+    const int row = row0 + 8 * r, tok = tl.tok0 + row / tl.hr;
+    if (lane % 4 == 0 && row < tl.rows_used && tok < tl.n) {
+      p.lse[int64_t(tl.kh * tl.hr + row % tl.hr) * p.total_tokens + tl.seq_start + tok] =
+          (m + sm80::fast_log2(l)) * 0.6931471805599453f;
+    }
+  }
+}
+
+template <typename T, int D, int WG, bool kLse>
 __global__ void __launch_bounds__(IndexTopkShape<WG>::kThreads, 1)
     index_topk_sm90_kernel(const IndexTopkParams p, const __grid_constant__ CUtensorMap k_map) {
   using S = IndexTopkShape<WG>;
@@ -75,9 +138,10 @@ __global__ void __launch_bounds__(IndexTopkShape<WG>::kThreads, 1)
   if (tl.empty()) return;
   // Positions of the tile's first and last tokens (blocks count keys: IndexTopkTile).
   const int hr = tl.hr, kh = tl.kh, k_start = tl.k_start, pos0 = tl.tok0 + tl.shift, last_pos = tl.last_tok + tl.shift;
-  const int nb = S::kKeys / p.block_size;  // blocks per sub-tile
+  const int nb = kLse ? 1 : S::kKeys / p.block_size;  // blocks per sub-tile
   const int blocks = last_pos / p.block_size;  // the blocks before the last token's
-  const int total = (blocks + nb - 1) / nb;    // sub-tiles
+  // Sub-tiles: the top list's blocks, or (kLse) every key through the last token's position.
+  const int total = kLse ? last_pos / S::kKeys + 1 : (blocks + nb - 1) / nb;
 
   const int tid = threadIdx.x, warp = tid / 32, lane = tid % 32;
 
@@ -119,7 +183,7 @@ __global__ void __launch_bounds__(IndexTopkShape<WG>::kThreads, 1)
   }
   const float abs_scale = fabsf(p.scale);
   __syncthreads();  // Q is in registers: its space now holds the top lists
-  if (tid < S::kRows) SmemTopHeap(sScore, sBlock, tid, p.topk).init();
+  if (!kLse && tid < S::kRows) SmemTopHeap(sScore, sBlock, tid, p.topk).init();
   __syncthreads();  // a list is initialised by thread `row` and used by the row's owner lane
 
   // Lanes t = 0 and 1 of each quad keep the lists of rows g and g + 8 of the warp's 16 (SPEC 2 order).
@@ -129,6 +193,11 @@ __global__ void __launch_bounds__(IndexTopkShape<WG>::kThreads, 1)
   const int my_local = (pos0 + my_row / hr) / p.block_size;
   SmemTopHeap heap(sScore, sBlock, my_row, p.topk);
   float thr = p.topk > 1 ? kNegInf : kPosInf;
+  // kLse: rows g and g + 8 (r = 0, 1): running max and sum of 2^x over this thread's columns, x = the score
+  // times |scale| log2(e); pos_r the row's position (keys at or before it are visible).
+  const float sl2 = abs_scale * 1.4426950408889634f;
+  float run_m[2] = {kNegInf, kNegInf}, run_l[2] = {0.f, 0.f};
+  const int pos_r[2] = {pos0 + (warp * 16 + g) / hr, pos0 + (warp * 16 + g + 8) / hr};
 
   float c[S::kKeys / 2];
 #pragma unroll
@@ -150,43 +219,55 @@ __global__ void __launch_bounds__(IndexTopkShape<WG>::kThreads, 1)
     wgmma_commit();
     wgmma_wait<0>();
     if (lane == 0) mbar_arrive(empty + it % S::kStages);  // this warp is done reading the stage
-    // Row max of each 64-key half: m[h][0] for row g, m[h][1] for row g + 8 (8-column slices 8h..8h+7).
-    float m[2][2];
-#pragma unroll
-    for (int h = 0; h < 2; ++h) {
-#pragma unroll
-      for (int r = 0; r < 2; ++r) {  // a pairwise tree over the 16 values (short dependency chains)
-        float t[8];
-#pragma unroll
-        for (int j = 0; j < 8; ++j) t[j] = fmaxf(c[4 * (8 * h + j) + 2 * r], c[4 * (8 * h + j) + 2 * r + 1]);
-#pragma unroll
-        for (int w = 4; w >= 1; w /= 2)
-#pragma unroll
-          for (int j = 0; j < w; ++j) t[j] = fmaxf(t[j], t[j + w]);
-        m[h][r] = t[0];
+    if constexpr (kLse) {
+      if ((it + 1) * S::kKeys - 1 <= pos0) {  // every row sees every key of the sub-tile
+        lse_tile_update<false>(c, run_m, run_l, sl2, it * S::kKeys + 2 * tq, pos_r);
+      } else {
+        lse_tile_update<true>(c, run_m, run_l, sl2, it * S::kKeys + 2 * tq, pos_r);
       }
-    }
-    if (nb == 1) {
-      m[0][0] = fmaxf(m[0][0], m[1][0]);
-      m[0][1] = fmaxf(m[0][1], m[1][1]);
-    }
+    } else {
+      // Row max of each 64-key half: m[h][0] for row g, m[h][1] for row g + 8 (8-column slices 8h..8h+7).
+      float m[2][2];
 #pragma unroll
-    for (int h = 0; h < 2; ++h) {
-      if (h < nb) {  // warp-uniform
+      for (int h = 0; h < 2; ++h) {
 #pragma unroll
-        for (int off = 1; off <= 2; off <<= 1) {
-          m[h][0] = fmaxf(m[h][0], __shfl_xor_sync(0xffffffffu, m[h][0], off));
-          m[h][1] = fmaxf(m[h][1], __shfl_xor_sync(0xffffffffu, m[h][1], off));
+        for (int r = 0; r < 2; ++r) {  // a pairwise tree over the 16 values (short dependency chains)
+          float t[8];
+#pragma unroll
+          for (int j = 0; j < 8; ++j) t[j] = fmaxf(c[4 * (8 * h + j) + 2 * r], c[4 * (8 * h + j) + 2 * r + 1]);
+#pragma unroll
+          for (int w = 4; w >= 1; w /= 2)
+#pragma unroll
+            for (int j = 0; j < w; ++j) t[j] = fmaxf(t[j], t[j + w]);
+          m[h][r] = t[0];
         }
-        const float s = abs_scale * ((tq & 1) ? m[h][1] : m[h][0]);
-        const int b = it * nb + h;  // blocks are offered in ascending order
-        if (owner && b < my_local && s > thr) thr = heap.replace_root(s, b);
+      }
+      if (nb == 1) {
+        m[0][0] = fmaxf(m[0][0], m[1][0]);
+        m[0][1] = fmaxf(m[0][1], m[1][1]);
+      }
+#pragma unroll
+      for (int h = 0; h < 2; ++h) {
+        if (h < nb) {  // warp-uniform
+#pragma unroll
+          for (int off = 1; off <= 2; off <<= 1) {
+            m[h][0] = fmaxf(m[h][0], __shfl_xor_sync(0xffffffffu, m[h][0], off));
+            m[h][1] = fmaxf(m[h][1], __shfl_xor_sync(0xffffffffu, m[h][1], off));
+          }
+          const float s = abs_scale * ((tq & 1) ? m[h][1] : m[h][0]);
+          const int b = it * nb + h;  // blocks are offered in ascending order
+          if (owner && b < my_local && s > thr) thr = heap.replace_root(s, b);
+        }
       }
     }
   }
 
-  __syncthreads();
-  write_index_row(p, tl, sScore, sBlock, tid);
+  if constexpr (kLse) {
+    lse_write_rows(p, tl, run_m, run_l, warp * 16 + g, lane);
+  } else {
+    __syncthreads();
+    write_index_row(p, tl, sScore, sBlock, tid);
+  }
 }
 
 // The TMA descriptor of k_idx, a (Tk, Hki, Di) tensor with strides in elements: boxes of 64 Di x 1 head
@@ -212,7 +293,7 @@ inline int topk_warpgroups(int ctas4) {
   return ctas4 <= sms ? 2 : 4;
 }
 
-template <typename T, int D, int WG>
+template <typename T, int D, int WG, bool kLse>
 cudaError_t launch_index_topk_wg(const IndexTopkParams& p, const CUtensorMap& k_map, cudaStream_t stream) {
   using S = IndexTopkShape<WG>;
   const int hr = p.num_heads / p.num_key_heads;
@@ -221,7 +302,7 @@ cudaError_t launch_index_topk_wg(const IndexTopkParams& p, const CUtensorMap& k_
   const int tiles = (p.max_seqlen + tm - 1) / tm;
   const dim3 grid(unsigned(tiles) * unsigned(p.num_seqs), unsigned(p.num_key_heads));
   constexpr int smem = S::template smem_bytes<D, T>();
-  auto kernel = index_topk_sm90_kernel<T, D, WG>;
+  auto kernel = index_topk_sm90_kernel<T, D, WG, kLse>;
   const cudaError_t err = cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, smem);
   if (err != cudaSuccess) return err;
   kernel<<<grid, S::kThreads, smem, stream>>>(p, k_map);
@@ -229,9 +310,9 @@ cudaError_t launch_index_topk_wg(const IndexTopkParams& p, const CUtensorMap& k_
 }
 
 // cudaErrorNotSupported (before any launch) when the TMA descriptor cannot describe k_idx (e.g. a zero
-// stride): the caller then takes the portable kernel.
-template <typename T, int D>
-cudaError_t launch_index_topk(const IndexTopkParams& p, cudaStream_t stream) {
+// stride): the caller then takes the portable kernel (select_blocks) or the dense forward (lse).
+template <typename T, int D, bool kLse>
+cudaError_t launch_index_scores(const IndexTopkParams& p, cudaStream_t stream) {
   const int hr = p.num_heads / p.num_key_heads;
   const int tm4 = IndexTopkShape<4>::kRows / hr;
   // Hr <= 64 (the op's check): a 2-warpgroup CTA holds at least 2 tokens, a 4-warpgroup one at least 4.
@@ -240,8 +321,21 @@ cudaError_t launch_index_topk(const IndexTopkParams& p, cudaStream_t stream) {
   const cudaError_t err = make_k_map<T, D>(p, &k_map);
   if (err != cudaSuccess) return err;
   const int64_t ctas4 = int64_t((p.max_seqlen + tm4 - 1) / tm4) * p.num_seqs * p.num_key_heads;
-  return topk_warpgroups(int(std::min<int64_t>(ctas4, 1 << 30))) == 2 ? launch_index_topk_wg<T, D, 2>(p, k_map, stream)
-                                                                         : launch_index_topk_wg<T, D, 4>(p, k_map, stream);
+  return topk_warpgroups(int(std::min<int64_t>(ctas4, 1 << 30))) == 2
+             ? launch_index_topk_wg<T, D, 2, kLse>(p, k_map, stream)
+             : launch_index_topk_wg<T, D, 4, kLse>(p, k_map, stream);
+}
+
+template <typename T, int D>
+cudaError_t launch_index_topk(const IndexTopkParams& p, cudaStream_t stream) {
+  return launch_index_scores<T, D, false>(p, stream);
+}
+
+// p.lse (Hi, T) = the natural-log logsumexp of p.scale * q_idx . k_idx over each row's causal keys (p.indices,
+// p.topk and p.block_size unused).
+template <typename T, int D>
+cudaError_t launch_index_lse(const IndexTopkParams& p, cudaStream_t stream) {
+  return launch_index_scores<T, D, true>(p, stream);
 }
 
 }  // namespace msa::sm90
