@@ -197,6 +197,8 @@ def _validate_cu_seqlens_cpu(cu_seqlens, total_tokens, max_seqlen):
 # deterministic=True). Both return lse (H, T), the natural-log logsumexp of the scaled logits, and
 # either backward takes either forward's.
 # cuDNN rejects sequences of one token (s_q = s_kv = 1): those take flash too.
+# A negative scale (any finite scale is allowed) gives both an infinite lse (found by tests/test_warmup_gpu.py):
+# the sign folds into q, exactly ((-q) . k |scale| = q . k scale; dq = -d(-q)).
 # A key layout (cu_seqlens_k, max_seqlen_k: queries that are a suffix of the keys) takes flash: its causal
 # mask is aligned bottom-right where a sequence has more keys than queries (flash-attn >= 2.1), our
 # convention; that of cuDNN's for s_q < s_kv is not established. The C++ callers pass a key layout only
@@ -264,6 +266,8 @@ _LSE_ONLY_DV = 16
 @torch.library.register_kernel("msa::_dense_fwd", "cuda")
 def _dense_fwd_cuda(q, k, v, cu_seqlens, max_seqlen, softmax_scale, uniform=False, deterministic=False,
                     lse_only=False, cu_seqlens_k=None, max_seqlen_k=None):
+    if softmax_scale < 0:
+        q, softmax_scale = -q, -softmax_scale
     T, H = q.shape[0], q.shape[1]
     batch = cu_seqlens.shape[0] - 1  # sequences, all of T / batch tokens when uniform
     suffix = cu_seqlens_k is not None  # a key layout: flash (not uniform)
@@ -289,6 +293,10 @@ def _dense_fwd_cuda(q, k, v, cu_seqlens, max_seqlen, softmax_scale, uniform=Fals
 @torch.library.register_kernel("msa::_dense_bwd", "cuda")
 def _dense_bwd_cuda(dout, q, k, v, out, lse, cu_seqlens, max_seqlen, softmax_scale, deterministic, uniform=False,
                     cu_seqlens_k=None, max_seqlen_k=None):
+    if softmax_scale < 0:  # as in _dense_fwd_cuda: the sign on q, and back on dq
+        dq, dk, dv = _dense_bwd_cuda(dout, -q, k, v, out, lse, cu_seqlens, max_seqlen, -softmax_scale, deterministic,
+                                     uniform, cu_seqlens_k, max_seqlen_k)
+        return -dq, dk, dv
     dout = dout.contiguous()
     T, H = q.shape[0], q.shape[1]
     batch = cu_seqlens.shape[0] - 1

@@ -15,9 +15,10 @@ pytestmark = [pytest.mark.gpu, pytest.mark.filterwarnings("error::RuntimeWarning
 ops = torch.ops.msa
 
 
-def _check(q, k, v, qi, ki, cu, mx, topk, bs, seed, batched=False):
-    """batched: the op without cu_seqlens (B = T / mx sequences of mx tokens) and the batched public API."""
-    scale, iscale = 1 / math.sqrt(q.shape[-1]), 1 / math.sqrt(qi.shape[-1])
+def _check(q, k, v, qi, ki, cu, mx, topk, bs, seed, batched=False, scales=None):
+    """batched: the op without cu_seqlens (B = T / mx sequences of mx tokens) and the batched public API.
+    scales: (softmax_scale, index_scale), default 1/sqrt(D) and 1/sqrt(Di)."""
+    scale, iscale = scales or (1 / math.sqrt(q.shape[-1]), 1 / math.sqrt(qi.shape[-1]))
     poison_allocator()
     cu_op = None if batched else cu
     out, kl, idx, lse, lse_idx, g_q, g_k, _ = ops.msa_fwd(q, k, v, qi, ki, cu_op, mx, topk, bs, scale, iscale, True,
@@ -34,10 +35,11 @@ def _check(q, k, v, qi, ki, cu, mx, topk, bs, seed, batched=False):
     if batched:
         b = q.shape[0] // mx
         o2, kl2 = msa.msa_attention(*(x.view(b, mx, *x.shape[1:]) for x in leaves), topk=topk, block_size=bs,
-                                    warmup=True)
+                                    softmax_scale=scale, index_scale=iscale, warmup=True)
         o2 = o2.reshape(q.shape)
     else:
-        o2, kl2 = msa.msa_attention_varlen(*leaves, cu, mx, topk=topk, block_size=bs, warmup=True)
+        o2, kl2 = msa.msa_attention_varlen(*leaves, cu, mx, topk=topk, block_size=bs, softmax_scale=scale,
+                                           index_scale=iscale, warmup=True)
     g = torch.Generator().manual_seed(seed)
     dout = torch.randn(o2.shape, generator=g).to(o2)
     dkl = torch.tensor(1.5, device=q.device)
@@ -65,6 +67,22 @@ def test_warmup_batched(case, dtype, layout, backend, backends, monkeypatch):
     _check(*flat, cu, N, 16, bs, seed=case, batched=layout == "batched")
     cudnn = backend == "auto" and (layout == "batched" or B == 1) and N > 1 and torch.backends.cudnn.is_available()
     assert set(backends) == {"cudnn" if cudnn else "flash"}, backends
+
+
+@pytest.mark.parametrize("index_lse", ["kernel", "dense"])
+@pytest.mark.parametrize("backend", ["auto", "flash"])
+def test_warmup_negative_scales(backend, index_lse, backends, monkeypatch):
+    """Negative softmax and index scales (any finite scale is allowed): cuDNN and flash return an infinite lse
+    for a negative scale, so msa::_dense_fwd / _dense_bwd fold the sign into q (exact); lse_idx from the Hopper
+    index kernel and from the dense forward."""
+    if backend == "flash":
+        monkeypatch.setenv("MSA_DENSE_BACKEND", "flash")
+    if index_lse == "dense":
+        monkeypatch.setenv("MSA_INDEX_LSE", "dense")
+    q, k, v, qi, ki, cu, mx = make_packed([300, 300], (8, 2, 4, 1), 64, 128, dtype=torch.bfloat16, device="cuda",
+                                          seed=17)
+    _check(q, k, v, qi, ki, cu, mx, 16, 64, seed=17, batched=True, scales=(-0.125, -0.1))
+    assert set(backends) == {"cudnn" if backend == "auto" and torch.backends.cudnn.is_available() else "flash"}
 
 
 @pytest.mark.parametrize("heads", [(8, 2, 4, 1), (8, 4, 2, 1), (12, 4, 4, 1)])
