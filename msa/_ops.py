@@ -293,10 +293,15 @@ def _dense_fwd_cuda(q, k, v, cu_seqlens, max_seqlen, softmax_scale, uniform=Fals
 @torch.library.register_kernel("msa::_dense_bwd", "cuda")
 def _dense_bwd_cuda(dout, q, k, v, out, lse, cu_seqlens, max_seqlen, softmax_scale, deterministic, uniform=False,
                     cu_seqlens_k=None, max_seqlen_k=None):
+    args = (cu_seqlens, max_seqlen, deterministic, uniform, cu_seqlens_k, max_seqlen_k)
     if softmax_scale < 0:  # as in _dense_fwd_cuda: the sign on q, and back on dq
-        dq, dk, dv = _dense_bwd_cuda(dout, -q, k, v, out, lse, cu_seqlens, max_seqlen, -softmax_scale, deterministic,
-                                     uniform, cu_seqlens_k, max_seqlen_k)
+        dq, dk, dv = _dense_bwd_positive(dout, -q, k, v, out, lse, -softmax_scale, *args)
         return -dq, dk, dv
+    return _dense_bwd_positive(dout, q, k, v, out, lse, softmax_scale, *args)
+
+
+def _dense_bwd_positive(dout, q, k, v, out, lse, softmax_scale, cu_seqlens, max_seqlen, deterministic, uniform,
+                        cu_seqlens_k, max_seqlen_k):
     dout = dout.contiguous()
     T, H = q.shape[0], q.shape[1]
     batch = cu_seqlens.shape[0] - 1
