@@ -281,6 +281,16 @@ cudaError_t launch_index_topk(const Problem& pb, const IndexTopkParams& p, cudaS
   return err;
 }
 
+cudaError_t launch_index_lse(const Problem& pb, const IndexTopkParams& p, cudaStream_t s) {
+  cudaError_t err = cudaErrorNotSupported;
+#ifdef MSA_WITH_SM90
+  if (pb.sm90) dispatch(pb.fp16, pb.di, [&]<typename T, int D>() { err = sm90::launch_index_lse<T, D>(p, s); });
+#else
+  (void)pb, (void)p, (void)s;
+#endif
+  return err;
+}
+
 // ---- timing and output ------------------------------------------------------------------------------------
 
 int rotating_sets(const Options& opt, double set_bytes, int cap) {

@@ -113,6 +113,9 @@ IndexTopkParams index_topk_params(const Problem& pb, const void* q_idx, const vo
 // The op's dispatch: sm_90a kernel when pb.sm90 (falling back to the portable one where it has no TMA
 // descriptor, as the op does); `used_sm90` says which ran.
 cudaError_t launch_index_topk(const Problem& pb, const IndexTopkParams& p, cudaStream_t s, bool* used_sm90 = nullptr);
+// Warmup's lse_idx on the Hopper index kernel (p.lse set): cudaErrorNotSupported where it does not run (the portable
+// path keeps a dense forward of torch's, which this executable does not link).
+cudaError_t launch_index_lse(const Problem& pb, const IndexTopkParams& p, cudaStream_t s);
 
 // Calls f.template operator()<T, D>() for fp16 / bf16 and D = 64 / 128 (csrc/api/dispatch.h, torch-free).
 template <typename F>

@@ -1,5 +1,6 @@
-// Index top-k (SPEC 2) microbenchmark: the kernel msa::select_blocks launches, on random normal q_idx / k_idx.
-// FLOPs: the index FLOPs of SPEC 8, 2 Di Hi sum_i (i + 1) per sequence (the causal scores).
+// Index top-k (SPEC 2) microbenchmark: the kernel msa::select_blocks launches, on random normal q_idx / k_idx; on the
+// Hopper path also its lse mode (warmup's lse_idx, row index_lse/sm90). FLOPs: the index FLOPs of SPEC 8,
+// 2 Di Hi sum_i (i + 1) per sequence (the causal scores), for both rows.
 #include "bench_common.h"
 
 using namespace msa::bench;
@@ -8,7 +9,7 @@ int main(int argc, char** argv) {
   Options opt;
   parse_options(argc, argv,
                 "Index top-k (msa::select_blocks' kernel: sm_90a where built and on Hopper, else portable).\n"
-                "Rows: index_topk/<path>; tflops = 2 Di Hi B N (N + 1) / 2 / time.",
+                "Rows: index_topk/<path>, index_lse/sm90 (Hopper only); tflops = 2 Di Hi B N (N + 1) / 2 / time.",
                 opt);
   const cudaStream_t s = init_device();
   print_header(opt);
@@ -37,6 +38,16 @@ int main(int argc, char** argv) {
     const double ms = time_ms(opt, s, n_sets, [&](int i) { BENCH_CHECK(launch_index_topk(pb, params[i], s)); });
     const double flops = 2.0 * pb.di * pb.hi * double(pb.b) * double(n) * double(n + 1) / 2;
     print_row("index_topk" + path_suffix(sm90, !sm90 && pb.force_small_smem), pb.shape, ms, flops, 0);
+    if (sm90) {
+      Buf lse(sizeof(float) * pb.hi * T);
+      for (msa::IndexTopkParams& p : params) p.lse = lse.as<float>();
+      const cudaError_t err = launch_index_lse(pb, params[0], s);
+      if (err != cudaErrorNotSupported) {
+        BENCH_CHECK(err);
+        const double lse_ms = time_ms(opt, s, n_sets, [&](int i) { BENCH_CHECK(launch_index_lse(pb, params[i], s)); });
+        print_row("index_lse/sm90", pb.shape, lse_ms, flops, 0);
+      }
+    }
   }
   BENCH_CHECK(cudaStreamDestroy(s));
   return 0;
