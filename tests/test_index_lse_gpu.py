@@ -8,7 +8,7 @@ import pytest
 import torch
 
 from attention_check import assert_lse_close
-from helpers import make_packed, suffix_packed
+from helpers import make_packed, poison_allocator, suffix_packed
 
 pytestmark = [pytest.mark.gpu, pytest.mark.usefixtures("kernel_choice")]
 ops = torch.ops.msa
@@ -39,23 +39,26 @@ def _exact(qi, ki, cu_q, cu_k, iscale):
 
 
 def _lse_idx(q, k, v, qi, ki, cu, mx, iscale, cu_k=None, mx_k=None):
+    poison_allocator()  # a row the kernel does not write reads as garbage
     return ops.msa_fwd(q, k, v, qi, ki, cu, mx, 16, 128, q.shape[-1] ** -0.5, iscale, True, False, False, False,
                        cu_k, mx_k)[4]
 
 
 # (lengths, (Hq, Hkv, Hi, Hki), Di): sub-tile edges (127 / 128 / 129 / 256 keys), one-token sequences, Hr = Hi /
-# Hki of 1, 4, 16 and 64 (a 2-warpgroup CTA then holds 2 tokens), both index head dims.
+# Hki of 1, 4 and 64, both index head dims (test_lse_idx_warpgroup_count: Hr 3, 8, 16, 64 on both CTA sizes).
 CASES = [([1, 127, 128, 129, 300], (8, 2, 4, 1), 128), ([700, 1, 256], (8, 2, 8, 2), 64),
          ([1000, 513], (16, 16, 16, 16), 128), ([333, 64], (64, 1, 64, 1), 64), ([2048], (16, 2, 4, 1), 128)]
 
 
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
 @pytest.mark.parametrize("case", range(len(CASES)))
-def test_lse_idx_against_exact(case, dtype, monkeypatch):
+def test_lse_idx_against_exact(case, dtype, monkeypatch, backends):
     lengths, heads, di = CASES[case]
     q, k, v, qi, ki, cu, mx = make_packed(lengths, heads, 64, di, dtype=dtype, device="cuda", seed=case + 3)
     iscale = di ** -0.5 * (-1.5 if case % 2 else 1.0)  # a negative scale: the kernel flips Q's sign
     got = _lse_idx(q, k, v, qi, ki, cu, mx, iscale)
+    # which path ran: the dense forward of the main branch, and of the index branch unless the kernel took it
+    assert len(backends) == (1 if _hopper_kernel() else 2), backends
     assert got.dtype == torch.float32 and got.shape == (heads[2], q.shape[0])
     assert_lse_close("lse_idx", got.cpu(), _exact(qi, ki, cu, cu, iscale))
     assert torch.equal(got, _lse_idx(q, k, v, qi, ki, cu, mx, iscale)), "lse_idx differs between two runs"
@@ -73,19 +76,30 @@ def test_lse_idx_suffix_queries(lq, lk):
     assert_lse_close("lse_idx", got.cpu(), _exact(x["qi"], x["ki"], x["cu_q"], x["cu_k"], iscale))
 
 
-def test_lse_idx_warpgroup_count(monkeypatch):
+@pytest.mark.parametrize("heads", [(8, 2, 8, 1), (16, 2, 16, 1), (64, 1, 64, 1), (12, 4, 12, 4)])
+def test_lse_idx_warpgroup_count(heads, monkeypatch, backends):
     """2- and 4-warpgroup CTAs (MSA_TOPK_WG) give bitwise the same lse_idx: each row's columns, sub-tiles and
-    merge order do not depend on how rows are tiled."""
+    merge order do not depend on how rows are tiled. Hi / Hki of 8, 16, 64 (2 tokens per 2-warpgroup CTA) and 3
+    (CTAs with padding rows)."""
     if not _hopper_kernel():
         pytest.skip("the warpgroup count is the sm_90a kernel's")
-    q, k, v, qi, ki, cu, mx = make_packed([2000, 1, 700], (8, 2, 8, 1), 64, 128, dtype=torch.bfloat16, device="cuda",
+    q, k, v, qi, ki, cu, mx = make_packed([2000, 1, 700], heads, 64, 128, dtype=torch.bfloat16, device="cuda",
                                           seed=5)
     got = {}
     for wg in ("2", "4"):
         monkeypatch.setenv("MSA_TOPK_WG", wg)
         got[wg] = _lse_idx(q, k, v, qi, ki, cu, mx, 128 ** -0.5)
+    assert len(backends) == 2, backends  # the main branch's dense forward only: the kernel took lse_idx
     assert torch.equal(got["2"], got["4"])
     assert_lse_close("lse_idx", got["2"].cpu(), _exact(qi, ki, cu, cu, 128 ** -0.5))
+
+
+def test_lse_idx_more_than_64_heads_per_key_head(backends):
+    """Hi / Hki > 64 (the index kernel's CTAs would hold under two tokens): the dense forward, as before."""
+    q, k, v, qi, ki, cu, mx = make_packed([300], (128, 1, 128, 1), 64, 64, dtype=torch.bfloat16, device="cuda", seed=2)
+    got = _lse_idx(q, k, v, qi, ki, cu, mx, 0.125)
+    assert len(backends) == 2, backends
+    assert_lse_close("lse_idx", got.cpu(), _exact(qi, ki, cu, cu, 0.125))
 
 
 def test_lse_idx_large_logits():

@@ -86,10 +86,12 @@ Tensor select_blocks_cuda(const Tensor& q_idx, const Tensor& k_idx, const SeqMap
 std::optional<Tensor> index_lse_cuda(const Tensor& q_idx, const Tensor& k_idx, const SeqMap& seqs, int64_t max_seqlen,
                                      double index_scale) {
 #ifdef MSA_WITH_SM90
-  // Inputs as msa_fwd checked them (check_index_cuda: dtype, Di in {64, 128}, Hi / Hki <= 64, layout).
-  if (!use_sm90_kernels() || env_is("MSA_INDEX_LSE", "dense")) return std::nullopt;
-  const int64_t T = q_idx.size(0), Hi = q_idx.size(1), Di = q_idx.size(2);
+  // Inputs as msa_fwd checked them (check_index_cuda: dtype, Di in {64, 128}, Hki dividing Hi; the layout). The
+  // kernel's CTAs hold at least two tokens of Hi / Hki <= 64 index heads (select_blocks' own limit): more heads
+  // per index key head take the dense forward.
   const DeviceGuard guard(q_idx.get_device_index());
+  const int64_t T = q_idx.size(0), Hi = q_idx.size(1), Di = q_idx.size(2);
+  if (!use_sm90_kernels() || env_is("MSA_INDEX_LSE", "dense") || Hi / k_idx.size(1) > 64) return std::nullopt;
   Tensor lse = empty({Hi, T}, kFloat, q_idx);
   if (T == 0) return lse;
   const Tensor q = aligned_rows(q_idx), k = aligned_rows(k_idx);

@@ -315,7 +315,8 @@ template <typename T, int D, bool kLse>
 cudaError_t launch_index_scores(const IndexTopkParams& p, cudaStream_t stream) {
   const int hr = p.num_heads / p.num_key_heads;
   const int tm4 = IndexTopkShape<4>::kRows / hr;
-  // Hr <= 64 (the op's check): a 2-warpgroup CTA holds at least 2 tokens, a 4-warpgroup one at least 4.
+  // Hr <= 64 (select_blocks' check; index_lse_cuda's condition): a 2-warpgroup CTA holds at least 2 tokens, a
+  // 4-warpgroup one at least 4.
   if (tm4 == 0 || IndexTopkShape<2>::kRows / hr == 0) return cudaErrorInvalidValue;
   CUtensorMap k_map;
   const cudaError_t err = make_k_map<T, D>(p, &k_map);
