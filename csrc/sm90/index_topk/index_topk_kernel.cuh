@@ -114,7 +114,7 @@ __device__ __forceinline__ void lse_write_rows(const IndexTopkParams& p, const I
     const int row = row0 + 8 * r, tok = tl.tok0 + row / tl.hr;
     if (lane % 4 == 0 && row < tl.rows_used && tok < tl.n) {
       p.lse[int64_t(tl.kh * tl.hr + row % tl.hr) * p.total_tokens + tl.seq_start + tok] =
-          (m + sm80::fast_log2(l)) * 0.6931471805599453f;
+          (m + sm80::fast_log2(l)) * sm80::kLn2;
     }
   }
 }
@@ -195,7 +195,7 @@ __global__ void __launch_bounds__(IndexTopkShape<WG>::kThreads, 1)
   float thr = p.topk > 1 ? kNegInf : kPosInf;
   // kLse: rows g and g + 8 (r = 0, 1): running max and sum of 2^x over this thread's columns, x = the score
   // times |scale| log2(e); pos_r the row's position (keys at or before it are visible).
-  const float sl2 = abs_scale * 1.4426950408889634f;
+  const float sl2 = abs_scale * sm80::kLog2e;
   float run_m[2] = {kNegInf, kNegInf}, run_l[2] = {0.f, 0.f};
   const int pos_r[2] = {pos0 + (warp * 16 + g) / hr, pos0 + (warp * 16 + g + 8) / hr};
 
