@@ -29,6 +29,16 @@ def progress(msg: str) -> None:
     print(f"  .. {msg}", file=sys.stderr, flush=True)
 
 
+def _event_ms(run):
+    """ms between CUDA events recorded on the current stream before and after run(), synchronised."""
+    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    start.record()
+    run()
+    end.record()
+    end.synchronize()
+    return start.elapsed_time(end)
+
+
 class Timer:
     """Median wall time of `fn(inputs)` over rotating input sets (CUDA events on the GPU)."""
 
@@ -42,12 +52,7 @@ class Timer:
         for i in range(self.reps):
             args = input_sets[i % len(input_sets)]
             if self.device.type == "cuda":
-                start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-                start.record()
-                fn(*args)
-                end.record()
-                end.synchronize()
-                times.append(start.elapsed_time(end))
+                times.append(_event_ms(lambda: fn(*args)))
             else:
                 t0 = time.perf_counter()
                 fn(*args)
@@ -79,13 +84,9 @@ class Timer:
             with torch.no_grad():
                 for s, x in zip(static, input_sets[i % len(input_sets)]):
                     s.copy_(x)
-            start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-            start.record()
-            graph.replay()
-            end.record()
-            end.synchronize()
+            ms = _event_ms(graph.replay)
             if i >= self.warmup:
-                times.append(start.elapsed_time(end))
+                times.append(ms)
         del graph, static
         torch.cuda.empty_cache()
         return statistics.median(times)
