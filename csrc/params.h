@@ -60,6 +60,10 @@ struct IndexTopkParams {
   const int32_t* cu_seqlens_k;  // (num_seqs + 1) keys (cu_seqlens itself: the queries' layout)
   int32_t* indices;           // out (Hi, T, topk)
   float* lse;                 // out (Hi, T): sm90::launch_index_lse only (warmup's lse_idx)
+  // out (Hi, T), nullable, sm90::launch_index_topk only: each row's kept blocks (all but its own) as the
+  // (max, sum) of 2^x of their index logits x = index_scale * q_idx . k_idx * log2(e), as the sparse
+  // forward's stats pass writes per slot; (-inf, 0) when no block is kept.
+  float2* sel_stats;
   int64_t q_stride_t, q_stride_h;  // in elements
   int64_t k_stride_t, k_stride_h;
   int total_tokens;
@@ -123,6 +127,9 @@ struct SparseFwdParams {
   bool write_out;          // output pass: P V partials too (false: KL terms only)
   float2* stats;           // (entries, G): (max, sum) of the main logits, log2 domain, sum 0 = none
   float2* idx_stats;       // (entries): the same for the index logits
+  // Stats pass: the index logits of a row's own block only (the top-k kernel gave its other blocks' (max, sum):
+  // SparseCombineParams::sel_stats); a slot of another block gets (-inf, 1), "counted, adds nothing".
+  bool idx_own_only;
   const float* lse;        // (Hq, T) natural log (output pass input)
   void* out_part;          // (entries, G, D) input dtype
   float* kl_part;          // (entries)
@@ -176,6 +183,7 @@ struct IndexDkParams {
 struct SparseCombineParams {
   const float2* stats;
   const float2* idx_stats;  // nullable
+  const float2* sel_stats;  // nullable, (Hi, T): each row's other slots' index (max, sum) (IndexTopkParams)
   const void* out_part;
   const float* kl_part;     // nullable
   float* lse;

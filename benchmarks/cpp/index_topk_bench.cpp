@@ -9,7 +9,7 @@ int main(int argc, char** argv) {
   Options opt;
   parse_options(argc, argv,
                 "Index top-k (msa::select_blocks' kernel: sm_90a where built and on Hopper, else portable).\n"
-                "Rows: index_topk/<path>, index_lse/sm90 (Hopper only); tflops = 2 Di Hi B N (N + 1) / 2 / time.",
+                "Rows: index_topk/<path>, index_topk_sel/sm90 and index_lse/sm90 (Hopper only); tflops = 2 Di Hi B N (N + 1) / 2 / time.",
                 opt);
   const cudaStream_t s = init_device();
   print_header(opt);
@@ -39,6 +39,13 @@ int main(int argc, char** argv) {
     const double flops = 2.0 * pb.di * pb.hi * double(pb.b) * double(n) * double(n + 1) / 2;
     print_row("index_topk" + path_suffix(sm90, !sm90 && pb.force_small_smem), pb.shape, ms, flops, 0);
     if (sm90) {
+      // The selection msa_fwd runs: the top list also carries each kept block's sum (IndexTopkParams::sel_stats).
+      Buf sel(sizeof(float) * 2 * pb.hi * T);
+      std::vector<msa::IndexTopkParams> sel_params = params;
+      for (msa::IndexTopkParams& p : sel_params) p.sel_stats = reinterpret_cast<float2*>(sel.get());
+      const double sel_ms =
+          time_ms(opt, s, n_sets, [&](int i) { BENCH_CHECK(launch_index_topk(pb, sel_params[i], s)); });
+      print_row("index_topk_sel/sm90", pb.shape, sel_ms, flops, 0);
       Buf lse(sizeof(float) * pb.hi * T);
       for (msa::IndexTopkParams& p : params) p.lse = lse.as<float>();
       const cudaError_t err = launch_index_lse(pb, params[0], s);

@@ -37,7 +37,7 @@ IndexTopkParams index_params(const Tensor& q, const Tensor& k, const SeqMap& seq
 }  // namespace
 
 Tensor select_blocks_cuda(const Tensor& q_idx, const Tensor& k_idx, const SeqMap& seqs, int64_t max_seqlen,
-                          int64_t topk, int64_t block_size, double index_scale) {
+                          int64_t topk, int64_t block_size, double index_scale, std::optional<Tensor>* sel_stats) {
   MSA_CHECK(q_idx.is_cuda() && same_device(k_idx, q_idx), "q_idx, k_idx: expected one CUDA device, got ", dev(q_idx),
             ", ", dev(k_idx));
   MSA_CHECK(q_idx.scalar_type() == kBFloat16 || q_idx.scalar_type() == kHalf,
@@ -71,11 +71,18 @@ Tensor select_blocks_cuda(const Tensor& q_idx, const Tensor& k_idx, const SeqMap
   dispatch_dtype_dim(q.scalar_type(), Di, [&]<typename T_, int D_>() {
 #ifdef MSA_WITH_SM90
     if (sm90) {  // cudaErrorNotSupported: no TMA descriptor for this k_idx (nothing launched)
+      Tensor sel;
+      if (sel_stats != nullptr) {
+        sel = empty({Hi, T, 2}, kFloat, q_idx);
+        p.sel_stats = reinterpret_cast<float2*>(ptr<float>(sel));
+      }
       const cudaError_t err = sm90::launch_index_topk<T_, D_>(p, stream);
       if (err != cudaErrorNotSupported) {
         MSA_LAUNCH_CHECK(err, "select_blocks");
+        if (sel_stats != nullptr) *sel_stats = sel;
         return;
       }
+      p.sel_stats = nullptr;
     }
 #endif
     MSA_LAUNCH_CHECK((sm80::launch_index_topk<T_, D_>(p, stream)), "select_blocks");

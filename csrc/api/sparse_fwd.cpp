@@ -53,6 +53,10 @@ bool small_smem_config(const Tensor& x, int64_t D) {
   return msa::fwd_small_smem(smem_per_block(x), int(D));
 }
 
+// MSA_SEL_LSE=0 keeps the stats pass scoring the index branch on every selected block (tests and A/B runs
+// compare the two); the opt-in warp-specialized stats pass always does.
+bool sel_stats_wanted() { return !env_is("MSA_SEL_LSE", "0") && !env_is("MSA_FWD_WS_STATS", "1"); }
+
 namespace {
 
 // The index branch's inputs against the main branch's (SPEC 1, 7): dtype, device, shapes, Di, and the
@@ -77,7 +81,8 @@ SparseForward sparse_forward_cuda(const Tensor& q_in, const Tensor& k_in, const 
                                   const Tensor& indices, const SeqMap& seqs, int64_t block_size,
                                   double softmax_scale, double index_scale, bool index_grad, bool deterministic,
                                   bool dense, const std::optional<Tensor>& lse_given,
-                                  const std::optional<Tensor>& lse_idx_given) {
+                                  const std::optional<Tensor>& lse_idx_given,
+                                  const std::optional<Tensor>& sel_stats) {
   HostPhases hp("sparse_forward");
   check_qkv_cuda(q_in, k_in, v_in, seqs.total_k);
   check_cuda_int32(indices, "indices", 3);
@@ -237,6 +242,10 @@ SparseForward sparse_forward_cuda(const Tensor& q_in, const Tensor& k_in, const 
   fp.stats_ws = env_is("MSA_FWD_WS_STATS", "1");
   fp.stats = reinterpret_cast<float2*>(stats);
   fp.idx_stats = index && !no_stats ? reinterpret_cast<float2*>(idx_stats) : nullptr;
+  // The selection's kept blocks' index (max, sum) (msa_fwd, the Hopper top-k): the stats pass then scores the
+  // index branch on each row's own block only.
+  const bool sel = sel_stats.has_value() && fp.idx_stats != nullptr && !dense && !fp.stats_ws;
+  fp.idx_own_only = sel;
   fp.lse = ptr<float>(res.lse);
   fp.out_part = out_part;
   fp.kl_part = index ? kl_part : nullptr;
@@ -274,6 +283,12 @@ SparseForward sparse_forward_cuda(const Tensor& q_in, const Tensor& k_in, const 
   SparseCombineParams cp{};
   cp.stats = fp.stats;
   cp.idx_stats = fp.idx_stats;
+  if (sel) {
+    MSA_CHECK(sel_stats->dim() == 3 && sel_stats->size(0) == Hi && sel_stats->size(1) == T && sel_stats->size(2) == 2 &&
+                  sel_stats->scalar_type() == kFloat && sel_stats->is_contiguous(),
+              "sel_stats: expected fp32 (", Hi, ", ", T, ", 2), got ", shape(*sel_stats));
+    cp.sel_stats = reinterpret_cast<const float2*>(ptr<float>(*sel_stats));
+  }
   cp.out_part = fp.out_part;
   cp.kl_part = fp.kl_part;
   cp.lse = ptr<float>(res.lse);
@@ -413,10 +428,12 @@ msa_fwd_cuda(const Tensor& q, const Tensor& k, const Tensor& v, const Tensor& q_
     }
     r.out = out;  // the KL-only pass returns the given lse and no output
   } else {
-    indices = select_blocks_cuda(q_idx, k_idx, seqs, max_seqlen, topk, block_size, index_scale);
+    std::optional<Tensor> sel;
+    indices = select_blocks_cuda(q_idx, k_idx, seqs, max_seqlen, topk, block_size, index_scale,
+                                 sel_stats_wanted() ? &sel : nullptr);
     hp.mark("select_blocks");
     r = sparse_forward_cuda(q, k, v, q_idx, k_idx, indices, seqs, block_size, softmax_scale, index_scale,
-                            index_grad, deterministic);
+                            index_grad, deterministic, false, std::nullopt, std::nullopt, sel);
   }
   // SPEC 4: kl = sum over rows / rows, rows = T * Hi (a fixed-order reduction: deterministic).
   hp.mark("forward");

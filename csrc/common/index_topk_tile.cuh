@@ -55,15 +55,18 @@ __device__ __forceinline__ void gather_index_q(T* sQ, const IndexTopkParams& p, 
 }
 
 // After the main loop and a CTA barrier, thread `row` writes row `row`'s list (SPEC 2 order: the kept
-// blocks ascending, the local block, -1 padding) from its heap in shared memory.
+// blocks ascending, the local block, -1 padding) from its heap in shared memory; kSum: first the kept
+// blocks' (max, sum) to p.sel_stats.
+template <bool kSum = false>
 __device__ __forceinline__ void write_index_row(const IndexTopkParams& p, const IndexTopkTile& t, float* sScore,
-                                                int* sBlock, int row) {
+                                                int* sBlock, int row, float* sSum = nullptr) {
   if (row >= t.rows_used) return;
   const int tok = t.tok0 + row / t.hr;
   if (tok >= t.n) return;
-  int32_t* out = p.indices + (int64_t(t.kh * t.hr + row % t.hr) * p.total_tokens + t.seq_start + tok) * p.topk;
-  SmemTopHeap(sScore, sBlock, row, p.topk).write_sorted(
-      out, p.topk, (tok + t.shift) / p.block_size);
+  const int64_t at = int64_t(t.kh * t.hr + row % t.hr) * p.total_tokens + t.seq_start + tok;
+  TopHeap<kSum> heap(sScore, sBlock, row, p.topk, sSum);
+  if constexpr (kSum) p.sel_stats[at] = heap.kept_max_sum();
+  heap.write_sorted(p.indices + at * p.topk, p.topk, (tok + t.shift) / p.block_size);
 }
 
 }  // namespace msa

@@ -17,17 +17,26 @@ constexpr float kNegInf = -__builtin_huge_valf();
 // on its own row at the same heap position, would meet in one bank (a 16- to 32-way conflict on every
 // access). Slot j of row r is therefore stored at position j ^ (r % 32) of the row: one bank per row of
 // 32 consecutive rows.
-struct SmemTopHeap {
+// kSum: each slot also carries a float that travels with its entry (the sm90 kernel's per-block sum of
+// exponentials, for the selection's index logsumexp: SPEC 4's lse_idx without rescoring the kept blocks).
+template <bool kSum>
+struct TopHeap {
   static constexpr int kSlots = 32;  // shared-memory slots per row (>= topk - 1)
   static_assert(kSlots == 32, "the bank swizzle permutes the 32 slots of a row");
   float* score;  // the row's slots (kSlots words, swizzled)
   int* block;
+  float* sum;  // kSum only
   int size;  // topk - 1
   int swz;   // row % 32
-  __device__ __forceinline__ SmemTopHeap(float* scores, int* blocks, int row, int topk)
-      : score(scores + row * kSlots), block(blocks + row * kSlots), size(topk - 1), swz(row & (kSlots - 1)) {}
+  __device__ __forceinline__ TopHeap(float* scores, int* blocks, int row, int topk, float* sums = nullptr)
+      : score(scores + row * kSlots),
+        block(blocks + row * kSlots),
+        sum(kSum ? sums + row * kSlots : nullptr),
+        size(topk - 1),
+        swz(row & (kSlots - 1)) {}
   __device__ __forceinline__ float& sc(int j) const { return score[j ^ swz]; }
   __device__ __forceinline__ int& bl(int j) const { return block[j ^ swz]; }
+  __device__ __forceinline__ float& su(int j) const { return sum[j ^ swz]; }
   __device__ __forceinline__ static bool worse(float sa, int ba, float sb, int bb) {
     return sa < sb || (sa == sb && ba > bb);
   }
@@ -40,7 +49,8 @@ struct SmemTopHeap {
   // Replaces the root by (s, b), restores the heap and returns the new threshold. One thread per row.
   // A fixed-depth loop (size <= 31: 5 levels) with only forward branches: no loop back-edge inside the
   // sm90 kernel's wgmma pipeline (ptxas serialises the wgmmas around one).
-  __device__ __forceinline__ float replace_root(float s, int b) {
+  // kSum: x is the new entry's carried float.
+  __device__ __forceinline__ float replace_root(float s, int b, float x = 0.f) {
     static_assert(kSlots <= 32, "5 heap levels hold at most 31 entries");
     int i = 0;
 #pragma unroll
@@ -54,11 +64,27 @@ struct SmemTopHeap {
       if (w == i) break;
       sc(i) = ws;
       bl(i) = wb;
+      if constexpr (kSum) su(i) = su(w);
       i = w;
     }
     sc(i) = s;
     bl(i) = b;
+    if constexpr (kSum) su(i) = x;
     return sc(0);
+  }
+  // kSum, before write_sorted: the kept entries' combined (max, sum) in the log2 domain, (m, l) with
+  // l = sum over kept j of su(j) 2^(sc(j) log2e - m), m = max of sc(j) log2e; (-inf, 0) when nothing is kept.
+  // A NaN carried sum makes l NaN.
+  __device__ __forceinline__ float2 kept_max_sum() const {
+    float m = kNegInf;
+    for (int j = 0; j < size; ++j)
+      if (bl(j) >= 0) m = fmaxf(m, sc(j) * 1.4426950408889634f);
+    float l = 0.f;
+    if (m != kNegInf) {
+      for (int j = 0; j < size; ++j)
+        if (bl(j) >= 0) l += su(j) * exp2f(fmaf(sc(j), 1.4426950408889634f, -m));
+    }
+    return make_float2(m, l);
   }
   // The row's output (SPEC 2): the kept blocks ascending, then the local block, then -1 padding.
   // Sorts the heap's block array in place. One thread per row.
@@ -82,5 +108,6 @@ struct SmemTopHeap {
     for (int j = cnt + 1; j < topk; ++j) out[j] = -1;
   }
 };
+using SmemTopHeap = TopHeap<false>;
 
 }  // namespace msa

@@ -21,6 +21,12 @@
 // and sum of 2^x per row over its 32 columns of the sub-tile (one exponential per score: MUFU and the tensor
 // pipe are about equally loaded at Di = 128), the sub-tiles run through the last token's own key, those that
 // reach past the first token's position are masked per row, and the four lanes of a row merge at the end.
+//
+// kSel = true (the sparse path's top-k in msa_fwd): the top list also carries, per kept block, the sum of 2^x
+// over the block's keys relative to its max (x = the logit in the log2 domain), computed when a warp has a
+// row that takes the block (every key of a kept block is visible: no mask); the write-out adds each row's
+// kept blocks' (max, sum) to p.sel_stats. The sparse forward's stats pass then scores the index branch on
+// the rows' own blocks only (SparseFwdParams::idx_own_only).
 #pragma once
 #include <cuda.h>  // CUtensorMap (types only: the encoder is reached through the runtime)
 #include <cudaTypedefs.h>
@@ -40,7 +46,7 @@
 
 namespace msa::sm90 {
 
-template <int WG>
+template <int WG, bool kSum = false>
 struct IndexTopkShape {
   static constexpr int kWarpgroups = WG;
   static constexpr int kThreads = kWarpgroups * 128;
@@ -53,7 +59,7 @@ struct IndexTopkShape {
   // Q is staged once (then kept in registers) in the space the top lists use afterwards.
   template <int D, typename T>
   static constexpr int q_bytes() { return kRows * D * int(sizeof(T)); }
-  static constexpr int list_bytes() { return kRows * kSlots * 8; }
+  static constexpr int list_bytes() { return kRows * kSlots * (kSum ? 12 : 8); }  // score, block (, sum)
   template <int D, typename T>
   static constexpr int q_or_list_bytes() { return q_bytes<D, T>() > list_bytes() ? q_bytes<D, T>() : list_bytes(); }
   // + 1 KB: the K stages must start 1024-byte aligned (the swizzle is on address bits); then two
@@ -119,10 +125,31 @@ __device__ __forceinline__ void lse_write_rows(const IndexTopkParams& p, const I
   }
 }
 
-template <typename T, int D, int WG, bool kLse>
+// kSel, one block of the sub-tile (the thread's 8-column slices J0 .. J0 + NJ - 1): the sum of 2^((x - mx) sl2)
+// over the block's keys for rows g (l[0]) and g + 8 (l[1]), mx the row's block max (raw; every lane of the quad
+// holds it), then summed over the quad's four lanes.
+template <int J0, int NJ>
+__device__ __forceinline__ void block_sums(const float (&c)[64], const float (&mx)[2], float sl2, float (&l)[2]) {
+#pragma unroll
+  for (int r = 0; r < 2; ++r) {
+    const float base = mx[r] * sl2;
+    float sum[4] = {0.f, 0.f, 0.f, 0.f};  // four chains
+#pragma unroll
+    for (int j = J0; j < J0 + NJ; ++j) {
+      sum[j % 4] += sm80::fast_exp2(fmaf(c[4 * j + 2 * r], sl2, -base)) +
+                    sm80::fast_exp2(fmaf(c[4 * j + 2 * r + 1], sl2, -base));
+    }
+    l[r] = (sum[0] + sum[1]) + (sum[2] + sum[3]);
+#pragma unroll
+    for (int off = 1; off <= 2; off <<= 1) l[r] += __shfl_xor_sync(0xffffffffu, l[r], off);
+  }
+}
+
+template <typename T, int D, int WG, bool kLse, bool kSel = false>
 __global__ void __launch_bounds__(IndexTopkShape<WG>::kThreads, 1)
     index_topk_sm90_kernel(const IndexTopkParams p, const __grid_constant__ CUtensorMap k_map) {
-  using S = IndexTopkShape<WG>;
+  static_assert(!(kLse && kSel), "kSel is a top-k mode");
+  using S = IndexTopkShape<WG, kSel>;
   using KTile = KMajorSw128<S::kKeys, D>;
   using QTile = sm80::SwizzledTile<D>;
   extern __shared__ unsigned char smem_raw[];
@@ -131,6 +158,7 @@ __global__ void __launch_bounds__(IndexTopkShape<WG>::kThreads, 1)
   T* sQ = reinterpret_cast<T*>(smem + S::template k_bytes<D, T>());
   float* sScore = reinterpret_cast<float*>(smem + S::template k_bytes<D, T>());  // after Q is in registers
   int* sBlock = reinterpret_cast<int*>(sScore + S::kRows * S::kSlots);
+  float* sSum = kSel ? reinterpret_cast<float*>(sBlock + S::kRows * S::kSlots) : nullptr;
   uint64_t* full = reinterpret_cast<uint64_t*>(smem + S::template k_bytes<D, T>() + S::template q_or_list_bytes<D, T>());
   uint64_t* empty = full + S::kStages;
 
@@ -183,7 +211,7 @@ __global__ void __launch_bounds__(IndexTopkShape<WG>::kThreads, 1)
   }
   const float abs_scale = fabsf(p.scale);
   __syncthreads();  // Q is in registers: its space now holds the top lists
-  if (!kLse && tid < S::kRows) SmemTopHeap(sScore, sBlock, tid, p.topk).init();
+  if (!kLse && tid < S::kRows) TopHeap<kSel>(sScore, sBlock, tid, p.topk, sSum).init();
   __syncthreads();  // a list is initialised by thread `row` and used by the row's owner lane
 
   // Lanes t = 0 and 1 of each quad keep the lists of rows g and g + 8 of the warp's 16 (SPEC 2 order).
@@ -191,7 +219,7 @@ __global__ void __launch_bounds__(IndexTopkShape<WG>::kThreads, 1)
   const bool owner = tq < 2;
   const int my_row = warp * 16 + g + 8 * (tq & 1);
   const int my_local = (pos0 + my_row / hr) / p.block_size;
-  SmemTopHeap heap(sScore, sBlock, my_row, p.topk);
+  TopHeap<kSel> heap(sScore, sBlock, my_row, p.topk, sSum);
   float thr = p.topk > 1 ? kNegInf : kPosInf;
   // kLse: rows g and g + 8 (r = 0, 1): running max and sum of 2^x over this thread's columns, x = the score
   // times |scale| log2(e); pos_r the row's position (keys at or before it are visible).
@@ -256,7 +284,22 @@ __global__ void __launch_bounds__(IndexTopkShape<WG>::kThreads, 1)
           }
           const float s = abs_scale * ((tq & 1) ? m[h][1] : m[h][0]);
           const int b = it * nb + h;  // blocks are offered in ascending order
-          if (owner && b < my_local && s > thr) thr = heap.replace_root(s, b);
+          const bool take = owner && b < my_local && s > thr;
+          if constexpr (kSel) {
+            if (__any_sync(0xffffffffu, take)) {  // warp-uniform: the quad's lanes sum together
+              float l[2];
+              if (nb == 1) {
+                block_sums<0, 16>(c, m[0], sl2, l);
+              } else if (h == 0) {  // two blocks of 64 keys: columns 0..63, then 64..127
+                block_sums<0, 8>(c, m[0], sl2, l);
+              } else {
+                block_sums<8, 8>(c, m[1], sl2, l);
+              }
+              if (take) thr = heap.replace_root(s, b, (tq & 1) ? l[1] : l[0]);
+            }
+          } else {
+            if (take) thr = heap.replace_root(s, b);
+          }
         }
       }
     }
@@ -266,7 +309,7 @@ __global__ void __launch_bounds__(IndexTopkShape<WG>::kThreads, 1)
     lse_write_rows(p, tl, run_m, run_l, warp * 16 + g, lane);
   } else {
     __syncthreads();
-    write_index_row(p, tl, sScore, sBlock, tid);
+    write_index_row<kSel>(p, tl, sScore, sBlock, tid, sSum);
   }
 }
 
@@ -293,16 +336,16 @@ inline int topk_warpgroups(int ctas4) {
   return ctas4 <= sms ? 2 : 4;
 }
 
-template <typename T, int D, int WG, bool kLse>
+template <typename T, int D, int WG, bool kLse, bool kSel>
 cudaError_t launch_index_topk_wg(const IndexTopkParams& p, const CUtensorMap& k_map, cudaStream_t stream) {
-  using S = IndexTopkShape<WG>;
+  using S = IndexTopkShape<WG, kSel>;
   const int hr = p.num_heads / p.num_key_heads;
   const int tm = S::kRows / hr;
   if (tm == 0) return cudaErrorInvalidValue;
   const int tiles = (p.max_seqlen + tm - 1) / tm;
   const dim3 grid(unsigned(tiles) * unsigned(p.num_seqs), unsigned(p.num_key_heads));
   constexpr int smem = S::template smem_bytes<D, T>();
-  auto kernel = index_topk_sm90_kernel<T, D, WG, kLse>;
+  auto kernel = index_topk_sm90_kernel<T, D, WG, kLse, kSel>;
   const cudaError_t err = cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, smem);
   if (err != cudaSuccess) return err;
   kernel<<<grid, S::kThreads, smem, stream>>>(p, k_map);
@@ -311,7 +354,7 @@ cudaError_t launch_index_topk_wg(const IndexTopkParams& p, const CUtensorMap& k_
 
 // cudaErrorNotSupported (before any launch) when the TMA descriptor cannot describe k_idx (e.g. a zero
 // stride): the caller then takes the portable kernel (select_blocks) or the dense forward (lse).
-template <typename T, int D, bool kLse>
+template <typename T, int D, bool kLse, bool kSel = false>
 cudaError_t launch_index_scores(const IndexTopkParams& p, cudaStream_t stream) {
   const int hr = p.num_heads / p.num_key_heads;
   const int tm4 = IndexTopkShape<4>::kRows / hr;
@@ -323,13 +366,15 @@ cudaError_t launch_index_scores(const IndexTopkParams& p, cudaStream_t stream) {
   if (err != cudaSuccess) return err;
   const int64_t ctas4 = int64_t((p.max_seqlen + tm4 - 1) / tm4) * p.num_seqs * p.num_key_heads;
   return topk_warpgroups(int(std::min<int64_t>(ctas4, 1 << 30))) == 2
-             ? launch_index_topk_wg<T, D, 2, kLse>(p, k_map, stream)
-             : launch_index_topk_wg<T, D, 4, kLse>(p, k_map, stream);
+             ? launch_index_topk_wg<T, D, 2, kLse, kSel>(p, k_map, stream)
+             : launch_index_topk_wg<T, D, 4, kLse, kSel>(p, k_map, stream);
 }
 
+// With p.sel_stats also each row's kept blocks' (max, sum) of the index logits (kSel).
 template <typename T, int D>
 cudaError_t launch_index_topk(const IndexTopkParams& p, cudaStream_t stream) {
-  return launch_index_scores<T, D, false>(p, stream);
+  return p.sel_stats != nullptr ? launch_index_scores<T, D, false, true>(p, stream)
+                                : launch_index_scores<T, D, false, false>(p, stream);
 }
 
 // p.lse (Hi, T) = the natural-log logsumexp of p.scale * q_idx . k_idx over each row's causal keys (p.indices,

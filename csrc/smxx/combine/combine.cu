@@ -8,9 +8,11 @@ namespace {
 
 // A slot's (max, sum): sum 0 = no keys (never written, or nothing visible); a NaN sum (non-finite
 // scores) counts, so the row's lse is NaN, as in the reference. The row's slots (count <= kMaxTopk) are
-// loaded first, all in flight together, then reduced in slot order.
+// loaded first, all in flight together, then reduced in slot order, then `extra` (the same form: the index
+// top-k's (max, sum) of the row's other blocks where the stats pass scored only its own, else (0, 0)).
 constexpr int kMaxTopk = 32;  // api/index_topk.cpp and sparse_fwd.cpp check topk <= 32
-__device__ __forceinline__ float combine_lse(const float2* st, int64_t first, int64_t stride, int count) {
+__device__ __forceinline__ float combine_lse(const float2* st, int64_t first, int64_t stride, int count,
+                                             float2 extra = make_float2(0.f, 0.f)) {
   float2 x[kMaxTopk];
 #pragma unroll
   for (int s = 0; s < kMaxTopk; ++s) x[s] = s < count ? st[first + s * stride] : make_float2(0.f, 0.f);
@@ -18,10 +20,12 @@ __device__ __forceinline__ float combine_lse(const float2* st, int64_t first, in
 #pragma unroll
   for (int s = 0; s < kMaxTopk; ++s)
     if (x[s].y != 0.f) m = fmaxf(m, x[s].x);
+  if (extra.y != 0.f) m = fmaxf(m, extra.x);
   float l = 0.f;
 #pragma unroll
   for (int s = 0; s < kMaxTopk; ++s)
     if (x[s].y != 0.f) l += x[s].y * exp2f(x[s].x - m);
+  if (extra.y != 0.f) l += extra.y * exp2f(extra.x - m);
   return l == 0.f ? -__builtin_huge_valf() : (m + log2f(l)) * kLn2;
 }
 
@@ -44,7 +48,8 @@ __global__ void sparse_combine_stats_kernel(SparseCombineParams p) {
     const int64_t k = i - main_rows;
     const int r = int(k / p.chunk_tokens), tl = int(k % p.chunk_tokens);
     const int64_t e0 = (int64_t(r) * p.chunk_tokens + tl) * p.topk;
-    p.lse_idx[int64_t(r) * p.total_tokens + p.chunk_begin + tl] = combine_lse(p.idx_stats, e0, 1, p.topk);
+    const int64_t row = int64_t(r) * p.total_tokens + p.chunk_begin + tl;
+    p.lse_idx[row] = combine_lse(p.idx_stats, e0, 1, p.topk, p.sel_stats ? p.sel_stats[row] : make_float2(0.f, 0.f));
   }
 }
 

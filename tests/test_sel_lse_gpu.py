@@ -1,0 +1,120 @@
+"""The sparse path's lse_idx from the Hopper top-k (csrc/sm90/index_topk, kSel): the top list carries each kept
+block's sum of exponentials, the stats pass scores the index branch on each row's own block only, and the stats
+combine adds the two. Against the float64 reference over the kernel's own selection, against the stats pass
+scoring every selected block (MSA_SEL_LSE=0: the same selection, main branch bitwise, the index terms to
+rounding), bitwise between 2- and 4-warpgroup CTAs and run to run; and that the kSel kernel is what ran."""
+import math
+
+import pytest
+import torch
+
+from attention_check import assert_forward_close, reference_forward
+from helpers import make_packed, poison_allocator, suffix_packed
+
+pytestmark = pytest.mark.gpu
+ops = torch.ops.msa
+
+NAMES = ("out", "kl", "indices", "lse", "lse_idx", "kl_dq_idx", "kl_dk_idx", "kl_rows")
+
+
+@pytest.fixture(autouse=True)
+def _hopper(monkeypatch):
+    monkeypatch.delenv("MSA_PORTABLE_KERNELS", raising=False)
+    for var in ("MSA_SEL_LSE", "MSA_FWD_WS_STATS", "MSA_TOPK_WG"):
+        monkeypatch.delenv(var, raising=False)
+    if int(ops.device_config(torch.empty(0, device="cuda"))[1]) != 1:  # this build runs the sm_90a kernels here
+        pytest.skip("the selection's lse_idx comes from the sm_90a top-k kernel")
+
+
+# (lengths or (len_q, len_k) per sequence, (Hq, Hkv, Hi, Hki), Di, block_size, topk, dtype, index scale factor):
+# sequences of 1 token, under a block and of many blocks; block_size 64 (two blocks per 128-key sub-tile); a
+# topk of 2 (one kept block) and 32 (more slots than blocks: padding); Hi / Hki of 1, 2, 4 and 16; a negative
+# index scale (the kernel flips Q) and a large one (logits of tens); queries a suffix of the keys.
+CASES = [
+    ([2100, 700, 1, 300, 129], (16, 2, 4, 1), 128, 128, 16, torch.bfloat16, 1.0),
+    ([1500, 257], (8, 2, 8, 4), 64, 64, 4, torch.float16, -1.5),
+    ([3000, 64], (4, 4, 4, 4), 128, 128, 32, torch.bfloat16, 3.0),
+    ([1000, 513], (16, 16, 16, 1), 128, 64, 2, torch.bfloat16, 1.0),
+    (([300, 5, 1], [2348, 900, 129]), (16, 2, 4, 1), 128, 128, 16, torch.bfloat16, 1.0),
+]
+
+
+def _inputs(case):
+    lengths, heads, di, bs, topk, dtype, f = CASES[case]
+    if isinstance(lengths, tuple):
+        x = suffix_packed(*lengths, heads, 128, di, dtype=dtype, device="cuda", seed=case + 11)
+        q, k, v, qi, ki, cu, mx, cu_k, mx_k = (x["q"], x["k"], x["v"], x["qi"], x["ki"], x["cu_q"], x["mx_q"],
+                                               x["cu_k"], x["mx_k"])
+    else:
+        q, k, v, qi, ki, cu, mx = make_packed(lengths, heads, 128, di, dtype=dtype, device="cuda", seed=case + 11)
+        cu_k = mx_k = None
+    args = (q, k, v, qi, ki, cu, mx, topk, bs, 1 / math.sqrt(128), f / math.sqrt(di), False, True, True, False,
+            cu_k, mx_k)
+    return args, cu_k
+
+
+def _run(monkeypatch, args, sel=True, wg=None, deterministic=False):
+    if sel:
+        monkeypatch.delenv("MSA_SEL_LSE", raising=False)
+    else:
+        monkeypatch.setenv("MSA_SEL_LSE", "0")
+    if wg is None:
+        monkeypatch.delenv("MSA_TOPK_WG", raising=False)
+    else:
+        monkeypatch.setenv("MSA_TOPK_WG", str(wg))
+    args = list(args)
+    args[14] = deterministic
+    poison_allocator()  # a row or slot left unwritten reads as garbage
+    return ops.msa_fwd(*args)
+
+
+def _kernels(fn):
+    with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CUDA]) as prof:
+        fn()
+        torch.cuda.synchronize()
+    return [e.name for e in prof.events() if "index_topk_sm90_kernel" in e.name]
+
+
+@pytest.mark.parametrize("case", range(len(CASES)))
+def test_sel_lse_against_reference_and_full_stats(monkeypatch, case):
+    args, cu_k = _inputs(case)
+    names = _kernels(lambda: _run(monkeypatch, args))
+    assert names and all(n.replace(" ", "").endswith(",false,true>(msa::IndexTopkParams,CUtensorMap_st)")
+                         for n in names), f"the kSel top-k did not run: {names}"
+    names = _kernels(lambda: _run(monkeypatch, args, sel=False))
+    assert names and all(",false,false>" in n.replace(" ", "") for n in names), names
+
+    got = _run(monkeypatch, args)
+    full = _run(monkeypatch, args, sel=False)
+    out, kl, idx, lse, lse_idx = got[:5]
+    for name in ("out", "indices", "lse"):  # the main branch and the selection do not change
+        i = NAMES.index(name)
+        assert torch.equal(got[i], full[i]), f"{name} differs with the selection's lse_idx"
+    assert torch.isfinite(lse_idx).all()
+    torch.testing.assert_close(lse_idx, full[4], rtol=2e-6, atol=2e-6, msg="lse_idx against every block scored")
+    torch.testing.assert_close(kl, full[1], rtol=1e-4, atol=1e-6, msg="kl")
+    torch.testing.assert_close(got[7], full[7], rtol=1e-4, atol=1e-5, msg="kl_rows")
+    for i in (5, 6):
+        scale = full[i].abs().max().item()
+        assert scale > 0, f"{NAMES[i]}: all zero"
+        torch.testing.assert_close(got[i], full[i], rtol=1e-3, atol=1e-4 * scale, msg=NAMES[i])
+
+    q, k, v, qi, ki, cu, mx, topk, bs, scale, iscale = args[:11]
+    exact, lowp = reference_forward(q, k, v, qi, ki, idx, cu, bs, scale, iscale, cu_k)
+    assert_forward_close(out, kl, lse, lse_idx, exact, lowp[0])
+
+
+@pytest.mark.parametrize("case", [0, 1])
+def test_sel_lse_warpgroups_and_runs_bitwise(monkeypatch, case):
+    """The kept blocks' sums are per-thread over the same columns in both CTA sizes: bitwise equal; and
+    deterministic mode repeats bitwise."""
+    args, _ = _inputs(case)
+    two = _run(monkeypatch, args, wg=2)
+    four = _run(monkeypatch, args, wg=4)
+    for i in range(5):
+        assert torch.equal(two[i], four[i]), f"{NAMES[i]} differs between 2- and 4-warpgroup top-k CTAs"
+    a = _run(monkeypatch, args, deterministic=True)
+    b = _run(monkeypatch, args, deterministic=True)
+    for name, x, y in zip(NAMES, a, b):
+        assert torch.equal(x, y), f"{name}: deterministic runs differ"
+    torch.testing.assert_close(a[4], four[4], rtol=0, atol=0, msg="lse_idx: deterministic mode")
