@@ -109,3 +109,25 @@ def test_use_deterministic_algorithms_turns_it_on(monkeypatch):
         _assert_bitwise(fn, xs, 4, monkeypatch)
     finally:
         torch.use_deterministic_algorithms(was)
+
+
+@pytest.mark.parametrize("scales", [(-1.0, 1.0), (1.0, -1.5), (-0.5, -2.0)])
+def test_deterministic_negative_scales(scales, monkeypatch):
+    """A negative softmax or index scale: the deterministic summation grid is sized by the scale's magnitude
+    (a negative bound once made every deterministic dq_idx element NaN), so the gradients are finite, bitwise
+    repeatable and as accurate as the reference demands."""
+    N, heads, dtype = 1500, (8, 2, 4, 1), torch.bfloat16
+    xs = make_inputs(1, N, heads, 128, 64, dtype=dtype, device="cuda", seed=11)
+    scale, iscale = scales[0] / math.sqrt(128), scales[1] / math.sqrt(64)
+
+    def fn(*x):
+        return msa.msa_attention(*x, topk=6, block_size=64, softmax_scale=scale, index_scale=iscale,
+                                 deterministic=True)
+    a = _assert_bitwise(fn, xs, 11, monkeypatch)
+    assert all(torch.isfinite(x).all() for x in a), "non-finite outputs or gradients"
+    idx = msa.select_blocks(xs[3][0], xs[4][0], topk=6, block_size=64, index_scale=iscale,
+                            cu_seqlens=torch.tensor([0, N], dtype=torch.int32, device="cuda"), max_seqlen=N)
+    g = torch.Generator(device="cpu").manual_seed(11)  # _run's upstream gradients
+    dout, dkl = torch.randn(a[0].shape, generator=g).to(a[0]), torch.tensor(0.7, device="cuda")
+    cu = torch.tensor([0, N], dtype=torch.int32, device="cuda")
+    assert_grads_close([x[0] for x in a[2:]], dout[0], dkl, *[x[0] for x in xs], idx, cu, 64, scale, iscale)

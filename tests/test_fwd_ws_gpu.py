@@ -24,10 +24,12 @@ def _run(monkeypatch, ws, args, stats=True):
         monkeypatch.delenv("MSA_FWD_WS", raising=False)
     else:
         monkeypatch.setenv("MSA_FWD_WS", "0")
-    if stats:
-        monkeypatch.setenv("MSA_FWD_WS_STATS", "1")
+    if stats:  # the warp-specialized stats pass scores the index branch on every selected block (with the top-k's
+        monkeypatch.setenv("MSA_FWD_WS_STATS", "1")  # stats, MSA_SEL_MAX_BLOCKS > 0, the general one runs)
+        monkeypatch.setenv("MSA_SEL_MAX_BLOCKS", "0")
     else:
         monkeypatch.delenv("MSA_FWD_WS_STATS", raising=False)
+        monkeypatch.delenv("MSA_SEL_MAX_BLOCKS", raising=False)
     poison_allocator()
     return ops.msa_fwd(*args)
 
@@ -57,7 +59,7 @@ def _kernels(fn):
 
 
 def _check(monkeypatch, args, index_grad):
-    general = _run(monkeypatch, False, args)
+    general = _run(monkeypatch, False, args, stats=False)
     ws_out = _run(monkeypatch, True, args, stats=False)
     ws = _run(monkeypatch, True, args)
     for name, i in (("out", 0), ("indices", 2), ("lse", 3), ("lse_idx", 4)):

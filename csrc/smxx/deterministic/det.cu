@@ -41,9 +41,12 @@ __global__ void absmax_kernel(AbsMaxParams p) {
 
 __global__ void det_grid_kernel(DetGridParams p) {
   const double a0 = double(__uint_as_float(p.amax[0]));
-  double B = p.mode == 0 ? p.factor * a0 * (double(__uint_as_float(p.amax[1])) + double(__uint_as_float(p.amax[2]))) *
+  // |factor|: a negative softmax or index scale bounds the sums as its magnitude does (log2 of a negative B was
+  // NaN: every element of the deterministic dq_idx was NaN under a negative index scale).
+  const double f = fabs(p.factor);
+  double B = p.mode == 0 ? f * a0 * (double(__uint_as_float(p.amax[1])) + double(__uint_as_float(p.amax[2]))) *
                                double(__uint_as_float(p.amax[3]))
-                         : p.factor * a0;
+                         : f * a0;
   if (B == 0.0) B = 1.0;  // every contribution is 0: any grid
   if (!(B < 1e30)) {      // overflow: no exact grid, plain sums
     *p.grid = make_float4(0.f, 0.f, 0.f, 0.f);
