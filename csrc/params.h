@@ -62,11 +62,8 @@ struct IndexTopkParams {
   float* lse;                 // out (Hi, T): sm90::launch_index_lse only (warmup's lse_idx)
   // out (Hi, T), nullable, sm90::launch_index_topk only: each row's kept blocks (all but its own) as the
   // (max, sum) of 2^x of their index logits x = index_scale * q_idx . k_idx * log2(e), as the sparse
-  // forward's stats pass writes per slot, for the rows whose own block is below sel_max_blocks (their cost
-  // grows with the blocks scored, the stats pass's saving does not); (-inf, 0) for the others and when no
-  // block is kept.
+  // forward's stats pass writes per slot; (-inf, 0) when no block is kept.
   float2* sel_stats;
-  int sel_max_blocks;
   int64_t q_stride_t, q_stride_h;  // in elements
   int64_t k_stride_t, k_stride_h;
   int total_tokens;
@@ -130,10 +127,9 @@ struct SparseFwdParams {
   bool write_out;          // output pass: P V partials too (false: KL terms only)
   float2* stats;           // (entries, G): (max, sum) of the main logits, log2 domain, sum 0 = none
   float2* idx_stats;       // (entries): the same for the index logits
-  // Stats pass: for the rows at positions below idx_sel_pos (0: none) the index logits of their own block only
-  // (the top-k kernel gave their other blocks' (max, sum): SparseCombineParams::sel_stats); a slot of another
-  // block of theirs gets (-inf, 1), "counted, adds nothing".
-  int idx_sel_pos;
+  // Stats pass: the index logits of each row's own block only (the top-k kernel gave its other blocks' (max, sum):
+  // SparseCombineParams::sel_stats); a slot of another block gets (-inf, 1), "counted, adds nothing".
+  bool idx_own_only;
   const float* lse;        // (Hq, T) natural log (output pass input)
   void* out_part;          // (entries, G, D) input dtype
   float* kl_part;          // (entries)

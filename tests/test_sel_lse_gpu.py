@@ -1,10 +1,9 @@
 """The sparse path's lse_idx from the Hopper top-k (csrc/sm90/index_topk, kSel): the top list carries each kept
 block's sum of exponentials, the stats pass scores the index branch on each row's own block only, and the stats
-combine adds the two, for the rows whose own block is below MSA_SEL_MAX_BLOCKS (default 128; rows past it on
-both sides of the bound here too). Against the float64 reference over the kernel's own selection, against the
-stats pass scoring every selected block (MSA_SEL_MAX_BLOCKS=0: the same selection, main branch bitwise, the
-index terms to rounding), bitwise between 2- and 4-warpgroup CTAs and run to run; and that the kSel kernel is
-what ran."""
+combine adds the two; msa_fwd takes it where no sequence has more than MSA_SEL_MAX_BLOCKS key blocks (default
+128). Against the float64 reference over the kernel's own selection, against the stats pass scoring every
+selected block (MSA_SEL_MAX_BLOCKS=0: the same selection, main branch bitwise, the index terms to rounding),
+bitwise between 2- and 4-warpgroup CTAs and run to run; that the kSel kernel is what ran, and the bound."""
 import math
 
 from functools import partial
@@ -81,17 +80,24 @@ def _kernels(fn):
     return [e.name for e in prof.events() if "index_topk_sm90_kernel" in e.name]
 
 
-@pytest.mark.parametrize("bound", [None, 5])  # the default (every row here), and rows on both sides of 5 blocks
-@pytest.mark.parametrize("case", range(len(CASES)))
-def test_sel_lse_against_reference_and_full_stats(monkeypatch, case, bound):
-    args, cu_k = _inputs(case)
-    names = _kernels(lambda: _run(monkeypatch, args, sel=bound))
-    assert names and all(n.replace(" ", "").endswith(",false,true>(msa::IndexTopkParams,CUtensorMap_st)")
-                         for n in names), f"the kSel top-k did not run: {names}"
-    names = _kernels(lambda: _run(monkeypatch, args, sel=0))
-    assert names and all(",false,false>" in n.replace(" ", "") for n in names), names
+def _sel_kernel_ran(names):
+    return bool(names) and all(n.replace(" ", "").endswith(",false,true>(msa::IndexTopkParams,CUtensorMap_st)")
+                               for n in names)
 
-    got = _run(monkeypatch, args, sel=bound)
+
+def _plain_kernel_ran(names):
+    return bool(names) and all(",false,false>" in n.replace(" ", "") for n in names)
+
+
+@pytest.mark.parametrize("case", range(len(CASES)))
+def test_sel_lse_against_reference_and_full_stats(monkeypatch, case):
+    args, cu_k = _inputs(case)
+    names = _kernels(lambda: _run(monkeypatch, args))
+    assert _sel_kernel_ran(names), f"the kSel top-k did not run: {names}"
+    names = _kernels(lambda: _run(monkeypatch, args, sel=0))
+    assert _plain_kernel_ran(names), names
+
+    got = _run(monkeypatch, args)
     full = _run(monkeypatch, args, sel=0)
     out, kl, idx, lse, lse_idx = got[:5]
     for name in ("out", "indices", "lse"):  # the main branch and the selection do not change
@@ -135,3 +141,15 @@ def test_sel_lse_warpgroups_and_runs_bitwise(monkeypatch, case):
     for name, x, y in zip(NAMES, a, b):
         assert torch.equal(x, y), f"{name}: deterministic runs differ"
     torch.testing.assert_close(a[4], four[4], rtol=0, atol=0, msg="lse_idx: deterministic mode")
+
+
+def test_sel_lse_bound(monkeypatch):
+    """MSA_SEL_MAX_BLOCKS bounds the longest sequence's key blocks: at the bound the kSel top-k runs, one under it
+    the plain one, whose results equal those of MSA_SEL_MAX_BLOCKS=0 bitwise."""
+    args, _ = _inputs(4)  # keys of 2348 tokens: 19 blocks of 128
+    assert _sel_kernel_ran(_kernels(lambda: _run(monkeypatch, args, sel=19)))
+    assert _plain_kernel_ran(_kernels(lambda: _run(monkeypatch, args, sel=18)))
+    under, off = _run(monkeypatch, args, sel=18), _run(monkeypatch, args, sel=0)
+    for name, x, y in zip(NAMES, under, off):
+        if name not in ("kl_dq_idx", "kl_dk_idx"):  # fp32 atomics: the order of their adds varies
+            assert torch.equal(x, y), f"{name} differs under the bound from the stats pass's own index terms"

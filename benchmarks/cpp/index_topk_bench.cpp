@@ -42,10 +42,7 @@ int main(int argc, char** argv) {
       // The selection msa_fwd runs: the top list also carries each kept block's sum (IndexTopkParams::sel_stats).
       Buf sel(sizeof(float) * 2 * pb.hi * T);
       std::vector<msa::IndexTopkParams> sel_params = params;
-      for (msa::IndexTopkParams& p : sel_params) {  // every row (the op's bound, MSA_SEL_MAX_BLOCKS, aside)
-        p.sel_stats = reinterpret_cast<float2*>(sel.get());
-        p.sel_max_blocks = 1 << 30;
-      }
+      for (msa::IndexTopkParams& p : sel_params) p.sel_stats = reinterpret_cast<float2*>(sel.get());
       const double sel_ms =
           time_ms(opt, s, n_sets, [&](int i) { BENCH_CHECK(launch_index_topk(pb, sel_params[i], s)); });
       print_row("index_topk_sel/sm90", pb.shape, sel_ms, flops, 0);

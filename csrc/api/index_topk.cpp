@@ -37,8 +37,7 @@ IndexTopkParams index_params(const Tensor& q, const Tensor& k, const SeqMap& seq
 }  // namespace
 
 Tensor select_blocks_cuda(const Tensor& q_idx, const Tensor& k_idx, const SeqMap& seqs, int64_t max_seqlen,
-                          int64_t topk, int64_t block_size, double index_scale, std::optional<Tensor>* sel_stats,
-                          int sel_max_blocks) {
+                          int64_t topk, int64_t block_size, double index_scale, std::optional<Tensor>* sel_stats) {
   MSA_CHECK(q_idx.is_cuda() && same_device(k_idx, q_idx), "q_idx, k_idx: expected one CUDA device, got ", dev(q_idx),
             ", ", dev(k_idx));
   MSA_CHECK(q_idx.scalar_type() == kBFloat16 || q_idx.scalar_type() == kHalf,
@@ -76,7 +75,6 @@ Tensor select_blocks_cuda(const Tensor& q_idx, const Tensor& k_idx, const SeqMap
       if (sel_stats != nullptr) {
         sel = empty({Hi, T, 2}, kFloat, q_idx);
         p.sel_stats = reinterpret_cast<float2*>(ptr<float>(sel));
-        p.sel_max_blocks = sel_max_blocks;
       }
       const cudaError_t err = sm90::launch_index_topk<T_, D_>(p, stream);
       if (err != cudaErrorNotSupported) {

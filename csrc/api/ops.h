@@ -13,11 +13,10 @@
 namespace msa::api {
 
 // sel_stats (nullable): where the Hopper kernel ran, set to its (Hi, T, 2) fp32 per-row (max, sum) of the kept
-// blocks' index logits for the rows whose own block is below sel_max_blocks (IndexTopkParams::sel_stats), for
-// sparse_forward_cuda; left empty otherwise.
+// blocks' index logits (IndexTopkParams::sel_stats), for sparse_forward_cuda; left empty otherwise.
 Tensor select_blocks_cuda(const Tensor& q_idx, const Tensor& k_idx, const SeqMap& seqs,
                               int64_t max_seqlen, int64_t topk, int64_t block_size, double index_scale,
-                              std::optional<Tensor>* sel_stats = nullptr, int sel_max_blocks = 0);
+                              std::optional<Tensor>* sel_stats = nullptr);
 
 // Warmup's lse_idx (Hi, T) on the Hopper index kernel (csrc/sm90/index_topk, kLse), or nullopt where it does not
 // apply (not the sm90 path, MSA_INDEX_LSE=dense, no TMA descriptor for k_idx): the caller takes the dense forward.
@@ -39,14 +38,15 @@ SparseForward sparse_forward_cuda(const Tensor& q, const Tensor& k, const Tensor
                                   double softmax_scale, double index_scale, bool index_grad, bool deterministic,
                                   bool dense = false, const std::optional<Tensor>& lse_given = std::nullopt,
                                   const std::optional<Tensor>& lse_idx_given = std::nullopt,
-                                  const std::optional<Tensor>& sel_stats = std::nullopt, int sel_blocks = 0);
+                                  const std::optional<Tensor>& sel_stats = std::nullopt);
 // dense: warmup (SPEC 5), every block up to the token's own (indices is then only read for Hi); with
 // lse_given (Hq, T) the main branch's lse comes from elsewhere and only the KL part runs; with
 // lse_idx_given (Hi, T) too, the stats pass is skipped (it would only compute lse_idx). q_idx / k_idx:
 // the caller has checked them against q and k (msa_fwd_cuda, before any launch). sel_stats: select_blocks_cuda's
-// for these indices with sel_max_blocks = sel_blocks; the stats pass then scores the index branch of those rows
-// on their own block only. sel_max_blocks: msa_fwd's bound (0: off; MSA_SEL_MAX_BLOCKS).
-int sel_max_blocks();
+// for these indices; the stats pass then scores the index branch on each row's own block only.
+// sel_stats_applies: whether msa_fwd asks the selection for it (sequences of at most MSA_SEL_MAX_BLOCKS key
+// blocks, default 128; 0 turns it off).
+bool sel_stats_applies(const SeqMap& seqs, int64_t block_size);
 
 // Warmup's KL pass on Hopper (csrc/api/dense_kl.cpp): lse, lse_idx, kl_rows and (index_grad) the KL's
 // index gradients, given the dense attention's lse and lse_idx; out is left empty. dense_kl_applies:

@@ -53,15 +53,17 @@ bool small_smem_config(const Tensor& x, int64_t D) {
   return msa::fwd_small_smem(smem_per_block(x), int(D));
 }
 
-// Rows whose own block is below this take their kept blocks' index (max, sum) from the top-k (IndexTopkParams::
-// sel_max_blocks). The top-k's cost per row grows with the blocks it scores, the stats pass's saving does not:
-// at 32K all rows lost (top-k 0.85 -> 1.23 ms, stats pass 1.54 -> 1.09), at 8K (64 blocks) all rows gained
-// (stats pass -107 us, top-k +36 us). MSA_SEL_MAX_BLOCKS=N sets it, 0 turns it off (the stats pass scores every
-// selected block: tests and A/B runs compare the two). The opt-in warp-specialized stats pass scores every
-// block: with the selection's stats the general stats pass runs instead (csrc/sm90/sparse_fwd/sparse_fwd.cuh).
-int sel_max_blocks() {
-  constexpr int kDefault = 128;
-  return env_is("MSA_SEL_MAX_BLOCKS", "0") ? 0 : int(std::min<int64_t>(env_positive("MSA_SEL_MAX_BLOCKS", kDefault), 1 << 30));
+// The kept blocks' index (max, sum) from the top-k (IndexTopkParams::sel_stats) where no sequence has more than
+// MSA_SEL_MAX_BLOCKS key blocks (default 128; 0: never, the stats pass scores every selected block: tests and A/B
+// runs compare the two). The top-k's sums cost grows with the blocks it scores and its kSel kernel is ~8% slower
+// even where it skips them, the stats pass's saving does not grow (H200, s27): at 8K the step's GPU time went
+// 2.534 -> 2.456 ms (stats pass -107 us, top-k +36), at 32K 11.08 -> 11.02 (-0.45 / +0.39 ms), at 128K the step
+// lost 1.7 ms. The opt-in warp-specialized stats pass scores every block: with the selection's stats the general
+// stats pass runs instead (csrc/sm90/sparse_fwd/sparse_fwd.cuh).
+bool sel_stats_applies(const SeqMap& seqs, int64_t block_size) {
+  constexpr int64_t kDefault = 128;
+  if (env_is("MSA_SEL_MAX_BLOCKS", "0")) return false;
+  return (seqs.max_k + block_size - 1) / block_size <= env_positive("MSA_SEL_MAX_BLOCKS", kDefault);
 }
 
 namespace {
@@ -89,7 +91,7 @@ SparseForward sparse_forward_cuda(const Tensor& q_in, const Tensor& k_in, const 
                                   double softmax_scale, double index_scale, bool index_grad, bool deterministic,
                                   bool dense, const std::optional<Tensor>& lse_given,
                                   const std::optional<Tensor>& lse_idx_given,
-                                  const std::optional<Tensor>& sel_stats, int sel_blocks) {
+                                  const std::optional<Tensor>& sel_stats) {
   HostPhases hp("sparse_forward");
   check_qkv_cuda(q_in, k_in, v_in, seqs.total_k);
   check_cuda_int32(indices, "indices", 3);
@@ -251,8 +253,8 @@ SparseForward sparse_forward_cuda(const Tensor& q_in, const Tensor& k_in, const 
   fp.idx_stats = index && !no_stats ? reinterpret_cast<float2*>(idx_stats) : nullptr;
   // The selection's kept blocks' index (max, sum) (msa_fwd, the Hopper top-k): the stats pass then scores the
   // index branch on each row's own block only.
-  const bool sel = sel_stats.has_value() && sel_blocks > 0 && fp.idx_stats != nullptr && !dense;
-  fp.idx_sel_pos = sel ? int(std::min<int64_t>(int64_t(sel_blocks) * block_size, 1 << 30)) : 0;
+  const bool sel = sel_stats.has_value() && fp.idx_stats != nullptr && !dense;
+  fp.idx_own_only = sel;
   fp.lse = ptr<float>(res.lse);
   fp.out_part = out_part;
   fp.kl_part = index ? kl_part : nullptr;
@@ -436,12 +438,11 @@ msa_fwd_cuda(const Tensor& q, const Tensor& k, const Tensor& v, const Tensor& q_
     r.out = out;  // the KL-only pass returns the given lse and no output
   } else {
     std::optional<Tensor> sel;
-    const int sel_blocks = sel_max_blocks();
     indices = select_blocks_cuda(q_idx, k_idx, seqs, max_seqlen, topk, block_size, index_scale,
-                                 sel_blocks > 0 ? &sel : nullptr, sel_blocks);
+                                 sel_stats_applies(seqs, block_size) ? &sel : nullptr);
     hp.mark("select_blocks");
     r = sparse_forward_cuda(q, k, v, q_idx, k_idx, indices, seqs, block_size, softmax_scale, index_scale,
-                            index_grad, deterministic, false, std::nullopt, std::nullopt, sel, sel_blocks);
+                            index_grad, deterministic, false, std::nullopt, std::nullopt, sel);
   }
   // SPEC 4: kl = sum over rows / rows, rows = T * Hi (a fixed-order reduction: deterministic).
   hp.mark("forward");

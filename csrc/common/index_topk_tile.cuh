@@ -56,7 +56,7 @@ __device__ __forceinline__ void gather_index_q(T* sQ, const IndexTopkParams& p, 
 
 // After the main loop and a CTA barrier, thread `row` writes row `row`'s list (SPEC 2 order: the kept
 // blocks ascending, the local block, -1 padding) from its heap in shared memory; kSum: first the kept
-// blocks' (max, sum) to p.sel_stats (rows whose own block is below p.sel_max_blocks, else (-inf, 0)).
+// blocks' (max, sum) to p.sel_stats.
 template <bool kSum = false>
 __device__ __forceinline__ void write_index_row(const IndexTopkParams& p, const IndexTopkTile& t, float* sScore,
                                                 int* sBlock, int row, float* sSum = nullptr) {
@@ -65,11 +65,8 @@ __device__ __forceinline__ void write_index_row(const IndexTopkParams& p, const 
   if (tok >= t.n) return;
   const int64_t at = int64_t(t.kh * t.hr + row % t.hr) * p.total_tokens + t.seq_start + tok;
   TopHeap<kSum> heap(sScore, sBlock, row, p.topk, sSum);
-  const int local = (tok + t.shift) / p.block_size;
-  if constexpr (kSum) {
-    p.sel_stats[at] = local < p.sel_max_blocks ? heap.kept_max_sum() : make_float2(kNegInf, 0.f);
-  }
-  heap.write_sorted(p.indices + at * p.topk, p.topk, local);
+  if constexpr (kSum) p.sel_stats[at] = heap.kept_max_sum();
+  heap.write_sorted(p.indices + at * p.topk, p.topk, (tok + t.shift) / p.block_size);
 }
 
 }  // namespace msa

@@ -26,10 +26,9 @@
 // over the block's keys relative to its max (x = the logit in the log2 domain), computed when a warp has a
 // row that takes the block (every key of a kept block is visible: no mask); the write-out adds each row's
 // kept blocks' (max, sum) to p.sel_stats. The sparse forward's stats pass then scores the index branch on
-// those rows' own blocks only (SparseFwdParams::idx_sel_pos). Only rows whose own block is below
-// p.sel_max_blocks get them (CTAs whose first row's is compute the sums): the sums cost an exponential per
-// score of every block a warp's row takes, which is almost every block scored (0.85 -> 1.23 ms at 32K when
-// all rows have them), while what the stats pass saves is per kept block.
+// the rows' own blocks only (SparseFwdParams::idx_own_only). The sums cost an exponential per score of every
+// block a warp's row takes, almost every block scored: msa_fwd takes this mode for short sequences only
+// (api/sparse_fwd.cpp, sel_stats_applies).
 #pragma once
 #include <cuda.h>  // CUtensorMap (types only: the encoder is reached through the runtime)
 #include <cudaTypedefs.h>
@@ -175,7 +174,6 @@ __global__ void __launch_bounds__(IndexTopkShape<WG>::kThreads, 1)
   const int total = kLse ? last_pos / S::kKeys + 1 : (blocks + nb - 1) / nb;
 
   const int tid = threadIdx.x, warp = tid / 32, lane = tid % 32;
-  const bool sums = kSel && pos0 / p.block_size < p.sel_max_blocks;  // CTA-uniform
 
   gather_index_q<T, D>(sQ, p, tl, S::kRows, tid, S::kThreads);
   sm80::cp_async_commit();
@@ -290,7 +288,7 @@ __global__ void __launch_bounds__(IndexTopkShape<WG>::kThreads, 1)
           const int b = it * nb + h;  // blocks are offered in ascending order
           const bool take = owner && b < my_local && s > thr;
           if constexpr (kSel) {
-            if (sums && __any_sync(0xffffffffu, take)) {  // warp-uniform: the quad's lanes sum together
+            if (__any_sync(0xffffffffu, take)) {  // warp-uniform: the quad's lanes sum together
               float l[2];
               if (nb == 1) {
                 block_sums<0, 16>(c, m[0], sl2, l);
@@ -300,8 +298,6 @@ __global__ void __launch_bounds__(IndexTopkShape<WG>::kThreads, 1)
                 block_sums<8, 8>(c, m[1], sl2, l);
               }
               if (take) thr = heap.replace_root(s, b, (tq & 1) ? l[1] : l[0]);
-            } else if (take) {
-              thr = heap.replace_root(s, b);
             }
           } else {
             if (take) thr = heap.replace_root(s, b);

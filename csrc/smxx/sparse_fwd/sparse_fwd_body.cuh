@@ -265,15 +265,13 @@ __global__ void __launch_bounds__(SparseFwdShape::threads<kOut, Mma::kWgmma, kRo
   if (index) load_ki(0);
   __syncthreads();  // the unit table is read by every thread below
 
-  // Stats pass with idx_sel_pos: a unit whose token is at a position below it and not in this block has its
-  // index (max, sum) from the top-k kernel (sel_unit). A tile of units from ub on takes the index branch unless
-  // every unit is such (units are in token order: its first is not in the block, its last is below the bound).
+  // Stats pass with idx_own_only: a unit whose token is not in this block has its index (max, sum) from the
+  // top-k kernel (sel_unit). A tile of units from ub on takes the index branch unless every unit is such
+  // (units are in token order: its first is past the block).
   auto sel_unit = [&](int u) {  // u: index into the item's units
-    return sTokAll[u] - f.span.q_origin < p.idx_sel_pos && sTokAll[u] - kpos0 >= blen;
+    return p.idx_own_only && sTokAll[u] - kpos0 >= blen;
   };
-  auto index_tile = [&](int ub, int nu_) {
-    return index && (kOut || !(sel_unit(ub) && sel_unit(ub + nu_ - 1)));
-  };
+  auto index_tile = [&](int ub) { return index && (kOut || !sel_unit(ub)); };
   // Steps = (tile, kv head of the group); the next step's rows are fetched while this one computes.
   const int n_tiles = (n_units + U - 1) / U;
   const int steps = n_tiles * J;
@@ -311,7 +309,7 @@ __global__ void __launch_bounds__(SparseFwdShape::threads<kOut, Mma::kWgmma, kRo
                    p.lse + (ok ? int64_t(h0 + row_head(row)) * p.total_tokens + sTokAll[ub + u] : 0), ok);
       }
     }
-    if (index_tile(ub, nu) && j == 0) {
+    if (index_tile(ub) && j == 0) {
       const int ci = tid % kIChunks;
       for (int u = tid / kIChunks; u < kUnitsT; u += kThreadsT / kIChunks) {
         const bool ok = u < nu && ci < di_chunks;
@@ -391,7 +389,7 @@ __global__ void __launch_bounds__(SparseFwdShape::threads<kOut, Mma::kWgmma, kRo
         }
       }
     };
-    if (index_tile(ub, nu) && j == 0) {  // CTA-uniform
+    if (index_tile(ub) && j == 0) {  // CTA-uniform
       Mma::template index_logits<T, (kGu > 0 && kOut), kKeyGroups, kWarpsT>(p, sQi, sKi, warp, kwi, lane, ko, nu,
                                                                         index_epilogue);
     }
@@ -763,7 +761,7 @@ __global__ void __launch_bounds__(SparseFwdShape::threads<kOut, Mma::kWgmma, kRo
     if constexpr (!kOut) {
       // Index stats per unit: merge the parts' (max, sum), in part order (a warp's 16 keys; in the wgmma
       // variant a warpgroup's 64).
-      if (index && j == 0 && !index_tile(ub, nu)) {  // every unit's (max, sum) is the top-k's
+      if (index && j == 0 && !index_tile(ub)) {  // every unit's (max, sum) is the top-k's
         for (int u = tid; u < nu; u += kThreadsT) p.idx_stats[sEntry[u]] = make_float2(kFwdNegInf, 1.f);
       } else if (index && j == 0) {
         const int nw = kWgmma ? (p.block_size + 63) / 64 : min(8, p.block_size / 16);  // parts
