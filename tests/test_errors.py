@@ -183,6 +183,12 @@ def test_cuda_bad_inputs_raise_before_launch():
         for warmup in (True, False):
             expect(RuntimeError, name, lambda: torch.ops.msa.msa_fwd(q, k, k, qi, ki, good_cu, 130, 2, 64, 0.125, 0.1,
                                                                      warmup, False, True))
+    # A block_size the selection refuses, 0 included (s27: the sparse path once divided by it first: SIGFPE).
+    qi, ki = torch.randn(260, 4, 64, dtype=torch.bfloat16, device="cuda"), torch.randn(260, 1, 64, dtype=torch.bfloat16,
+                                                                                        device="cuda")
+    for bs in (0, 32, 256):
+        expect(RuntimeError, "block_size", lambda: torch.ops.msa.msa_fwd(q, k, k, qi, ki, good_cu, 130, 2, bs, 0.125,
+                                                                         0.1, False, False, True))
     torch.cuda.synchronize()  # nothing faulted
 
 

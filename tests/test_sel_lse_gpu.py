@@ -33,13 +33,17 @@ def _hopper(monkeypatch):
 # (lengths or (len_q, len_k) per sequence, (Hq, Hkv, Hi, Hki), Di, block_size, topk, dtype, index scale factor):
 # sequences of 1 token, under a block and of many blocks; block_size 64 (two blocks per 128-key sub-tile); a
 # topk of 2 (one kept block) and 32 (more slots than blocks: padding); Hi / Hki of 1, 2, 4 and 16; a negative
-# index scale (the kernel flips Q) and a large one (logits of tens); queries a suffix of the keys.
+# index scale (the kernel flips Q) and a large one (logits of tens); queries a suffix of the keys; two kv heads
+# per index group (J = 2: the stats pass's index work on its first kv head only), topk 1 (no kept block: the
+# top-k's stats are empty) with Di 64 at block_size 128.
 CASES = [
     ([2100, 700, 1, 300, 129], (16, 2, 4, 1), 128, 128, 16, torch.bfloat16, 1.0),
     ([1500, 257], (8, 2, 8, 4), 64, 64, 4, torch.float16, -1.5),
     ([3000, 64], (4, 4, 4, 4), 128, 128, 32, torch.bfloat16, 3.0),
     ([1000, 513], (16, 16, 16, 1), 128, 64, 2, torch.bfloat16, 1.0),
     (([300, 5, 1], [2348, 900, 129]), (16, 2, 4, 1), 128, 128, 16, torch.bfloat16, 1.0),
+    ([1800, 300], (16, 8, 4, 1), 64, 128, 1, torch.bfloat16, 1.0),
+    ([2500, 700], (16, 8, 4, 2), 128, 64, 8, torch.float16, 1.0),
 ]
 
 
@@ -153,3 +157,17 @@ def test_sel_lse_bound(monkeypatch):
     for name, x, y in zip(NAMES, under, off):
         if name not in ("kl_dq_idx", "kl_dk_idx"):  # fp32 atomics: the order of their adds varies
             assert torch.equal(x, y), f"{name} differs under the bound from the stats pass's own index terms"
+
+
+def test_sel_lse_chunked_queries_and_small_items(monkeypatch):
+    """Query chunks (a small partial budget: sel_stats is indexed by global token, the combines by chunk) and
+    work items of 5 units (tiles that mix a block's own tokens with later ones), against the reference."""
+    monkeypatch.setenv("MSA_PARTIAL_BUDGET", str(1 << 20))
+    monkeypatch.setenv("MSA_FWD_UNITS_PER_ITEM", "5")
+    args, cu_k = _inputs(0)
+    assert _sel_kernel_ran(_kernels(lambda: _run(monkeypatch, args)))
+    got, full = _run(monkeypatch, args), _run(monkeypatch, args, sel=0)
+    torch.testing.assert_close(got[4], full[4], rtol=2e-6, atol=2e-6, msg="lse_idx against every block scored")
+    q, k, v, qi, ki, cu, mx, topk, bs, scale, iscale = args[:11]
+    exact, lowp = reference_forward(q, k, v, qi, ki, got[2], cu, bs, scale, iscale, cu_k)
+    assert_forward_close(got[0], got[1], got[3], got[4], exact, lowp[0])

@@ -4,6 +4,7 @@
 // (fwd_partial_budget: 1 GiB, or with index gradients 8 T Hq D bytes where larger): memory is O(N)
 // overall and bounded per chunk.
 #include <algorithm>
+#include <cstdlib>
 #include <tuple>
 
 #include "api/checks.h"
@@ -60,10 +61,14 @@ bool small_smem_config(const Tensor& x, int64_t D) {
 // 2.534 -> 2.456 ms (stats pass -107 us, top-k +36), at 32K 11.08 -> 11.02 (-0.45 / +0.39 ms), at 128K the step
 // lost 1.7 ms. The opt-in warp-specialized stats pass scores every block: with the selection's stats the general
 // stats pass runs instead (csrc/sm90/sparse_fwd/sparse_fwd.cuh).
+// A block_size select_blocks_cuda refuses (its check raises after this) takes no part; any MSA_SEL_MAX_BLOCKS <= 0
+// (or not a number) turns it off.
 bool sel_stats_applies(const SeqMap& seqs, int64_t block_size) {
   constexpr int64_t kDefault = 128;
-  if (env_is("MSA_SEL_MAX_BLOCKS", "0")) return false;
-  return (seqs.max_k + block_size - 1) / block_size <= env_positive("MSA_SEL_MAX_BLOCKS", kDefault);
+  if (block_size != 64 && block_size != 128) return false;
+  const char* env = std::getenv("MSA_SEL_MAX_BLOCKS");
+  const int64_t bound = env != nullptr ? std::atoll(env) : kDefault;
+  return bound > 0 && (seqs.max_k + block_size - 1) / block_size <= bound;
 }
 
 namespace {
