@@ -2,6 +2,7 @@
 #pragma once
 #include <cstdint>
 
+#include "common/mma_sm80.h"
 #include "params.h"
 
 namespace msa {
@@ -78,11 +79,11 @@ struct TopHeap {
   __device__ __forceinline__ float2 kept_max_sum() const {
     float m = kNegInf;
     for (int j = 0; j < size; ++j)
-      if (bl(j) >= 0) m = fmaxf(m, sc(j) * 1.4426950408889634f);
+      if (bl(j) >= 0) m = fmaxf(m, sc(j) * sm80::kLog2e);
     float l = 0.f;
     if (m != kNegInf) {
       for (int j = 0; j < size; ++j)
-        if (bl(j) >= 0) l += su(j) * exp2f(fmaf(sc(j), 1.4426950408889634f, -m));
+        if (bl(j) >= 0) l += su(j) * exp2f(fmaf(sc(j), sm80::kLog2e, -m));
     }
     return make_float2(m, l);
   }
