@@ -1,0 +1,28 @@
+#!/usr/bin/env bash
+# What each piece of the warp-specialized output pass (csrc/sm90/sparse_fwd/out_pass_ws.cuh, the kernel the
+# bench runs: Gu = 4, J = 1) costs, by removing it: scripts/ablate.sh (timings only, the edited builds compute
+# wrong results). One GPU call, ~1 min per variant at one N (ABLATE_N, default 32768 here).
+#   scripts/ablate_out_ws.sh OUTDIR
+# Variants (each sed changes exactly one line; checked with grep -c and a compile):
+#   no_idx_logits  the index logits S_idx (mma.sync under the S wgmma; the S_idx tile keeps stale values)
+#   no_exp         the exponentials of P (P = the raw logits)
+#   no_head_sum    the reduce-scatter of P over the unit's 4 heads (shuffles)
+#   no_pv          the P V wgmmas (O is whatever the registers hold; staged and stored as before)
+#   no_out_store   the output partials' 16-byte global stores (O still staged in shared memory)
+#   no_kl_terms    the KL terms and the dsi tile (log2 / exp2 per unit and key)
+#   no_dsi_store   the dsi tile's copy to global memory
+#   no_dq          dq_idx: its mma.sync and the reds
+#   no_dq_reds     only dq_idx's reds
+F=csrc/sm90/sparse_fwd/out_pass_ws.cuh
+export ABLATE_N=${ABLATE_N:-32768}
+export ABLATE_GREP=${ABLATE_GREP:-out_pass_ws_kernel|sparse_fwd_kernel}
+exec "$(dirname "$0")/ablate.sh" "${1:?usage: scripts/ablate_out_ws.sh OUTDIR}" \
+  "no_idx_logits|$F|s/^      for (int ks = 0; ks < kDi \/ 16; ++ks) {\$/      for (int ks = 0; ks < 0; ++ks) {/" \
+  "no_exp|$F|s/^    if (full_tile) exp_tile(std::false_type{}); else exp_tile(std::true_type{});/    (void)full_tile;/" \
+  "no_head_sum|$F|s/^    for (int b = 1; b < kGu; b <<= 1) {\$/    for (int b = 1; b < 1; b <<= 1) {/" \
+  "no_pv|$F|s/^        WgmmaRS<T, 64, true>::run/        if (false) WgmmaRS<T, 64, true>::run/" \
+  "no_out_store|$F|s/^        if (u < nu)\$/        if (false)/" \
+  "no_kl_terms|$F|s/^    for (int n = 0; n < kKeys \/ 8; n += kGu) {\$/    for (int n = 0; n < 0; n += kGu) {/" \
+  "no_dsi_store|$F|s/^      for (int i = ctid; i < nu \* (kKeys \/ 8); i += 128) {\$/      for (int i = ctid; i < 0; i += 128) {/" \
+  "no_dq|$F|s/^      if (wq \* 32 < p.di) {\$/      if (false) {/" \
+  "no_dq_reds|$F|s/else sm80::atomic_add4(p.dqi_accum/else if (false) sm80::atomic_add4(p.dqi_accum/"
