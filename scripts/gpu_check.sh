@@ -22,14 +22,11 @@ fi
 nvidia-smi --query-gpu=name,driver_version,clocks.sm,clocks.mem,temperature.gpu --format=csv > "$LOG/gpu.txt" 2>&1
 $PY -c "import torch; print('torch', torch.__version__, 'cuda', torch.version.cuda)" >> "$LOG/gpu.txt"
 t0=$(date +%s)
-# A warm machine keeps the last build; a tree copied over it may carry sources older than those objects
-# (e.g. after scripts/ab_patch.sh built its patched side), which ninja would not rebuild. The hash of
-# the sources the build was made from decides: when it differs, every source is touched.
-src_hash=$(find csrc CMakeLists.txt setup.py -type f | sort | xargs cat | sha256sum | cut -d' ' -f1)
-if [ "$(cat .msa_build_hash 2>/dev/null)" != "$src_hash" ]; then find csrc -type f -exec touch {} +; fi
+# A warm machine keeps the last build: scripts/sync_build.sh rebuilds everything when the sources differ from it.
+bash "$(dirname "$0")/sync_build.sh"
 MAX_JOBS=${MAX_JOBS:-$(nproc)} MSA_PTXAS_VERBOSE=1 $PY setup.py build_ext --inplace > "$LOG/build.log" 2>&1
 rc=$?
-[ $rc -eq 0 ] && echo "$src_hash" > .msa_build_hash
+[ $rc -eq 0 ] && bash "$(dirname "$0")/sync_build.sh" done
 echo "build: rc=$rc, $(( $(date +%s) - t0 )) s" | tee -a "$LOG/summary.txt"
 if [ $rc -ne 0 ]; then tail -n 40 "$LOG/build.log"; exit $rc; fi
 grep -E "spill|registers|Compiling entry" "$LOG/build.log" | sort -u > "$LOG/ptxas.txt" || true
