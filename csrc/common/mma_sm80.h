@@ -78,6 +78,18 @@ __device__ __forceinline__ void ldmatrix_x4_trans(uint32_t (&r)[4], const void* 
                : "=r"(r[0]), "=r"(r[1]), "=r"(r[2]), "=r"(r[3])
                : "r"(smem_addr(smem)));
 }
+// The same two loads from a shared-memory address the caller computed (e.g. a lane's swizzled base once,
+// then one XOR per k-step: see SwizzledTile).
+__device__ __forceinline__ void ldmatrix_x4_at(uint32_t (&r)[4], uint32_t addr) {
+  asm volatile("ldmatrix.sync.aligned.m8n8.x4.shared.b16 {%0,%1,%2,%3}, [%4];\n"
+               : "=r"(r[0]), "=r"(r[1]), "=r"(r[2]), "=r"(r[3])
+               : "r"(addr));
+}
+__device__ __forceinline__ void ldmatrix_x4_trans_at(uint32_t (&r)[4], uint32_t addr) {
+  asm volatile("ldmatrix.sync.aligned.m8n8.x4.trans.shared.b16 {%0,%1,%2,%3}, [%4];\n"
+               : "=r"(r[0]), "=r"(r[1]), "=r"(r[2]), "=r"(r[3])
+               : "r"(addr));
+}
 
 // Two fp32 values as one packed 16-bit pair (the A-fragment / store format).
 template <typename T>
@@ -152,6 +164,10 @@ struct SwizzledTile {
   __device__ __forceinline__ static int offset(int row, int chunk) {  // in elements
     return row * D + ((chunk ^ (row & 7)) * 8);
   }
+  // In bytes. For x < kChunks, bytes(row, chunk ^ x) = bytes(row, chunk) ^ (x << 4) (a row's 2 D bytes
+  // are a multiple of the 16 kChunks bytes the XOR touches): a lane computes its base once and each
+  // k-step's address is one XOR, also of an absolute address when the tile starts 2 D-byte aligned.
+  __device__ __forceinline__ static uint32_t bytes(int row, int chunk) { return uint32_t(offset(row, chunk)) * 2u; }
 };
 
 // One warp's acc (16 rows x 8 N8 columns) += A B over kKeys keys (128, or 64): A = rows a_row0 ..

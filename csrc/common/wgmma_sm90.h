@@ -95,6 +95,9 @@ struct KMajorSw128 {
   __device__ __forceinline__ static int offset(int row, int chunk) {
     return (chunk / 8) * kPanelElems + row * 64 + (((chunk % 8) ^ (row % 8)) * 8);
   }
+  // In bytes. Within a panel (x < 8, chunk % 8 ^ x), bytes(row, chunk ^ x) = bytes(row, chunk) ^ (x << 4);
+  // the next panel is kPanelElems * 2 bytes on: one XOR and an immediate per k-step from a lane's base.
+  __device__ __forceinline__ static uint32_t bytes(int row, int chunk) { return uint32_t(offset(row, chunk)) * 2u; }
   // Descriptor of the R x 16 slice of k-step ks (elements 16 ks .. 16 ks + 15) of the tile at `base`:
   // start address advanced within the panel by 32 bytes per k-step (the swizzle applies to the final
   // address), stride between 8-row atoms 1024 bytes, leading offset unused (1), layout 128B swizzle.

@@ -28,7 +28,9 @@
 // K, V and K_idx of the block are loaded once by the consumers (cp.async, a proxy fence for the wgmma
 // reads of K and V, one barrier of the 256) while the producer reads the unit table and gathers the first
 // tiles. Measured at 32K (s16): 3.55 ms for the general sm_90a pass, 2.81 for this one as first built, 2.74
-// with P V under the KL terms, 2.68 with the prologue overlapped too.
+// with P V under the KL terms, 2.68 with the prologue overlapped too. s29: every shared-memory address of the
+// consumers' loop from a per-lane base and one XOR per step (ncu: ~40% of their instructions were address
+// arithmetic, recomputed per tile).
 #pragma once
 #include <cuda_runtime.h>
 
@@ -78,12 +80,13 @@ struct Smem {  // byte offsets from the 1024-aligned base
   static constexpr int k = 0;
   static constexpr int v = k + kKeys * D * 2;
   static constexpr int ki = v + kKeys * D * 2;
-  // One stage: Q (64 rows, SwizzledTile<D>; then O), Q_idx (16 units, SwizzledTile<kDi>), lse, lse_idx.
+  // One stage: Q (64 rows, SwizzledTile<D>; then O), Q_idx (16 units, SwizzledTile<kDi>), lse, lse_idx;
+  // stages start 1024-byte aligned, so the swizzled addresses can be XORed whole.
   static constexpr int s_q = 0;
   static constexpr int s_qi = s_q + kRows * D * 2;
   static constexpr int s_lse = s_qi + kUnits * kDi * 2;
   static constexpr int s_lse_idx = s_lse + kRows * 4;
-  static constexpr int stage_bytes = s_lse_idx + kUnits * 4;
+  static constexpr int stage_bytes = (s_lse_idx + kUnits * 4 + 1023) / 1024 * 1024;
   static constexpr int stage0 = ki + kKeys * kDi * 2;
   // Per consumer: S_idx (fp32, log2 domain) and dsi (SwizzledTile<kKeys>, input dtype).
   static constexpr int c_si = 0;
@@ -93,7 +96,9 @@ struct Smem {  // byte offsets from the 1024-aligned base
   static constexpr int table = cons0 + 2 * cons_bytes;  // the item's units: local entry ids, tokens
   static constexpr int bars = table + 2 * sm80::kFwdMaxItemUnits * 4;
   static constexpr int bytes = bars + 2 * kStages * 8;
-  static_assert(stage_bytes % 16 == 0 && cons_bytes % 16 == 0, "16-byte aligned tiles");
+  static_assert(stage0 % 1024 == 0 && stage_bytes % 1024 == 0 && s_qi % 1024 == 0 && cons_bytes % 256 == 0 &&
+                    c_dsi % 256 == 0,
+                "tiles aligned for the XOR addressing");
 };
 
 template <int N>
@@ -259,12 +264,33 @@ __global__ void __launch_bounds__(kThreads, 1) out_pass_ws_kernel(SparseFwdParam
   const int row0 = wq * 16 + g, row1 = row0 + 8;
   const int uu0 = row0 / kGu, uu1 = row1 / kGu;  // the rows' units in the tile
   T* part = static_cast<T*>(p.out_part);
+  // Shared-memory addresses: each lane's base once, then one XOR (and immediates) per k-step or chunk
+  // (SwizzledTile / KMajorSw128::bytes), so the loop does not rebuild the swizzle per tile.
+  const uint32_t smem0 = smem_addr(smem);
+  const int l8 = lane & 7, l16 = lane >> 4, b8 = (lane >> 3) & 1;
+  // S's A fragments: rows 16 wq + lane % 16 of the stage's Q, chunk 2 ks + l16 -> base ^ (ks << 5).
+  const uint32_t q_frag = QTile::bytes(wq * 16 + (lane & 15), l16);
+  // S_idx: A = rows lane % 16 of the stage's Q_idx (the same form); B = rows 32 wq + 16 np + l8 + 8 l16 of
+  // K_idx, chunk 2 ks + b8 -> panel ks / 4, base ^ ((ks % 4) << 5), + 2048 np (16 rows).
+  const uint32_t qi_frag = QiTile::bytes(lane & 15, l16);
+  const uint32_t ki_frag = smem0 + L::ki + KiT::bytes(wq * 32 + l8 + 8 * l16, b8);
+  // O staged in the warp's rows: (row0, chunk 8 panel + n) + 2 tq elements -> base ^ (n << 4) + 128 panel.
+  const uint32_t o_stage = QTile::bytes(row0, 0) + 4 * tq;
+  // Its readback: chunk lane + 32 h of unit 4 wq + uu (kGu D / 8 chunks) is row 16 wq + rr + lr (rr = kGu uu
+  // + h 32 / (D / 8), lr = lane / (D / 8)), chunk lane % (D / 8); (rr + lr) & 7 = (rr & 7) ^ lr, so its bytes
+  // are base ^ ((rr & 7) << 4) + 2 D rr.
+  const uint32_t o_read = QTile::bytes(16 * wq + lane / (D / 8), lane % (D / 8));
+  // dsi of the units uu0, uu1, chunk n + gi (n % 4 = 0) + 2 tq elements -> base ^ (n << 4).
+  const uint32_t dsi_w0 = PTile::bytes(uu0, gi) + 4 * tq, dsi_w1 = PTile::bytes(uu1, gi) + 4 * tq;
+  // dq_idx += dsi K_idx: A = dsi rows lane % 16, chunk 2 kk + l16 -> base ^ (kk << 5); B = K_idx read
+  // transposed, rows 16 kk + l8 + 8 b8, chunk 4 wq + 2 dp + l16 -> base ^ (dp << 5) + 2048 kk.
+  const uint32_t dsi_frag = smem_addr(sDsi) + PTile::bytes(lane & 15, l16);
+  const uint32_t kit_frag = smem0 + L::ki + KiT::bytes(l8 + 8 * b8, 4 * wq + l16);
   for (int t = cw; t < n_tiles; t += 2) {
     const int s = t % kStages;
     mbar_wait(&full[s], (t / kStages) & 1);
     unsigned char* st = smem + L::stage0 + s * L::stage_bytes;
-    T* sQ = reinterpret_cast<T*>(st + L::s_q);
-    const T* sQi = reinterpret_cast<const T*>(st + L::s_qi);
+    const uint32_t st_addr = smem0 + L::stage0 + s * L::stage_bytes;
     const float* sLse = reinterpret_cast<const float*>(st + L::s_lse);
     const float* sLseIdx = reinterpret_cast<const float*>(st + L::s_lse_idx);
     const int ub = t * kUnits, nu = min(kUnits, n_units - ub);
@@ -276,7 +302,7 @@ __global__ void __launch_bounds__(kThreads, 1) out_pass_ws_kernel(SparseFwdParam
     {
       uint32_t a[D / 16][4];
 #pragma unroll
-      for (int ks = 0; ks < D / 16; ++ks) ldmatrix_x4(a[ks], sQ + QTile::offset(wq * 16 + lane % 16, ks * 2 + lane / 16));
+      for (int ks = 0; ks < D / 16; ++ks) sm80::ldmatrix_x4_at(a[ks], (st_addr + L::s_q + q_frag) ^ (ks << 5));
       wgmma_fence();
 #pragma unroll
       for (int ks = 0; ks < D / 16; ++ks) WgmmaRS<T, kKeys>::run(sw, a[ks], KT::desc(k_addr, ks), ks > 0);
@@ -288,11 +314,11 @@ __global__ void __launch_bounds__(kThreads, 1) out_pass_ws_kernel(SparseFwdParam
 #pragma unroll
       for (int ks = 0; ks < kDi / 16; ++ks) {
         uint32_t fa[4];
-        ldmatrix_x4(fa, sQi + QiTile::offset(lane % 16, ks * 2 + lane / 16));
+        sm80::ldmatrix_x4_at(fa, (st_addr + L::s_qi + qi_frag) ^ (ks << 5));
 #pragma unroll
         for (int np = 0; np < 2; ++np) {
           uint32_t b[4];
-          ldmatrix_x4(b, sKi + KiT::offset(wq * 32 + np * 16 + (lane % 8) + (lane / 16) * 8, ks * 2 + (lane / 8) % 2));
+          sm80::ldmatrix_x4_at(b, (ki_frag ^ ((ks & 3) << 5)) + (ks >> 2) * (KiT::kPanelElems * 2) + np * 16 * 128);
           MmaOp<T>::run(ci[2 * np], fa, b[0], b[1]);
           MmaOp<T>::run(ci[2 * np + 1], fa, b[2], b[3]);
         }
@@ -390,7 +416,8 @@ __global__ void __launch_bounds__(kThreads, 1) out_pass_ws_kernel(SparseFwdParam
           const float li = h ? li1 : li0;
           const float d0 = col <= lim ? fast_exp2(si.x - li) - pm0 : 0.f;
           const float d1 = col + 1 <= lim ? fast_exp2(si.y - li) - pm1 : 0.f;
-          *reinterpret_cast<uint32_t*>(sDsi + PTile::offset(u, col / 8) + col % 8) = pack2<T>(d0, d1);
+          *reinterpret_cast<uint32_t*>(reinterpret_cast<unsigned char*>(sDsi) + ((h ? dsi_w1 : dsi_w0) ^ (n << 4))) =
+              pack2<T>(d0, d1);
         }
       }
     }
@@ -406,22 +433,28 @@ __global__ void __launch_bounds__(kThreads, 1) out_pass_ws_kernel(SparseFwdParam
       fence_regs(ow[panel]);
 #pragma unroll
       for (int n = 0; n < 8; ++n) {
-        *reinterpret_cast<uint32_t*>(sQ + QTile::offset(row0, panel * 8 + n) + 2 * tq) =
-            pack2<T>(ow[panel][4 * n], ow[panel][4 * n + 1]);
-        *reinterpret_cast<uint32_t*>(sQ + QTile::offset(row1, panel * 8 + n) + 2 * tq) =
-            pack2<T>(ow[panel][4 * n + 2], ow[panel][4 * n + 3]);
+        unsigned char* o = st + L::s_q + (o_stage ^ (n << 4)) + panel * 128;
+        *reinterpret_cast<uint32_t*>(o) = pack2<T>(ow[panel][4 * n], ow[panel][4 * n + 1]);
+        *reinterpret_cast<uint32_t*>(o + 8 * 2 * D) = pack2<T>(ow[panel][4 * n + 2], ow[panel][4 * n + 3]);
       }
     }
     __syncwarp();
     {
       constexpr int kUnitChunks = kGu * D / 8;
-      static_assert(kUnitChunks % 32 == 0, "a unit's chunks fill whole warp passes");
-#pragma unroll 4
-      for (int i = lane; i < 16 * (D / 8); i += 32) {
-        const int u = wq * (16 / kGu) + i / kUnitChunks, ch = i % kUnitChunks;
-        if (u < nu)
-          *reinterpret_cast<uint4*>(part + int64_t(sEntry[u]) * (kGu * D) + ch * 8) =
-              *reinterpret_cast<const uint4*>(sQ + QTile::offset(u * kGu + ch / (D / 8), ch % (D / 8)));
+      static_assert(kUnitChunks % 32 == 0 && 32 % (D / 8) == 0 && kGu % (32 / (D / 8)) == 0,
+                    "a unit's chunks fill whole warp passes");
+#pragma unroll
+      for (int uu = 0; uu < 16 / kGu; ++uu) {
+        const int u = wq * (16 / kGu) + uu;
+        if (u < nu) {
+          T* dst = part + int64_t(sEntry[u]) * (kGu * D) + lane * 8;
+#pragma unroll
+          for (int h = 0; h < kUnitChunks / 32; ++h) {
+            const int rr = kGu * uu + h * (32 / (D / 8));
+            *reinterpret_cast<uint4*>(dst + h * 256) =
+                *reinterpret_cast<const uint4*>(st + L::s_q + (o_read ^ ((rr & 7) << 4)) + rr * 2 * D);
+          }
+        }
       }
     }
     mbar_arrive(&empty[s]);  // this thread's reads of the stage are done (its values are in registers)
@@ -442,18 +475,37 @@ __global__ void __launch_bounds__(kThreads, 1) out_pass_ws_kernel(SparseFwdParam
       if (wq * 32 < p.di) {
         float dq[4][4];
         sm80::zero_acc(dq);
-        sm80::mma_rows_keys<T, KiT, kKeys>(dq, sDsi, 0, sKi, wq * 4, lane);
+#pragma unroll
+        for (int kk = 0; kk < kKeys / 16; ++kk) {
+          uint32_t fa[4];
+          sm80::ldmatrix_x4_at(fa, dsi_frag ^ (kk << 5));
+#pragma unroll
+          for (int dp = 0; dp < 2; ++dp) {
+            uint32_t fb[4];
+            sm80::ldmatrix_x4_trans_at(fb, (kit_frag ^ (dp << 5)) + kk * 16 * 128);
+            MmaOp<T>::run(dq[2 * dp], fa, fb[0], fb[1]);
+            MmaOp<T>::run(dq[2 * dp + 1], fa, fb[2], fb[3]);
+          }
+        }
         // One 16-byte red per lane and n-tile: even tq lanes add unit g, odd ones g + 8.
         const int uq = g + ((tq & 1) ? 8 : 0);
-        const int64_t o = (int64_t(sTok[uq < nu ? uq : 0]) * p.hi + r) * p.di + wq * 32 + 2 * (tq & ~1);
+        float4 x[4];
+        const float sc = p.dqi_scale;
 #pragma unroll
         for (int n = 0; n < 4; ++n) {
           const float4 v = sm80::quad_rows4(dq[n], tq);
-          const float sc = p.dqi_scale;
-          const float4 x = make_float4(v.x * sc, v.y * sc, v.z * sc, v.w * sc);
-          if (uq < nu) {
-            if (p.dqi_lo != nullptr) det_add4(p.dqi_accum + o + n * 8, p.dqi_lo + o + n * 8, x, __ldg(p.dqi_grid));
-            else sm80::atomic_add4(p.dqi_accum + o + n * 8, x);
+          x[n] = make_float4(v.x * sc, v.y * sc, v.z * sc, v.w * sc);
+        }
+        if (uq < nu) {
+          const int64_t o = (int64_t(sTok[uq]) * p.hi + r) * p.di + wq * 32 + 2 * (tq & ~1);
+          float* dst = p.dqi_accum + o;
+          if (p.dqi_lo != nullptr) {
+            const float4 grid = __ldg(p.dqi_grid);
+#pragma unroll
+            for (int n = 0; n < 4; ++n) det_add4(dst + n * 8, p.dqi_lo + o + n * 8, x[n], grid);
+          } else {
+#pragma unroll
+            for (int n = 0; n < 4; ++n) sm80::atomic_add4(dst + n * 8, x[n]);
           }
         }
       }
