@@ -2,6 +2,7 @@
 // lse_idx on the same Hopper kernel (index_lse_cuda).
 #include "api/checks.h"
 #include "api/dispatch.h"
+#include "api/host_phases.h"
 #include "api/ops.h"
 #include "sm80/index_topk/index_topk.h"
 #ifdef MSA_WITH_SM90
@@ -38,6 +39,7 @@ IndexTopkParams index_params(const Tensor& q, const Tensor& k, const SeqMap& seq
 
 Tensor select_blocks_cuda(const Tensor& q_idx, const Tensor& k_idx, const SeqMap& seqs, int64_t max_seqlen,
                           int64_t topk, int64_t block_size, double index_scale, std::optional<Tensor>* sel_stats) {
+  HostPhases hp("select_blocks");
   MSA_CHECK(q_idx.is_cuda() && same_device(k_idx, q_idx), "q_idx, k_idx: expected one CUDA device, got ", dev(q_idx),
             ", ", dev(k_idx));
   MSA_CHECK(q_idx.scalar_type() == kBFloat16 || q_idx.scalar_type() == kHalf,
@@ -57,9 +59,11 @@ Tensor select_blocks_cuda(const Tensor& q_idx, const Tensor& k_idx, const SeqMap
   MSA_CHECK(block_size == 64 || block_size == 128, "block_size: expected 64 or 128, got ", block_size);
   MSA_CHECK(q_idx.stride(2) == 1 && k_idx.stride(2) == 1, "q_idx, k_idx: expected a contiguous last dim");
 
+  hp.mark("checks");
   const DeviceGuard guard(q_idx.get_device_index());
   Tensor indices = empty({Hi, T, topk}, kInt, q_idx);
   if (T == 0) return indices;
+  hp.mark("alloc");
   const Tensor q = aligned_rows(q_idx), k = aligned_rows(k_idx);
   IndexTopkParams p = index_params(q, k, seqs, max_seqlen, index_scale);
   p.indices = ptr<int32_t>(indices);
@@ -68,6 +72,7 @@ Tensor select_blocks_cuda(const Tensor& q_idx, const Tensor& k_idx, const SeqMap
   p.small_smem = env_is("MSA_SMALL_SMEM", "1");  // forces the portable kernel's 64-row tile (99 KB GPUs take it)
   const cudaStream_t stream = current_stream(q_idx);
   [[maybe_unused]] const bool sm90 = use_sm90_kernels();
+  hp.mark("params");
   dispatch_dtype_dim(q.scalar_type(), Di, [&]<typename T_, int D_>() {
 #ifdef MSA_WITH_SM90
     if (sm90) {  // cudaErrorNotSupported: no TMA descriptor for this k_idx (nothing launched)
@@ -87,6 +92,7 @@ Tensor select_blocks_cuda(const Tensor& q_idx, const Tensor& k_idx, const SeqMap
 #endif
     MSA_LAUNCH_CHECK((sm80::launch_index_topk<T_, D_>(p, stream)), "select_blocks");
   });
+  hp.mark("launch");
   return indices;
 }
 

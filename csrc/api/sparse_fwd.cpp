@@ -414,9 +414,11 @@ msa_fwd_cuda(const Tensor& q, const Tensor& k, const Tensor& v, const Tensor& q_
              std::optional<int64_t> max_seqlen_k) {
   HostPhases hp("msa_fwd");
   check_qkv_cuda(q, k, v, rows(k));  // the key rows against the layout: seq_map
+  hp.mark("check_qkv");
   check_index_cuda(q, k, q_idx, k_idx);  // before the dense kernels of warmup, too
+  hp.mark("check_index");
   const SeqMap seqs = seq_map(cu_seqlens, q.size(0), max_seqlen, cu_seqlens_k, max_seqlen_k, k.size(0), q);
-  hp.mark("checks+seq_map");
+  hp.mark("seq_map");
   Tensor indices;
   SparseForward r;
   if (warmup) {
