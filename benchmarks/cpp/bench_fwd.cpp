@@ -4,6 +4,7 @@
 #include <cstring>
 
 #include "sm80/sparse_fwd/sparse_fwd.h"
+#include "sm90/index_dk/index_dk.h"
 #include "sm90/sparse_fwd/sparse_fwd.h"
 #include "smxx/combine/combine.h"
 #include "smxx/index_dk/index_dk.h"
@@ -308,7 +309,14 @@ void FwdBench::combine_kl(int set, int c) const {
   BENCH_CHECK(smxx::launch_sparse_combine_kl(combine_params(set, c), stream));
 }
 void FwdBench::index_dk(int set, int c) const {
-  if (grad) BENCH_CHECK(smxx::launch_index_dk(dk_params(set, c), !pb.fp16, stream));
+  if (!grad) return;
+#ifdef MSA_WITH_SM90
+  if (pb.sm90) {
+    BENCH_CHECK(sm90::launch_index_dk(dk_params(set, c), !pb.fp16, stream));
+    return;
+  }
+#endif
+  BENCH_CHECK(smxx::launch_index_dk(dk_params(set, c), !pb.fp16, stream));
 }
 
 void FwdBench::forward(int set) const {

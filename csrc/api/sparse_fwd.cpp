@@ -13,6 +13,7 @@
 #include "api/ops.h"
 #include "common/workspace.h"
 #include "sm80/sparse_fwd/sparse_fwd.h"
+#include "sm90/index_dk/index_dk.h"
 #include "sm90/sparse_fwd/sparse_fwd.h"
 #include "smxx/combine/combine.h"
 #include "smxx/index_dk/index_dk.h"
@@ -361,7 +362,15 @@ SparseForward sparse_forward_cuda(const Tensor& q_in, const Tensor& k_in, const 
     if (grad) {
       dp.chunk_tokens = int(tc);
       dp.work.max_items = fp.work.max_items;
-      MSA_LAUNCH_CHECK(smxx::launch_index_dk(dp, q.scalar_type() == kBFloat16, stream), "msa_fwd (index dk)");
+      const bool bf16 = q.scalar_type() == kBFloat16;
+#ifdef MSA_WITH_SM90
+      if (sm90) {
+        MSA_LAUNCH_CHECK(sm90::launch_index_dk(dp, bf16, stream), "msa_fwd (index dk)");
+      } else
+#endif
+      {
+        MSA_LAUNCH_CHECK(smxx::launch_index_dk(dp, bf16, stream), "msa_fwd (index dk)");
+      }
       if (det) {
         item_reduce(dki_part, rp.item_offsets, rp.block_offsets, seqs, block_size, max_blocks, Hi, {res.kl_dk_idx});
       }

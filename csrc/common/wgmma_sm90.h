@@ -188,9 +188,7 @@ MSA_WGMMA_RS_ALL(__half, "f16", 0)
 MSA_WGMMA_RS_ALL(__half, "f16", 1)
 #undef MSA_WGMMA_RS_ALL
 #undef MSA_WGMMA_RS
-#undef MSA_WGMMA_D_64
 #undef MSA_WGMMA_ARGS
-#undef MSA_WGMMA_ACC_64
 
 // acc (64 x N) (+)= A (64 x 16 kSteps) * B, A from registers: every A fragment is loaded (load_a(frag, kk))
 // before the first wgmma, then one commit and one wait, so the loads overlap and nothing waits between
@@ -218,33 +216,38 @@ __device__ __forceinline__ void wgmma_rs_k64(float (&acc)[N / 2], LoadA load_a, 
   wgmma_rs_ksteps<T, N, 4, kTransB>(acc, load_a, b_desc, accumulate_first);
 }
 
-// D (64 x N, fp32) (+)= A (64 x 16, shared) * B (16 x N, shared): wgmma m64nNk16 with both operands
-// K-major in shared memory (descriptors from KMajorSw128::desc).
-template <typename T, int N>
+// D (64 x N, fp32) (+)= A (64 x 16, shared) * B (16 x N, shared): wgmma m64nNk16 with both operands in
+// shared memory. K-major operands take KMajorSw128::desc; kTransA / kTransB read A / B MN-major
+// (KMajorSw128::desc_mn of a tile whose rows run along K: A = dsi^T of a [unit][key] tile, B = Q_idx).
+template <typename T, int N, bool kTransA = false, bool kTransB = false>
 struct WgmmaSS;
 
-// One specialisation per N: the accumulator operands (list and constraints), then the operand numbers
-// of the two descriptors and the accumulate flag (they follow the N / 2 accumulators).
-#define MSA_WGMMA_SS(TYPE, PTXTYPE, N, D_LIST, D_OPS, DESC_A, DESC_B, ACC) \
+// One specialisation per N and pair of transpose flags: the accumulator operands (list and constraints),
+// then the operand numbers of the two descriptors and the accumulate flag (they follow the N / 2 accumulators).
+#define MSA_WGMMA_SS(TYPE, PTXTYPE, N, TA, TB, D_LIST, D_OPS, DESC_A, DESC_B, ACC) \
   template <> \
-  struct WgmmaSS<TYPE, N> { \
+  struct WgmmaSS<TYPE, N, TA != 0, TB != 0> { \
     __device__ __forceinline__ static void run(float (&d)[N / 2], uint64_t desc_a, uint64_t desc_b, bool accumulate) { \
       asm volatile("{\n.reg .pred p;\nsetp.ne.b32 p, " ACC ", 0;\n" \
                    "wgmma.mma_async.sync.aligned.m64n" #N "k16.f32." PTXTYPE "." PTXTYPE " " \
-                   "{" D_LIST "}, " DESC_A ", " DESC_B ", p, 1, 1, 0, 0;\n}\n" \
+                   "{" D_LIST "}, " DESC_A ", " DESC_B ", p, 1, 1, " #TA ", " #TB ";\n}\n" \
                    : D_OPS \
                    : "l"(desc_a), "l"(desc_b), "r"(int(accumulate))); \
     } \
   };
-// N = 32: the sparse backward's S = Q K^T and dP = dO V^T over 32 keys; N = 64: the dense KL pass's
-// S^T = K Q^T (A = 64 keys of K, B = 64 queries of Q).
+// (0, 0), N = 32: the sparse backward's S = Q K^T and dP = dO V^T over 32 keys; N = 64: the dense KL pass's
+// S^T = K Q^T (A = 64 keys of K, B = 64 queries of Q). (1, 1), N = 128: index dk's dK_idx = dsi^T Q_idx
+// (sm90/index_dk/mainloop.cuh).
 #define MSA_WGMMA_SS_ALL(TYPE, PTXTYPE) \
-  MSA_WGMMA_SS(TYPE, PTXTYPE, 32, MSA_WGMMA_D_16, MSA_WGMMA_ACC_16, "%16", "%17", "%18") \
-  MSA_WGMMA_SS(TYPE, PTXTYPE, 64, MSA_WGMMA_D_32, MSA_WGMMA_ACC_32, "%32", "%33", "%34")
+  MSA_WGMMA_SS(TYPE, PTXTYPE, 32, 0, 0, MSA_WGMMA_D_16, MSA_WGMMA_ACC_16, "%16", "%17", "%18") \
+  MSA_WGMMA_SS(TYPE, PTXTYPE, 64, 0, 0, MSA_WGMMA_D_32, MSA_WGMMA_ACC_32, "%32", "%33", "%34") \
+  MSA_WGMMA_SS(TYPE, PTXTYPE, 128, 1, 1, MSA_WGMMA_D_64, MSA_WGMMA_ACC_64, "%64", "%65", "%66")
 MSA_WGMMA_SS_ALL(__nv_bfloat16, "bf16")
 MSA_WGMMA_SS_ALL(__half, "f16")
 #undef MSA_WGMMA_SS_ALL
 #undef MSA_WGMMA_SS
+#undef MSA_WGMMA_D_64
+#undef MSA_WGMMA_ACC_64
 #undef MSA_WGMMA_D_32
 #undef MSA_WGMMA_D_16
 #undef MSA_WGMMA_ACC_32

@@ -1,4 +1,4 @@
-// The KL's k_idx gradient of one query chunk (index_dk.cu), any arch (mma.sync: sm80+).
+// The KL's k_idx gradient of one query chunk, any arch (mma.sync: sm80+; index_dk.cu). Hopper: sm90/index_dk.
 #pragma once
 #include <cuda_runtime_api.h>
 
