@@ -185,6 +185,30 @@ def test_cuda_graph_training_step(layout):
 
 
 @both_paths
+@pytest.mark.parametrize("N", [347, 349])  # shapes no other test uses: first seen inside the capture
+def test_capture_of_a_new_batched_shape(N):
+    """The batched layout's sequence offsets are kept per shape after their first eager call; a shape first seen
+    inside a CUDA graph capture builds its own inside the graph (its kernel has not run yet, so it must not be
+    kept): the replay and a later eager call of the same shape both give the eager answer."""
+    with torch.no_grad():
+        _msa_attention(*_batched(200, seed=1))  # lazy initialisation outside the capture, another shape
+        x = _batched(N, seed=2)
+        torch.cuda.synchronize()
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph):
+            out, kl = _msa_attention(*x)
+        graph.replay()
+        torch.cuda.synchronize()
+        ref_out, ref_kl = _msa_attention(*x)  # eager, after the capture: builds and keeps the offsets
+        again_out, again_kl = _msa_attention(*x)  # eager, from the kept offsets
+    torch.testing.assert_close(out, ref_out, rtol=0, atol=0)
+    torch.testing.assert_close(kl, ref_kl, rtol=0, atol=0)
+    torch.testing.assert_close(again_out, ref_out, rtol=0, atol=0)
+    torch.testing.assert_close(again_kl, ref_kl, rtol=0, atol=0)
+    assert torch.isfinite(ref_out).all() and torch.isfinite(ref_kl)
+
+
+@both_paths
 def test_capture_of_unchecked_cu_seqlens_raises():
     """A cu_seqlens never checked before the capture cannot be read during it: a clear error."""
     q, k, v, qi, ki, cu, mx = _varlen([100, 50], seed=3)

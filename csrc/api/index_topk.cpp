@@ -72,15 +72,13 @@ Tensor select_blocks_cuda(const Tensor& q_idx, const Tensor& k_idx, const SeqMap
   p.small_smem = env_is("MSA_SMALL_SMEM", "1");  // forces the portable kernel's 64-row tile (99 KB GPUs take it)
   const cudaStream_t stream = current_stream(q_idx);
   [[maybe_unused]] const bool sm90 = use_sm90_kernels();
+  Tensor sel;  // the kept blocks' (max, sum) per row, for the caller (sm90 kernel only)
+  if (sm90 && sel_stats != nullptr) sel = empty({Hi, T, 2}, kFloat, q_idx);
   hp.mark("params");
   dispatch_dtype_dim(q.scalar_type(), Di, [&]<typename T_, int D_>() {
 #ifdef MSA_WITH_SM90
     if (sm90) {  // cudaErrorNotSupported: no TMA descriptor for this k_idx (nothing launched)
-      Tensor sel;
-      if (sel_stats != nullptr) {
-        sel = empty({Hi, T, 2}, kFloat, q_idx);
-        p.sel_stats = reinterpret_cast<float2*>(ptr<float>(sel));
-      }
+      if (sel_stats != nullptr) p.sel_stats = reinterpret_cast<float2*>(ptr<float>(sel));
       const cudaError_t err = sm90::launch_index_topk<T_, D_>(p, stream);
       if (err != cudaErrorNotSupported) {
         MSA_LAUNCH_CHECK(err, "select_blocks");

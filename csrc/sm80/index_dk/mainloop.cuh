@@ -11,6 +11,8 @@ namespace msa::sm80 {
 struct DkMma {
   static constexpr bool kAsync = false;  // mma.sync: the next tile's copies go out before the GEMM
   static constexpr int kDetBlocks = 1;   // the deterministic variant spills at two CTAs per SM (128 registers)
+  static constexpr int kStages = 3;      // the ring: 3 x 16 KB
+  static constexpr int kAlign = 16;      // the tiles' swizzle is on element offsets
   using Tile = SwizzledTile<128>;        // dsi (units x keys) and q_idx (units x Di) tiles, read by ldmatrix
   __device__ __forceinline__ static void fence_operands() {}
 

@@ -15,6 +15,8 @@ namespace msa::sm90 {
 struct DkMma {
   static constexpr bool kAsync = true;  // issue() starts the wgmmas; the next tile's copies go out under them
   static constexpr int kDetBlocks = 1;  // the deterministic variant spills 200 bytes at two CTAs per SM
+  static constexpr int kStages = 4;     // the ring: 4 x 16 KB (two CTAs per SM: 130 KB)
+  static constexpr int kAlign = 1024;   // KMajorSw128 tiles start 1024-byte aligned
   using Tile = KMajorSw128<32, 128>;  // 32 units x 128 keys (dsi) or Di (q_idx): two 64-column panels
   // Tiles written by cp.async (generic proxy) are read by wgmma (async proxy).
   __device__ __forceinline__ static void fence_operands() { fence_proxy_async_smem(); }

@@ -10,7 +10,7 @@
 // registers (warp w: keys [16w, 16w + 16)) while the segment's units stream through in tiles of 32 (two
 // MMA k-steps), later tiles' dsi rows and q_idx rows fetched while this one computes; the segment
 // ends with one atomic add of the accumulator. Di = 64 is zero-padded to 128 in shared memory.
-// The kernel streams dsi and q_idx rows (512 B per unit) through a kDkStages-deep cp.async ring (one
+// The kernel streams dsi and q_idx rows (512 B per unit) through an Mma::kStages-deep cp.async ring (one
 // CTA barrier per tile: 16 KB per barrier; tiles of 16 units ran at ~1.2 TB/s, NOTES s27). dsi rows
 // are in reverse-index order (the output pass writes them so), so a tile's 32 rows are one
 // contiguous 8 KB read; only q_idx is gathered by token (entry / topk % T: FastDiv, no runtime division).
@@ -23,6 +23,7 @@
 #include <algorithm>
 
 #include "common/block_span.h"
+#include "common/cuda_check.h"
 #include "common/fast_div.h"
 #include "common/mma_sm80.h"
 #include "params.h"
@@ -34,7 +35,11 @@ constexpr int kDkThreads = 256;
 constexpr int kDkKeys = 128;
 constexpr int kDkUnits = 32;  // per tile: two MMA k-steps
 constexpr int kDkDi = 128;    // shared-memory width of the q_idx tile (Di = 64: zeros)
-constexpr int kDkStages = 3;  // 3 x 16 KB of static shared memory
+constexpr int kDkTileBytes = kDkUnits * (kDkKeys + kDkDi) * 2;  // one stage: dsi and q_idx rows, 16 KB
+// Dynamic shared memory of Mma's ring: Mma::kStages stages, + Mma::kAlign - 16 bytes to align them to kAlign (1024
+// for wgmma tiles, whose swizzle is on address bits; the base is 16-byte aligned).
+template <class Mma>
+constexpr int dk_smem_bytes() { return Mma::kStages * kDkTileBytes + Mma::kAlign - 16; }
 
 // kDet (deterministic mode): CTA i takes the chunk's work item i (one key, at most units_per_item of its
 // units) and stores its sum in dki_part[i]; item_reduce adds the items in order. Mma::kDetBlocks: CTAs per
@@ -47,8 +52,13 @@ template <class Mma, typename T, bool kDet>
 __global__ void __launch_bounds__(kDkThreads, kDet ? Mma::kDetBlocks : 2)
     index_dk_kernel(IndexDkParams p, FastDiv by_topk, FastDiv by_tokens) {
   using Tile = typename Mma::Tile;
-  __shared__ __align__(1024) T sDs[kDkStages][kDkUnits * kDkKeys];
-  __shared__ __align__(1024) T sQi[kDkStages][kDkUnits * kDkDi];
+  constexpr int kDkStages = Mma::kStages;
+  // The ring in dynamic shared memory, Mma::kAlign-byte aligned: stage b's dsi tile, then its q_idx tile.
+  extern __shared__ __align__(16) unsigned char dk_smem_raw[];
+  constexpr uint32_t kMask = Mma::kAlign - 1;
+  unsigned char* const dk_smem = dk_smem_raw + ((Mma::kAlign - (smem_addr(dk_smem_raw) & kMask)) & kMask);
+  auto sDs = reinterpret_cast<T(*)[kDkUnits * (kDkKeys + kDkDi)]>(dk_smem);
+  auto sQi = [&](int b) { return sDs[b] + kDkUnits * kDkKeys; };
   const SparseWork& w = p.work;
   int e_begin, e_end, key;
   if constexpr (kDet) {
@@ -108,7 +118,7 @@ __global__ void __launch_bounds__(kDkThreads, kDet ? Mma::kDetBlocks : 2)
         const int64_t tok = ok ? fast_mod(fast_div(entry(i, ue), by_topk), by_tokens) : 0;
         cp_async_16(&sDs[b][Tile::offset(u, c)], DS + (ok ? int64_t(ue) * kDkKeys + c * 8 : 0), ok);
         const bool qok = ok && c < di_chunks;
-        cp_async_16(&sQi[b][Tile::offset(u, c)],
+        cp_async_16(sQi(b) + Tile::offset(u, c),
                     QI + (qok ? tok * p.qi_stride_t + int64_t(r) * p.qi_stride_h + c * 8 : 0), qok);
       }
     };
@@ -141,7 +151,7 @@ __global__ void __launch_bounds__(kDkThreads, kDet ? Mma::kDetBlocks : 2)
         cp_async_commit();
       };
       if constexpr (!Mma::kAsync) next();
-      if (active) Mma::template issue<T>(acc, sDs[t % kDkStages], sQi[t % kDkStages], warp, lane, t == 0);
+      if (active) Mma::template issue<T>(acc, sDs[t % kDkStages], sQi(t % kDkStages), warp, lane, t == 0);
       if constexpr (Mma::kAsync) next();
       if (active) Mma::wait(acc);
     }
@@ -182,10 +192,14 @@ cudaError_t launch_index_dk_with(const IndexDkParams& p, bool bf16, cudaStream_t
   const int64_t entries = int64_t(p.hi) * p.chunk_tokens * p.topk;
   const int64_t grid = det ? int64_t(p.work.max_items) : std::min<int64_t>(2 * sms, (entries + 255) / 256);
   if (grid == 0) return cudaSuccess;
-  auto kernel = det ? (bf16 ? index_dk_kernel<Mma, __nv_bfloat16, true> : index_dk_kernel<Mma, __half, true>)
-                    : (bf16 ? index_dk_kernel<Mma, __nv_bfloat16, false> : index_dk_kernel<Mma, __half, false>);
-  kernel<<<unsigned(grid), kDkThreads, 0, stream>>>(p, by_topk, by_tokens);
-  return cudaGetLastError();
+  constexpr int smem = dk_smem_bytes<Mma>();
+  auto launch = [&]<typename T, bool kDet>() {
+    MSA_CUDA_TRY((ensure_dynamic_smem<index_dk_kernel<Mma, T, kDet>>(smem)));
+    index_dk_kernel<Mma, T, kDet><<<unsigned(grid), kDkThreads, smem, stream>>>(p, by_topk, by_tokens);
+    return cudaGetLastError();
+  };
+  if (det) return bf16 ? launch.template operator()<__nv_bfloat16, true>() : launch.template operator()<__half, true>();
+  return bf16 ? launch.template operator()<__nv_bfloat16, false>() : launch.template operator()<__half, false>();
 }
 
 }  // namespace msa::smxx
