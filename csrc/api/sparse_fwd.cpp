@@ -362,15 +362,13 @@ SparseForward sparse_forward_cuda(const Tensor& q_in, const Tensor& k_in, const 
     if (grad) {
       dp.chunk_tokens = int(tc);
       dp.work.max_items = fp.work.max_items;
-      const bool bf16 = q.scalar_type() == kBFloat16;
+      auto index_dk = [&](bool bf16) {
 #ifdef MSA_WITH_SM90
-      if (sm90) {
-        MSA_LAUNCH_CHECK(sm90::launch_index_dk(dp, bf16, stream), "msa_fwd (index dk)");
-      } else
+        if (sm90) return sm90::launch_index_dk(dp, bf16, stream);
 #endif
-      {
-        MSA_LAUNCH_CHECK(smxx::launch_index_dk(dp, bf16, stream), "msa_fwd (index dk)");
-      }
+        return smxx::launch_index_dk(dp, bf16, stream);
+      };
+      MSA_LAUNCH_CHECK(index_dk(q.scalar_type() == kBFloat16), "msa_fwd (index dk)");
       if (det) {
         item_reduce(dki_part, rp.item_offsets, rp.block_offsets, seqs, block_size, max_blocks, Hi, {res.kl_dk_idx});
       }

@@ -131,13 +131,6 @@ __device__ __forceinline__ void issue_ss(float (&acc)[32], uint64_t a0, uint64_t
   wgmma_commit();
 }
 
-// The accumulators as a dependency of the code that follows a wgmma wait: their reads stay after it.
-template <int N>
-__device__ __forceinline__ void fence_regs(float (&r)[N]) {
-#pragma unroll
-  for (int i = 0; i < N; ++i) asm volatile("" : "+f"(r[i])::"memory");
-}
-
 }  // namespace dense_kl
 
 // kG > 0: G = kG query heads per index group at compile time, and head h + 1's S^T (or, after the last

@@ -35,10 +35,7 @@ struct DkMma {
   }
   __device__ __forceinline__ static void wait(float (&acc)[16][4]) {
     wgmma_wait<0>();
-#pragma unroll
-    for (int n = 0; n < 16; ++n)
-#pragma unroll
-      for (int e = 0; e < 4; ++e) asm volatile("" : "+f"(acc[n][e])::"memory");
+    fence_regs(*reinterpret_cast<float(*)[64]>(&acc[0][0]));
   }
 };
 

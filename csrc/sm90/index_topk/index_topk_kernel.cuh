@@ -37,7 +37,6 @@
 #include <algorithm>
 #include <cstdlib>
 
-#include "common/cuda_check.h"
 #include "common/mma_sm80.h"
 #include "common/index_topk_tile.cuh"
 #include "common/tma_map.h"
@@ -348,9 +347,10 @@ cudaError_t launch_index_topk_wg(const IndexTopkParams& p, const CUtensorMap& k_
   const int tiles = (p.max_seqlen + tm - 1) / tm;
   const dim3 grid(unsigned(tiles) * unsigned(p.num_seqs), unsigned(p.num_key_heads));
   constexpr int smem = S::template smem_bytes<D, T>();
-  const cudaError_t err = ensure_dynamic_smem<index_topk_sm90_kernel<T, D, WG, kLse, kSel>>(smem);
+  auto kernel = index_topk_sm90_kernel<T, D, WG, kLse, kSel>;
+  const cudaError_t err = cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, smem);
   if (err != cudaSuccess) return err;
-  index_topk_sm90_kernel<T, D, WG, kLse, kSel><<<grid, S::kThreads, smem, stream>>>(p, k_map);
+  kernel<<<grid, S::kThreads, smem, stream>>>(p, k_map);
   return cudaGetLastError();
 }
 

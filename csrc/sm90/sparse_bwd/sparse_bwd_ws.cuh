@@ -36,11 +36,10 @@
 #include "common/wgmma_sm90.h"
 #include "params.h"
 #include "smxx/sparse_bwd/sparse_bwd_body.cuh"
-#include "sm90/sparse_fwd/out_pass_ws.cuh"  // setmaxnreg_*, fence_regs, group_sync
+#include "sm90/sparse_fwd/out_pass_ws.cuh"  // setmaxnreg_*, group_sync
 
 namespace msa::sm90::bwd_ws {
 
-using out_ws::fence_regs;
 using out_ws::group_sync;
 using out_ws::setmaxnreg_dec;
 using out_ws::setmaxnreg_inc;

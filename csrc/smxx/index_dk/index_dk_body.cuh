@@ -23,7 +23,6 @@
 #include <algorithm>
 
 #include "common/block_span.h"
-#include "common/cuda_check.h"
 #include "common/fast_div.h"
 #include "common/mma_sm80.h"
 #include "params.h"
@@ -124,7 +123,7 @@ __global__ void __launch_bounds__(kDkThreads, kDet ? Mma::kDetBlocks : 2)
     };
 
     // fetch_next(t, b): tile t into buffer b; ent holds tile t's entries before, tile t + 1's after.
-    // kDet loads them in place and does not unroll fetch's loop: at its 254 registers either spilled.
+    // kDet loads them in place and does not unroll fetch's loop: at its ~240 registers (portable) either spilled.
     int ent[kPer];
     if constexpr (!kDet) entries(0, ent);
     auto fetch_next = [&](int t, int b) {
@@ -192,14 +191,13 @@ cudaError_t launch_index_dk_with(const IndexDkParams& p, bool bf16, cudaStream_t
   const int64_t entries = int64_t(p.hi) * p.chunk_tokens * p.topk;
   const int64_t grid = det ? int64_t(p.work.max_items) : std::min<int64_t>(2 * sms, (entries + 255) / 256);
   if (grid == 0) return cudaSuccess;
+  auto kernel = det ? (bf16 ? index_dk_kernel<Mma, __nv_bfloat16, true> : index_dk_kernel<Mma, __half, true>)
+                    : (bf16 ? index_dk_kernel<Mma, __nv_bfloat16, false> : index_dk_kernel<Mma, __half, false>);
   constexpr int smem = dk_smem_bytes<Mma>();
-  auto launch = [&]<typename T, bool kDet>() {
-    MSA_CUDA_TRY((ensure_dynamic_smem<index_dk_kernel<Mma, T, kDet>>(smem)));
-    index_dk_kernel<Mma, T, kDet><<<unsigned(grid), kDkThreads, smem, stream>>>(p, by_topk, by_tokens);
-    return cudaGetLastError();
-  };
-  if (det) return bf16 ? launch.template operator()<__nv_bfloat16, true>() : launch.template operator()<__half, true>();
-  return bf16 ? launch.template operator()<__nv_bfloat16, false>() : launch.template operator()<__half, false>();
+  err = cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, smem);
+  if (err != cudaSuccess) return err;
+  kernel<<<unsigned(grid), kDkThreads, smem, stream>>>(p, by_topk, by_tokens);
+  return cudaGetLastError();
 }
 
 }  // namespace msa::smxx
