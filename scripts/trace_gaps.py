@@ -1,7 +1,8 @@
 """Where the GPU sits idle during one msa_attention forward + backward (bench configuration):
 python scripts/trace_gaps.py [N ...]. From a torch.profiler trace (CPU and CUDA activity): the wall
 time of the call, the summed kernel time, and the largest gaps between consecutive kernels with the
-CPU-side ops that ran during each gap (what the GPU was waiting for). MSA_PROFILE_WARMUP=1: warmup=True."""
+CPU-side ops that ran during each gap (what the GPU was waiting for). MSA_PROFILE_WARMUP=1: warmup=True.
+MSA_TRACE_TIMELINE=1 also prints every GPU activity in order (start after the first, duration, idle before it)."""
 import os
 import sys
 
@@ -52,6 +53,11 @@ def main():
             ops = sorted(((e - s, s - c0, nm) for s, e, nm in cpu if c0 <= s < gpu[0][0]), reverse=True)
             print("  longest CPU events (incl. CUDA runtime calls) before the first GPU activity: " +
                   ", ".join(f"{nm} {d / 1e3:.3f} ms @{t / 1e3:.3f}" for d, t, nm in ops[:15]))
+        if os.environ.get("MSA_TRACE_TIMELINE") == "1":
+            prev_end = gpu[0][0]
+            for a, b, name in gpu:
+                print(f"  @{(a - gpu[0][0]):9.1f} us {b - a:8.1f} us (idle {max(0, a - prev_end):6.1f}) {name[:90]}")
+                prev_end = max(prev_end, b)
         for d, a, b, nxt in sorted(gaps, reverse=True)[:20]:
             during = sorted({nm for s, e, nm in cpu if s < b and e > a and not nm.startswith("cuda")})[:6]
             print(f"  {d:8.1f} us before {nxt[:60]!r}; CPU ops meanwhile: {', '.join(during)}")
