@@ -1,16 +1,20 @@
 """The warp-specialized sm_90a passes (csrc/sm90/sparse_fwd/: Gu = 4 heads per unit, J = 1, with the index
 branch) against the general sm_90a passes (MSA_FWD_WS=0): the output pass alone (the default) and with the
 warp-specialized stats pass (MSA_FWD_WS_STATS=1, off by default: no faster than the general one).
-The main logits and P V are the same wgmma products per row, reduced in the same order, so out and lse
-must be bitwise equal; the index logits run on mma.sync there instead of wgmma (another fp32 summation
-order) and the stats pass merges them in 32-key parts instead of 64, so lse_idx (warp-specialized stats
-pass only), the KL and its index gradients match to rounding. The reference checks of the default path (test_sparse_fwd_gpu,
-test_gradients, test_long_seq_gpu) run this kernel too wherever the layout has Gu = 4."""
+The main logits and P V are the same wgmma products per row, reduced in the same order, so with the general
+stats pass out and lse must be bitwise equal. The warp-specialized stats pass sums a row's exponentials against
+the row max while the general one sums full tiles against each lane's own reference (quad_row_ref_sum), and the
+index logits run on mma.sync there instead of wgmma (another fp32 summation order) merged in 32-key parts
+instead of 64: with it lse and lse_idx match to fp32 rounding, out (P and the partials rounded to the dtype) is
+held to the float64 reference as the default path's is, and the KL and its index gradients match to rounding.
+The reference checks of the default path (test_sparse_fwd_gpu, test_gradients, test_long_seq_gpu) run this
+kernel too wherever the layout has Gu = 4."""
 import math
 
 import pytest
 import torch
 
+from attention_check import assert_close_style, reference_forward
 from helpers import make_packed, poison_allocator
 
 pytestmark = pytest.mark.gpu
@@ -66,9 +70,13 @@ def _check(monkeypatch, args, index_grad):
         a = general[i]
         assert name == "indices" or torch.isfinite(a.float()).all(), f"{name}: non-finite values"
         assert torch.equal(a, ws_out[i]), f"{name} differs between the warp-specialized output pass and the general one"
-        if name == "lse_idx":
+        if name in ("lse", "lse_idx"):
             torch.testing.assert_close(ws[i], a, rtol=1e-5, atol=1e-5, msg=name)
-            assert torch.equal(torch.isinf(ws[i]), torch.isinf(a)), "lse_idx: other rows without keys"
+            assert torch.equal(torch.isinf(ws[i]), torch.isinf(a)), f"{name}: other rows without keys"
+        elif name == "out":  # lse to fp32 rounding, P and the partials rounded to the dtype: as exact as the default
+            q, k, v, qi, ki, cu, _, _, bs, scale, iscale = args[:11]
+            exact, (lowp_out, _) = reference_forward(q, k, v, qi, ki, general[2], cu, bs, scale, iscale)
+            assert_close_style("out (warp-specialized stats pass)", ws[i], exact[0], lowp_out, a.dtype)
         else:
             assert torch.equal(a, ws[i]), f"{name} differs between the warp-specialized passes and the general ones"
     for res in (ws_out, ws):

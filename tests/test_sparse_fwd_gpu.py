@@ -124,3 +124,39 @@ def test_kl_with_subnormal_group_mean(monkeypatch, fixed_gu):
     assert torch.isfinite(kl), f"kl = {kl.item()}"
     exact, (lowp_out, _) = reference_forward(q, k, v, qi, ki, idx, cu, bs, scale, iscale)
     assert_forward_close(out, kl, lse, lse_idx, exact, lowp_out)
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+def test_stats_pass_wide_logit_spread(dtype):
+    """Rows whose logits inside one block spread over far more than 128 in the log2 domain (keys with a
+    large first component of either sign against queries with a large one): the stats pass's full tiles
+    sum each lane's exponentials against the lane's first entry (quad_row_ref_sum), which overflows fp32
+    here, and a lane whose sum passes 2^64 redoes it against its own max. lse, out and kl against the
+    float64 reference."""
+    B, N, heads, D, Di = 1, 2048, (16, 2, 4, 1), 128, 128
+    q, k, v, qi, ki = make_inputs(B, N, heads, D, Di, dtype=torch.float64, seed=29)
+    g = torch.Generator(device="cpu").manual_seed(29)
+    big = torch.rand(N, generator=g) < 0.25  # a quarter of the keys: first component +-60 (fp16-safe)
+    sign = torch.where(torch.rand(N, generator=g) < 0.5, -1.0, 1.0).double()
+    k[0, big, :, 0] = (60.0 * sign[big])[:, None]
+    q[..., 0] = 12.0  # logit part 12 * 60 / sqrt(128) = +-63.6 (+-92 in log2): spreads of ~180 inside a lane
+    flat = [x.reshape(B * N, *x.shape[2:]).to(device="cuda", dtype=dtype) for x in (q, k, v, qi, ki)]
+    cu = torch.tensor([0, N], dtype=torch.int32, device="cuda")
+    _fwd_case(*flat, cu, N, 16, 128)
+
+
+def test_stats_pass_overflowed_logits():
+    """Finite bf16 inputs whose dot products overflow fp32 to -inf on some keys (2^70 * -2^70): those keys
+    weigh 0, as in the float64 reference. The keys at positions 2 and 3 mod 8 are the columns of one lane
+    of each quad, so on full tiles that lane's entries are all -inf (quad_row_ref_sum leaves it out of the
+    merge instead of taking -inf - -inf). Every token still sees one finite key, the first of its own block
+    (position 0 mod 8): a row whose every logit overflows has no fp32 answer (the float64 softmax of equal
+    -2^140 logits is uniform), so it is out of range, not tested."""
+    B, N, heads, D, Di = 1, 1024, (16, 2, 4, 1), 128, 128
+    q, k, v, qi, ki = make_inputs(B, N, heads, D, Di, dtype=torch.float64, seed=31)
+    q[..., 0] = 2.0 ** 70
+    k[..., 0] = 0.0
+    k[0, (torch.arange(N) % 8) // 2 == 1, :, 0] = -(2.0 ** 70)
+    flat = [x.reshape(B * N, *x.shape[2:]).to(device="cuda", dtype=torch.bfloat16) for x in (q, k, v, qi, ki)]
+    cu = torch.tensor([0, N], dtype=torch.int32, device="cuda")
+    _fwd_case(*flat, cu, N, 16, 128)

@@ -262,4 +262,53 @@ __device__ __forceinline__ void quad_row_max_sum(const float (&x)[N][4], float (
   }
 }
 
+// The same (m, l) pair for rows whose every entry is visible (a full tile: no mask), without the row max on
+// the critical path: each lane sums exp2(x scale - r) against its own reference r (its first entry of the
+// row), then the quad merges the lanes' sums at the largest reference. m is then a reference, not the max:
+// m + log2 l is the same logsumexp (two roundings per term instead of one), and every consumer of the pair
+// (the stats combine, sel_stats' merge) treats it as "sum relative to m". A lane whose sum passes 2^64 (a
+// spread of more than 64 in the log2 domain between its reference and another of its entries; a -inf
+// reference, inf or NaN too) redoes its sum against its own max, so the pair stays far from fp32's range
+// when the combine adds 32 blocks. Logits that overflowed fp32 to -inf (|q.k| > 3.4e38, finite bf16 inputs
+// can) weigh 0 as in quad_row_max_sum: a lane whose every entry is -inf holds (-inf, 0) and its sum is
+// left out of the merge (no -inf - -inf); a row of them gives (-inf, 0), "no keys". A NaN entry makes the
+// row's sum NaN, as there. Against the max path the rounding differs by a few e-6 in log2 units (two
+// roundings per term); beyond |x scale| ~ 2^31 the fma's exponents lose meaning in both. scale > 0.
+template <int N>
+__device__ __forceinline__ void quad_row_ref_sum(const float (&x)[N][4], float (&m)[2], float (&l)[2], float scale) {
+  constexpr float kLimit = 18446744073709551616.f;  // 2^64
+#pragma unroll
+  for (int r = 0; r < 2; ++r) {
+    float ref = x[0][2 * r] * scale;
+    float s[4] = {0.f, 0.f, 0.f, 0.f};  // four chains: short dependencies
+#pragma unroll
+    for (int n = 0; n < N; ++n) {
+      s[(2 * n) % 4] += fast_exp2(fmaf(x[n][2 * r], scale, -ref));
+      s[(2 * n + 1) % 4] += fast_exp2(fmaf(x[n][2 * r + 1], scale, -ref));
+    }
+    float sum = (s[0] + s[1]) + (s[2] + s[3]);
+    if (!(sum <= kLimit)) {  // rare: the lane's own max as its reference (NaN stays NaN)
+      float mx = -__builtin_huge_valf();
+#pragma unroll
+      for (int n = 0; n < N; ++n) mx = fmaxf(mx, fmaxf(x[n][2 * r], x[n][2 * r + 1]));
+      ref = mx * scale;
+      // Every entry -inf (or NaN): the exponents against 0 instead, as quad_row_max_sum does, so the lane's sum
+      // is 0, or NaN when an entry is NaN (fmaxf skips NaN), with -inf as its reference.
+      const float base = mx == -__builtin_huge_valf() ? 0.f : ref;
+      sum = 0.f;
+#pragma unroll
+      for (int n = 0; n < N; ++n)
+        sum += fast_exp2(fmaf(x[n][2 * r], scale, -base)) + fast_exp2(fmaf(x[n][2 * r + 1], scale, -base));
+    }
+    float top = ref;
+#pragma unroll
+    for (int off = 1; off <= 2; off <<= 1) top = fmaxf(top, __shfl_xor_sync(0xffffffffu, top, off));
+    if (sum != 0.f) sum *= fast_exp2(ref - top);  // an empty lane adds 0 (a NaN sum stays NaN)
+#pragma unroll
+    for (int off = 1; off <= 2; off <<= 1) sum += __shfl_xor_sync(0xffffffffu, sum, off);
+    m[r] = top;
+    l[r] = sum;
+  }
+}
+
 }  // namespace msa::sm80

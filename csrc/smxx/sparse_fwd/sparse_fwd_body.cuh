@@ -355,7 +355,7 @@ __global__ void __launch_bounds__(SparseFwdShape::threads<kOut, Mma::kWgmma, kRo
         cp_async_commit();
       }
     }
-    if (J > 1 && step > 0) {  // the previous step ended with a barrier: K/V are free
+    if (J > 1 && step > 0) {  // every read of K / V ended before a barrier of the previous step: K/V are free
       load_kv(j, ko);
       cp_async_commit();
     }
@@ -365,6 +365,11 @@ __global__ void __launch_bounds__(SparseFwdShape::threads<kOut, Mma::kWgmma, kRo
     if (kWgmma && (step == 0 || J > 1)) Mma::fence_operands();
     __syncthreads();
 
+    // Units are in token order, so when the tile's first unit sees the whole block (kSplit: the whole
+    // stage) every unit does and the tile needs no mask (padding rows then hold finite values that are
+    // never stored).
+    const bool full = kSplit ? blen >= ko + kStage && sTok[0] - kpos0 >= ko + kStage - 1
+                             : blen == Sh::kKeys && sTok[0] - kpos0 >= Sh::kKeys - 1;
     // Index logits of the tile's units (once per tile) as m16n8 fragments ci[NI] of units mt * 16 + g
     // (+ 8) x keys kc0 + 8 n + 2 tq (+ 1): the output pass stores them (log2 domain); the stats pass
     // reduces them to this part's (max, sum) per unit, merged after the step's last barrier.
@@ -382,11 +387,15 @@ __global__ void __launch_bounds__(SparseFwdShape::threads<kOut, Mma::kWgmma, kRo
         }
       } else {
         const int ua = mt * 16 + g, ub2 = ua + 8;
-        const int lima = key_limit(ua, nu), limb = key_limit(ub2, nu);
-        float x[NI][4];
-        masked_scaled(ci, iscale2, kc0, tq, lima, limb, x);
         float m[2], l[2];
-        quad_row_max_sum(x, m, l);
+        if (full && iscale2 > 0.f) {  // every unit sees every key (padding units: zero rows, never merged)
+          quad_row_ref_sum(ci, m, l, iscale2);
+        } else {
+          const int lima = key_limit(ua, nu), limb = key_limit(ub2, nu);
+          float x[NI][4];
+          masked_scaled(ci, iscale2, kc0, tq, lima, limb, x);
+          quad_row_max_sum(x, m, l);
+        }
         if (tq == 0) {
           sIPart[part * kUnitsT + ua] = make_float2(m[0], l[0]);
           sIPart[part * kUnitsT + ub2] = make_float2(m[1], l[1]);
@@ -433,11 +442,6 @@ __global__ void __launch_bounds__(SparseFwdShape::threads<kOut, Mma::kWgmma, kRo
     const int hh0 = row_head(row0), hh1 = row_head(row1);
     const int lim0 = live && row_unit(row0) >= 0 ? key_limit(u0, nu) : -1;
     const int lim1 = live && row_unit(row1) >= 0 ? key_limit(u1, nu) : -1;
-    // Units are in token order, so when the tile's first unit sees the whole block (kSplit: the whole
-    // stage) every unit does and the tile needs no mask (padding rows then hold finite values that are
-    // never stored).
-    const bool full = kSplit ? blen >= ko + kStage && sTok[0] - kpos0 >= ko + kStage - 1
-                             : blen == Sh::kKeys && sTok[0] - kpos0 >= Sh::kKeys - 1;
     if (kOut) {
       // P = 2^(s scale_log2 - lse log2 e), 0 past the visible keys. Two copies: most tiles are full
       // (every non-local block), and theirs has no compare and no predicate per element (NOTES s44).
@@ -475,7 +479,13 @@ __global__ void __launch_bounds__(SparseFwdShape::threads<kOut, Mma::kWgmma, kRo
     if constexpr (!kOut) {
       if (active) {
         float m[2], l[2];
-        quad_row_max_sum(c, m, l, p.scale_log2 > 0.f ? p.scale_log2 : 1.f);
+        // A full tile (every entry visible) with the usual positive scale: no row max on the critical path
+        // (quad_row_ref_sum); the masked or rescaled tiles take the max.
+        if (full && p.scale_log2 > 0.f) {
+          quad_row_ref_sum(c, m, l, p.scale_log2);
+        } else {
+          quad_row_max_sum(c, m, l, p.scale_log2 > 0.f ? p.scale_log2 : 1.f);
+        }
         if constexpr (kSmall) {
           if (kh == 0) {
             st0 = make_float2(m[0], l[0]);
@@ -734,7 +744,11 @@ __global__ void __launch_bounds__(SparseFwdShape::threads<kOut, Mma::kWgmma, kRo
         p.kl_part[sEntry[u]] = x;
       }
     };
-    __syncthreads();
+    // The output pass's per-unit sums and the small-smem stats pass's pairs meet in shared memory here. The
+    // other stats passes need no barrier: the index parts they merge below were complete at the step's
+    // barrier after Q K^T (the index logits run before it), the next step writes them only after its first
+    // barrier, and nothing after that barrier reads K (a J > 1 reload at the next step's top is safe).
+    if constexpr (kOut || kSmall) __syncthreads();
     if constexpr (kOut) {
       if (fast_kl) {  // the KL sum per unit: both key halves, in a fixed order
         for (int u = tid; u < nu; u += kThreadsT) kl_store(u, kPair ? sKl[u] + sKl[kUnitsT + u] : sKl[u]);
