@@ -91,11 +91,6 @@ inline int q_slots(int g, int limit) {
   return 0;
 }
 
-__device__ __forceinline__ void cp_async_mbar_arrive(uint64_t* bar) {
-  asm volatile("cp.async.mbarrier.arrive.noinc.shared::cta.b64 [%0];\n"
-               ::"r"(static_cast<uint32_t>(__cvta_generic_to_shared(bar))) : "memory");
-}
-
 // rows x (W 16-bit elements) tile at global rows [row0, row0 + rows) (stride in elements), rows at or
 // past `limit` zero-filled, into a KMajorSw128 tile.
 template <typename Tile, int W>
@@ -244,8 +239,10 @@ __global__ void __launch_bounds__(dense_kl::kThreads, 1)
                   full_a + slot);
     }
   };
-  // Every thread: its share of step s's lse (G heads) and lse_idx, then an async arrival on lse_full.
-  // Buffer s & 1 was last read in step s - 2, before that step's CTA barrier.
+  // Every thread: its share of step s's lse (G heads) and lse_idx, one cp.async group (finish_lse turns
+  // them into exponent offsets and arrives on lse_full). Buffer s & 1 was last read in step s - 2, before that
+  // step's CTA barrier.
+  const float nlog2g = -__log2f(float(G));  // Pbar = sum_h exp2(S_h c - lse_h log2 e - log2 G)
   auto issue_lse = [&](int s, int qt, int r) {
     const int b = s & 1, row0 = (qt_begin + qt) * kRows;
     float* dst = sLse0 + b * (G + 1) * kRows;
@@ -256,7 +253,20 @@ __global__ void __launch_bounds__(dense_kl::kThreads, 1)
       const float* src_row = hh < G ? p.lse + int64_t(r * G + hh) * p.total_tokens : p.lse_idx + int64_t(r) * p.total_tokens;
       cp_async_4(dst + i, src_row + tok, ok);
     }
-    cp_async_mbar_arrive(lse_full + b);
+    sm80::cp_async_commit();
+  };
+  // Every thread, once step s's lse copies have had a step to land: its own values turned in place into the
+  // exponents' offsets, -(lse_h log2 e + log2 G) for the heads and lse_idx log2 e, then its arrival on
+  // lse_full. The heads' exponents read them after the wgmma wait (s34: converted by each reader, the FFMAs
+  // ran before the wait and stalled on the shared loads: ~10% of the kernel's stall samples).
+  auto finish_lse = [&](int s) {
+    float* dst = sLse0 + (s & 1) * (G + 1) * kRows;
+    sm80::cp_async_wait<0>();
+    for (int i = tid; i < (G + 1) * kRows; i += kThreads) {
+      const float x = dst[i];
+      dst[i] = i < G * kRows ? fmaf(x, -kLog2e, nlog2g) : x * kLog2e;
+    }
+    mbar_arrive(lse_full + (s & 1));
   };
   auto load_k = [&](int kvh) {  // every thread; then cp.async.wait_all + a CTA barrier
     load_tile<KT, D>(sK, k + base_k * p.k_stride_t + kvh * p.k_stride_h, p.k_stride_t, k0, kKeys, len_k, tid);
@@ -271,6 +281,7 @@ __global__ void __launch_bounds__(dense_kl::kThreads, 1)
   fence_proxy_async_smem();
   __syncthreads();
   issue_lse(0, 0, r0);
+  finish_lse(0);
   if (tid == 0) {
     issue_a(0, 0, r0);
     for (int i = 0; i < prefetch; ++i) issue_q();
@@ -286,7 +297,6 @@ __global__ void __launch_bounds__(dense_kl::kThreads, 1)
   const uint64_t ki_d0 = KiT::desc(ki_addr + wg * 64 * 128, 0);
   const int key_row = wg * 64 + wq * 16 + g;  // this thread's keys: key_row and key_row + 8 of the tile
   const int key0 = k0q + key_row, key1 = key0 + 8;  // as the first query rows that see them
-  const float nlog2g = -__log2f(float(G));  // Pbar = sum_h exp2(S_h c - lse_h log2 e - log2 G)
 
   int c_slot = 0, c_phase = 0;  // the next Q load to read: its slot and the parity of that slot's use
   int qt = 0, r = r0;           // step s's query tile (in the chunk) and index group
@@ -327,16 +337,16 @@ __global__ void __launch_bounds__(dense_kl::kThreads, 1)
     float pb[32];
 #pragma unroll
     for (int i = 0; i < 32; ++i) pb[i] = 0.f;
-    // This thread's 16 queries' -(lse_h log2 e + log2 G) of head hh (hh = G: lse_idx log2 e), read before
-    // the wgmma wait that precedes their use (the wait's memory clobber would keep them after it).
+    // This thread's 16 queries' -(lse_h log2 e + log2 G) of head hh (hh = G: lse_idx log2 e), as finish_lse
+    // left them, read before the wgmma wait that precedes their use (the wait's memory clobber would keep them
+    // after it).
     auto load_lv = [&](int hh, float (&lv)[16]) {
       const float* lh = lse_b + hh * kRows;
-      const bool idx = hh == G;
 #pragma unroll
       for (int j = 0; j < 8; ++j) {
         const float2 x = *reinterpret_cast<const float2*>(lh + 8 * j + 2 * t);
-        lv[2 * j] = idx ? x.x * kLog2e : fmaf(x.x, -kLog2e, nlog2g);
-        lv[2 * j + 1] = idx ? x.y * kLog2e : fmaf(x.y, -kLog2e, nlog2g);
+        lv[2 * j] = x.x;
+        lv[2 * j + 1] = x.y;
       }
     };
     auto head_terms = [&](const float (&sc)[32], const float (&lv)[16]) {
@@ -516,6 +526,7 @@ __global__ void __launch_bounds__(dense_kl::kThreads, 1)
         if (ok1) sm80::atomic_add2(dst1 + 8 * j, dq[4 * j + 2] * p.grad_scale, dq[4 * j + 3] * p.grad_scale);
       }
     }
+    if (s + 1 < steps) finish_lse(s + 1);
     qt = qt_next, r = r_next;
   }
   sm80::cp_async_wait<0>();
