@@ -79,6 +79,12 @@ __device__ __forceinline__ void ldmatrix_x4_trans_at(uint32_t (&r)[4], uint32_t 
                : "=r"(r[0]), "=r"(r[1]), "=r"(r[2]), "=r"(r[3])
                : "r"(addr));
 }
+// Two 8 x 8 matrices (rows from the addresses of lanes 0-7 and 8-15).
+__device__ __forceinline__ void ldmatrix_x2(uint32_t (&r)[2], const void* smem) {
+  asm volatile("ldmatrix.sync.aligned.m8n8.x2.shared.b16 {%0,%1}, [%2];\n"
+               : "=r"(r[0]), "=r"(r[1])
+               : "r"(smem_addr(smem)));
+}
 // The same loads from a pointer into shared memory.
 __device__ __forceinline__ void ldmatrix_x4(uint32_t (&r)[4], const void* smem) { ldmatrix_x4_at(r, smem_addr(smem)); }
 __device__ __forceinline__ void ldmatrix_x4_trans(uint32_t (&r)[4], const void* smem) {
@@ -230,35 +236,27 @@ __device__ __forceinline__ void masked_scaled(const float (&c)[N][4], float scal
 // m = the row's max of x * scale (-inf when the row is all -inf) and l = sum of exp2(x * scale - m),
 // both reduced over the quad of lanes that holds the row; x * scale is in the log2 domain. scale > 0
 // (the max is taken on x, then scaled: the same value as the max of the products), and the exponent
-// is one FMA per element.
-template <int N>
+// is one FMA per element. R = 1: row g only (m[1], l[1] are left unset).
+template <int R = 2, int N>
 __device__ __forceinline__ void quad_row_max_sum(const float (&x)[N][4], float (&m)[2], float (&l)[2],
                                                  float scale = 1.f) {
-  m[0] = m[1] = -__builtin_huge_valf();
+  static_assert(R == 1 || R == 2, "rows per lane");
 #pragma unroll
-  for (int n = 0; n < N; ++n) {
-    m[0] = fmaxf(m[0], fmaxf(x[n][0], x[n][1]));
-    m[1] = fmaxf(m[1], fmaxf(x[n][2], x[n][3]));
-  }
+  for (int r = 0; r < R; ++r) {
+    float mr = -__builtin_huge_valf();
 #pragma unroll
-  for (int off = 1; off <= 2; off <<= 1) {
-    m[0] = fmaxf(m[0], __shfl_xor_sync(0xffffffffu, m[0], off));
-    m[1] = fmaxf(m[1], __shfl_xor_sync(0xffffffffu, m[1], off));
-  }
-  m[0] *= scale;
-  m[1] *= scale;
-  const float b0 = m[0] == -__builtin_huge_valf() ? 0.f : m[0];
-  const float b1 = m[1] == -__builtin_huge_valf() ? 0.f : m[1];
-  l[0] = l[1] = 0.f;
+    for (int n = 0; n < N; ++n) mr = fmaxf(mr, fmaxf(x[n][2 * r], x[n][2 * r + 1]));
 #pragma unroll
-  for (int n = 0; n < N; ++n) {
-    l[0] += fast_exp2(fmaf(x[n][0], scale, -b0)) + fast_exp2(fmaf(x[n][1], scale, -b0));
-    l[1] += fast_exp2(fmaf(x[n][2], scale, -b1)) + fast_exp2(fmaf(x[n][3], scale, -b1));
-  }
+    for (int off = 1; off <= 2; off <<= 1) mr = fmaxf(mr, __shfl_xor_sync(0xffffffffu, mr, off));
+    mr *= scale;
+    const float b = mr == -__builtin_huge_valf() ? 0.f : mr;
+    float lr = 0.f;
 #pragma unroll
-  for (int off = 1; off <= 2; off <<= 1) {
-    l[0] += __shfl_xor_sync(0xffffffffu, l[0], off);
-    l[1] += __shfl_xor_sync(0xffffffffu, l[1], off);
+    for (int n = 0; n < N; ++n) lr += fast_exp2(fmaf(x[n][2 * r], scale, -b)) + fast_exp2(fmaf(x[n][2 * r + 1], scale, -b));
+#pragma unroll
+    for (int off = 1; off <= 2; off <<= 1) lr += __shfl_xor_sync(0xffffffffu, lr, off);
+    m[r] = mr;
+    l[r] = lr;
   }
 }
 
@@ -273,12 +271,14 @@ __device__ __forceinline__ void quad_row_max_sum(const float (&x)[N][4], float (
 // can) weigh 0 as in quad_row_max_sum: a lane whose every entry is -inf holds (-inf, 0) and its sum is
 // left out of the merge (no -inf - -inf); a row of them gives (-inf, 0), "no keys". A NaN entry makes the
 // row's sum NaN, as there. Against the max path the rounding differs by a few e-6 in log2 units (two
-// roundings per term); beyond |x scale| ~ 2^31 the fma's exponents lose meaning in both. scale > 0.
-template <int N>
+// roundings per term); beyond |x scale| ~ 2^31 the fma's exponents lose meaning in both. scale > 0. R = 1: row
+// g only.
+template <int R = 2, int N>
 __device__ __forceinline__ void quad_row_ref_sum(const float (&x)[N][4], float (&m)[2], float (&l)[2], float scale) {
+  static_assert(R == 1 || R == 2, "rows per lane");
   constexpr float kLimit = 18446744073709551616.f;  // 2^64
 #pragma unroll
-  for (int r = 0; r < 2; ++r) {
+  for (int r = 0; r < R; ++r) {
     float ref = x[0][2 * r] * scale;
     float s[4] = {0.f, 0.f, 0.f, 0.f};  // four chains: short dependencies
 #pragma unroll

@@ -4,6 +4,8 @@
 #pragma once
 #include <cuda_runtime.h>
 
+#include <type_traits>
+
 #include "common/mma_sm80.h"
 #include "params.h"
 
@@ -18,10 +20,12 @@ struct FwdMma {
   __device__ __forceinline__ static void fence_operands() {}
 
   // Index logits: warp w takes the stage's keys [16 kwi, +16) (kwi = w % kKeyGroups: part kwi) and the
-  // units' m-tiles w / kKeyGroups, + kWarps / kKeyGroups, ...; epi(ci[2][4], m-tile, first key, part).
-  template <typename T, bool kBatch, int kKeyGroups, int kWarps, class Epilogue>
+  // units' m-tiles w / kKeyGroups, + kWarps / kKeyGroups, ...; epi(ci[2][4], m-tile, first key, part, false):
+  // both rows of the lane (g, g + 8) hold units (kOneRow, the Hopper stats pass's layout, is not used here).
+  template <typename T, bool kBatch, int kKeyGroups, int kWarps, bool kOneRow, class Epilogue>
   __device__ __forceinline__ static void index_logits(const SparseFwdParams& p, const T* sQi, const T* sKi, int warp, int kwi,
                                                       int lane, int ko, int nu, Epilogue& epi) {
+    static_assert(!kOneRow, "one unit row per lane: sm_90a only");
     using ITile = SwizzledTile<kMaxDi>;
     if (ko + kwi * 16 < p.block_size) {
       for (int mt = warp / kKeyGroups; mt * 16 < nu; mt += kWarps / kKeyGroups) {
@@ -35,7 +39,7 @@ struct FwdMma {
           MmaOp<T>::run(ci[0], a, b[0], b[1]);
           MmaOp<T>::run(ci[1], a, b[2], b[3]);
         }
-        epi(ci, mt, kwi * 16, kwi);
+        epi(ci, mt, kwi * 16, kwi, std::false_type{});
       }
     }
   }

@@ -5,6 +5,8 @@
 #pragma once
 #include <cuda_runtime.h>
 
+#include <type_traits>
+
 #include "common/mma_sm80.h"
 #include "common/wgmma_sm90.h"
 #include "params.h"
@@ -21,10 +23,13 @@ struct FwdMma {
   __device__ __forceinline__ static void fence_operands() { fence_proxy_async_smem(); }
 
   // Index logits: warpgroup w / 4 takes keys [64 (w / 4), +64) of all units (part w / 4): m64n64k16 RS with
-  // K_idx by descriptor at row 64 (w / 4); warps 0 and 1 of the group hold units 0-15 and 16-31 (Q_idx rows
-  // by ldmatrix; slots past nu are zero-filled), warps 2 and 3 zero rows that are not stored. kBatch (the
-  // registers allow it): all of Di in one batch of wgmmas. epi(ci[8][4], m-tile, first key, part).
-  template <typename T, bool kBatch, int kKeyGroups, int kWarps, class Epilogue>
+  // K_idx by descriptor at row 64 (w / 4). The 32 units fill half of the MMA's 64 rows: warps 0 and 1 of the
+  // group hold units 0-15 and 16-31 (Q_idx rows by ldmatrix; slots past nu are zero-filled), warps 2 and 3 zero
+  // rows; kOneRow (the stats pass): warp wq holds units [8 wq, +8) in its rows g and zeros in rows g + 8, so
+  // that every warp of the group shares the epilogue (each reduces one row per lane, where two warps reduced
+  // two while the other two waited at the next wgmma). kBatch (the registers allow it): all of Di in one batch
+  // of wgmmas. epi(ci[8][4], m-tile, first key, part, kOneRow).
+  template <typename T, bool kBatch, int kKeyGroups, int kWarps, bool kOneRow, class Epilogue>
   __device__ __forceinline__ static void index_logits(const SparseFwdParams& p, const T* sQi, const T* sKi, int warp, int kwi,
                                                       int lane, int ko, int nu, Epilogue& epi) {
     using ITile = sm80::SwizzledTile<kMaxDi>;
@@ -33,7 +38,14 @@ struct FwdMma {
     float cw[32];
     const uint32_t ki_addr = sm80::smem_addr(sKi) + wg * 64 * 128;  // row 64 wg of each 128-byte panel
     auto load_qi = [&](uint32_t(&a)[4], int ks) {
-      if (wq < 2) {
+      if constexpr (kOneRow) {  // the A fragment's rows g: units 8 wq + g, k halves 2 ks and 2 ks + 1
+        uint32_t r[2];
+        sm80::ldmatrix_x2(r, sQi + ITile::offset(wq * 8 + lane % 8, ks * 2 + (lane / 8) % 2));
+        a[0] = r[0];
+        a[1] = 0u;
+        a[2] = r[1];
+        a[3] = 0u;
+      } else if (wq < 2) {
         sm80::ldmatrix_x4(a, sQi + ITile::offset(wq * 16 + lane % 16, ks * 2 + lane / 16));
       } else {
         a[0] = a[1] = a[2] = a[3] = 0u;
@@ -49,13 +61,13 @@ struct FwdMma {
             [&](int k4) { return KiTile::desc(ki_addr, half * 4 + k4); }, half > 0);
       }
     }
-    if (wq < 2 && wg * 64 < p.block_size) {
+    if ((kOneRow || wq < 2) && wg * 64 < p.block_size) {
       float ci[8][4];
 #pragma unroll
       for (int n = 0; n < 8; ++n)
 #pragma unroll
         for (int e = 0; e < 4; ++e) ci[n][e] = cw[4 * n + e];
-      epi(ci, wq, wg * 64, wg);
+      epi(ci, wq, wg * 64, wg, std::bool_constant<kOneRow>{});
     }
   }
 

@@ -372,10 +372,14 @@ __global__ void __launch_bounds__(SparseFwdShape::threads<kOut, Mma::kWgmma, kRo
                              : blen == Sh::kKeys && sTok[0] - kpos0 >= Sh::kKeys - 1;
     // Index logits of the tile's units (once per tile) as m16n8 fragments ci[NI] of units mt * 16 + g
     // (+ 8) x keys kc0 + 8 n + 2 tq (+ 1): the output pass stores them (log2 domain); the stats pass
-    // reduces them to this part's (max, sum) per unit, merged after the step's last barrier.
-    auto index_epilogue = [&](const auto& ci, int mt, int kc0, int part) {
+    // reduces them to this part's (max, sum) per unit, merged after the step's last barrier. one_row (the
+    // sm_90a stats pass at D = 128): unit 8 mt + g in rows g only (rows g + 8 are padding).
+    auto index_epilogue = [&](const auto& ci, int mt, int kc0, int part, auto one_row) {
       constexpr int NI = sizeof(ci) / sizeof(ci[0]);
+      constexpr bool kOneRow = decltype(one_row)::value;
+      constexpr int kR = kOneRow ? 1 : 2;  // unit rows per lane
       if constexpr (kOut) {
+        static_assert(!kOneRow, "the output pass keeps two unit rows per lane");
 #pragma unroll
         for (int n = 0; n < NI; ++n) {
           const int col = kc0 + n * 8 + 2 * tq;
@@ -386,25 +390,26 @@ __global__ void __launch_bounds__(SparseFwdShape::threads<kOut, Mma::kWgmma, kRo
               make_float2(ci[n][2] * iscale2, ci[n][3] * iscale2);
         }
       } else {
-        const int ua = mt * 16 + g, ub2 = ua + 8;
+        const int ua = kOneRow ? mt * 8 + g : mt * 16 + g, ub2 = ua + 8;
         float m[2], l[2];
         if (full && iscale2 > 0.f) {  // every unit sees every key (padding units: zero rows, never merged)
-          quad_row_ref_sum(ci, m, l, iscale2);
+          quad_row_ref_sum<kR>(ci, m, l, iscale2);
         } else {
-          const int lima = key_limit(ua, nu), limb = key_limit(ub2, nu);
+          const int lima = key_limit(ua, nu), limb = kOneRow ? -1 : key_limit(ub2, nu);
           float x[NI][4];
           masked_scaled(ci, iscale2, kc0, tq, lima, limb, x);
-          quad_row_max_sum(x, m, l);
+          quad_row_max_sum<kR>(x, m, l);
         }
         if (tq == 0) {
           sIPart[part * kUnitsT + ua] = make_float2(m[0], l[0]);
-          sIPart[part * kUnitsT + ub2] = make_float2(m[1], l[1]);
+          if constexpr (!kOneRow) sIPart[part * kUnitsT + ub2] = make_float2(m[1], l[1]);
         }
       }
     };
     if (index_tile(ub) && j == 0) {  // CTA-uniform
-      Mma::template index_logits<T, (kGu > 0 && kOut), kKeyGroups, kWarpsT>(p, sQi, sKi, warp, kwi, lane, ko, nu,
-                                                                        index_epilogue);
+      // One unit row per lane in the sm_90a stats pass at D = 128 (at D = 64 it spills 8 bytes: the two-row layout).
+      Mma::template index_logits<T, (kGu > 0 && kOut), kKeyGroups, kWarpsT, (kWgmma && !kOut && D == 128)>(
+          p, sQi, sKi, warp, kwi, lane, ko, nu, index_epilogue);
     }
 
     // Main logits: warp (rg, kh) takes rows [16 rg, 16 rg + 16) against keys [kb, kb + 8 kN8).
