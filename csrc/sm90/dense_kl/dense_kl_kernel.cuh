@@ -28,8 +28,9 @@
 // in (step, head) order through `slots` slots (5 where the shared memory allows, else 4 or 3); `prefetch`
 // of them are in flight ahead of the one being read, and thread 0 issues load n + prefetch once load n is
 // consumed (its slot held load n + prefetch - slots: the other warpgroup may lag by slots - prefetch
-// heads before thread 0 waits for it). lse / lse_idx of step s + 1 are cp.async'd by every thread during
-// step s into the other of two buffers; an mbarrier of 256 async arrivals says they landed. K and K_idx:
+// heads before thread 0 waits for it). lse / lse_idx of step s + 1 are cp.async'd by every thread at the top
+// of step s into the other of two buffers; at its end each thread turns its own values into the exponents'
+// offsets in place and arrives on an mbarrier of 256 arrivals, which step s + 1 waits for. K and K_idx:
 // cp.async at the start and when the kv head changes (a CTA barrier then). One CTA barrier per step: dS^T
 // and the KL partials (double buffered) before dQ_idx.
 #pragma once
