@@ -377,7 +377,6 @@ __global__ void __launch_bounds__(SparseFwdShape::threads<kOut, Mma::kWgmma, kRo
     auto index_epilogue = [&](const auto& ci, int mt, int kc0, int part, auto one_row) {
       constexpr int NI = sizeof(ci) / sizeof(ci[0]);
       constexpr bool kOneRow = decltype(one_row)::value;
-      constexpr int kR = kOneRow ? 1 : 2;  // unit rows per lane
       if constexpr (kOut) {
         static_assert(!kOneRow, "the output pass keeps two unit rows per lane");
 #pragma unroll
@@ -390,6 +389,7 @@ __global__ void __launch_bounds__(SparseFwdShape::threads<kOut, Mma::kWgmma, kRo
               make_float2(ci[n][2] * iscale2, ci[n][3] * iscale2);
         }
       } else {
+        constexpr int kR = kOneRow ? 1 : 2;  // unit rows per lane
         const int ua = kOneRow ? mt * 8 + g : mt * 16 + g, ub2 = ua + 8;
         float m[2], l[2];
         if (full && iscale2 > 0.f) {  // every unit sees every key (padding units: zero rows, never merged)
