@@ -61,9 +61,10 @@ __device__ __forceinline__ float4 quad_rows4(const float (&c)[4], int tq) {
 }
 
 __device__ __forceinline__ void cp_async_commit() { asm volatile("cp.async.commit_group;\n" ::); }
+// The memory clobber keeps the compiler from moving this thread's reads of the copied data above the wait.
 template <int N>
 __device__ __forceinline__ void cp_async_wait() {
-  asm volatile("cp.async.wait_group %0;\n" ::"n"(N));
+  asm volatile("cp.async.wait_group %0;\n" ::"n"(N) : "memory");
 }
 
 // ldmatrix from a shared-memory address the caller computed (e.g. a lane's swizzled base once, then one

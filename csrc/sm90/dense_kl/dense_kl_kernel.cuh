@@ -263,7 +263,6 @@ __global__ void __launch_bounds__(dense_kl::kThreads, 1)
   auto finish_lse = [&](int s) {
     float* dst = sLse0 + (s & 1) * (G + 1) * kRows;
     sm80::cp_async_wait<0>();
-    asm volatile("" ::: "memory");  // the reads below stay after the wait (cp_async_wait has no memory clobber)
     for (int i = tid; i < (G + 1) * kRows; i += kThreads) {
       const float x = dst[i];
       dst[i] = i < G * kRows ? fmaf(x, -kLog2e, nlog2g) : x * kLog2e;
