@@ -1,5 +1,5 @@
-// Host side of the Hopper kernels' TMA loads: the descriptor of a (tokens, heads, width) tensor read in
-// tiles of 64 columns x 1 head x R tokens.
+// Host side of the Hopper kernels' TMA copies: the descriptor of a (tokens, heads, width) tensor read in
+// tiles of 64 columns x 1 head x R tokens, and that of the backward's fp32 dQ accumulator reduced into.
 #pragma once
 #include <cuda.h>  // CUtensorMap (types only: the encoder is reached through the runtime)
 #include <cudaTypedefs.h>
@@ -15,18 +15,25 @@ namespace msa {
 // columns x 1 head x box_rows tokens, 128-byte swizzle (the KMajorSw128 panel layout), zeros out of bounds.
 // cudaErrorNotSupported when the driver offers no encoder or the tensor cannot be described (e.g. a stride
 // that is not a multiple of 16 bytes): nothing has been launched then.
-template <typename T>
-cudaError_t make_rows_map(const void* ptr, int w, int heads, int tokens, int64_t stride_h, int64_t stride_t,
-                          int box_rows, CUtensorMap* map) {
+// The driver's cuTensorMapEncodeTiled through the runtime (nullptr where the driver offers none).
+inline PFN_cuTensorMapEncodeTiled_v12000 tensor_map_encoder() {
   static PFN_cuTensorMapEncodeTiled_v12000 encode = nullptr;
   if (encode == nullptr) {
     cudaDriverEntryPointQueryResult found{};
     void* fn = nullptr;
     const cudaError_t err = cudaGetDriverEntryPointByVersion("cuTensorMapEncodeTiled", &fn, 12000, cudaEnableDefault,
                                                              &found);
-    if (err != cudaSuccess || found != cudaDriverEntryPointSuccess || fn == nullptr) return cudaErrorNotSupported;
+    if (err != cudaSuccess || found != cudaDriverEntryPointSuccess || fn == nullptr) return nullptr;
     encode = reinterpret_cast<PFN_cuTensorMapEncodeTiled_v12000>(fn);
   }
+  return encode;
+}
+
+template <typename T>
+cudaError_t make_rows_map(const void* ptr, int w, int heads, int tokens, int64_t stride_h, int64_t stride_t,
+                          int box_rows, CUtensorMap* map) {
+  const PFN_cuTensorMapEncodeTiled_v12000 encode = tensor_map_encoder();
+  if (encode == nullptr) return cudaErrorNotSupported;
   const cuuint64_t dims[3] = {cuuint64_t(w), cuuint64_t(heads), cuuint64_t(tokens)};
   const cuuint64_t strides[2] = {cuuint64_t(stride_h) * sizeof(T), cuuint64_t(stride_t) * sizeof(T)};
   const cuuint32_t box[3] = {64, 1, cuuint32_t(box_rows)};
@@ -34,6 +41,24 @@ cudaError_t make_rows_map(const void* ptr, int w, int heads, int tokens, int64_t
   const CUresult r = encode(map, std::is_same_v<T, __half> ? CU_TENSOR_MAP_DATA_TYPE_FLOAT16 : CU_TENSOR_MAP_DATA_TYPE_BFLOAT16,
                             3, const_cast<void*>(ptr), dims, strides, box, elem_strides, CU_TENSOR_MAP_INTERLEAVE_NONE,
                             CU_TENSOR_MAP_SWIZZLE_128B, CU_TENSOR_MAP_L2_PROMOTION_L2_256B,
+                            CU_TENSOR_MAP_FLOAT_OOB_FILL_NONE);
+  return r == CUDA_SUCCESS ? cudaSuccess : cudaErrorNotSupported;
+}
+
+// The descriptor of an fp32 (rows, w) matrix at ptr (w a multiple of 32, rows contiguous), seen as (rows, w / 32
+// segments, 32 columns) so that one box, 32 columns x 2 segments x box_rows rows, covers 64 columns of box_rows
+// consecutive rows while its shared-memory side keeps 128-byte lines (row r, segment s: line 2 r + s) under the
+// 128-byte swizzle (16-byte chunk j of line L at j ^ (L % 8)): the backward's dQ reductions
+// (sm90/sparse_bwd/mainloop.cuh). cudaErrorNotSupported as make_rows_map.
+inline cudaError_t make_f32_rows_reduce_map(float* ptr, int w, int64_t rows, int box_rows, CUtensorMap* map) {
+  const PFN_cuTensorMapEncodeTiled_v12000 encode = tensor_map_encoder();
+  if (encode == nullptr) return cudaErrorNotSupported;
+  const cuuint64_t dims[3] = {32, cuuint64_t(w / 32), cuuint64_t(rows)};
+  const cuuint64_t strides[2] = {32 * sizeof(float), cuuint64_t(w) * sizeof(float)};
+  const cuuint32_t box[3] = {32, 2, cuuint32_t(box_rows)};
+  const cuuint32_t elem_strides[3] = {1, 1, 1};
+  const CUresult r = encode(map, CU_TENSOR_MAP_DATA_TYPE_FLOAT32, 3, ptr, dims, strides, box, elem_strides,
+                            CU_TENSOR_MAP_INTERLEAVE_NONE, CU_TENSOR_MAP_SWIZZLE_128B, CU_TENSOR_MAP_L2_PROMOTION_NONE,
                             CU_TENSOR_MAP_FLOAT_OOB_FILL_NONE);
   return r == CUDA_SUCCESS ? cudaSuccess : cudaErrorNotSupported;
 }

@@ -75,6 +75,14 @@ __device__ __forceinline__ void bulk_reduce_add_f32(float* dst, const float* src
   asm volatile("cp.reduce.async.bulk.global.shared::cta.bulk_group.add.f32 [%0], [%1], %2;\n"
                ::"l"(dst), "r"(static_cast<uint32_t>(__cvta_generic_to_shared(src))), "r"(bytes) : "memory");
 }
+// Tensor bulk reduction: adds the box of `tensor_map` at coordinates (x, y, z) (innermost first) from shared
+// memory at `src` (laid out as the map's box, swizzle included), in this thread's current bulk group; the
+// element type and the add come from the map. Same fencing as bulk_reduce_add_f32.
+__device__ __forceinline__ void tma_reduce_add_3d(const void* tensor_map, const void* src, int x, int y, int z) {
+  asm volatile("cp.reduce.async.bulk.tensor.3d.global.shared::cta.add.tile.bulk_group [%0, {%2, %3, %4}], [%1];\n"
+               ::"l"(tensor_map), "r"(static_cast<uint32_t>(__cvta_generic_to_shared(src))), "r"(x), "r"(y), "r"(z)
+               : "memory");
+}
 __device__ __forceinline__ void bulk_commit() { asm volatile("cp.async.bulk.commit_group;\n" ::: "memory"); }
 // Until at most N of this thread's bulk groups are pending: reading their shared sources (kRead), or done.
 template <int N, bool kRead>

@@ -70,6 +70,7 @@ struct BwdMma {
   template <int kRowsT, int kCols>
   using OpTile = SwizzledTile<kCols>;  // K / V (kRowsT = 128 keys) and Q / dO (64 rows) tiles
   __device__ __forceinline__ static void fence_operands() {}
+  struct DqMap {};  // no tensor reductions here (the kernel's parameter, unused)
 
   // The row phase's S = Q K^T and dP = dO V^T: the warp's rows [16 rw, +16) x keys [kbase, +32).
   template <typename T, int D>

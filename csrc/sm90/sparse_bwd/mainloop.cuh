@@ -3,10 +3,13 @@
 // K, V, Q and dO sit in the 128-byte-swizzled K-major layout (KMajorSw128); the accumulators have the
 // mma.sync layout per thread (warp w: keys / rows [16 (w % 4) + 64 (w / 4), +16)), so the epilogues are shared.
 #pragma once
+#include <cuda.h>  // CUtensorMap
 #include <cuda_runtime.h>
 
 #include "common/mma_sm80.h"
+#include "common/tma_map.h"
 #include "common/wgmma_sm90.h"
+#include "params.h"
 
 namespace msa::sm90 {
 
@@ -105,6 +108,41 @@ struct BwdMma {
     __syncwarp();
     if (lane < 16) {
       if (ok) bulk_reduce_add_f32(dst, stage + lane * stride, 64 * 4);
+      bulk_commit();
+    }
+  }
+  // dQ by tensor bulk reductions, one per run of c >= 4 rows of one unit (the launcher's choice where the unit's heads
+  // allow it, smxx dq_chunk_rows): fewer and larger operations than one per row. The descriptor of dq_accum as (T Hq
+  // rows, D) travels as a kernel parameter.
+  struct DqMap {
+    CUtensorMap map;
+  };
+  static cudaError_t make_dq_map(const SparseBwdParams& p, int d, int c, DqMap* m) {
+    return make_f32_rows_reduce_map(p.dq_accum, d, int64_t(p.total_tokens) * p.hq, c, &m->map);
+  }
+  // The warp's 16 x 64 dQ slab (as reduce_dq_slab's), times scale, staged in `stage` (4 KB, 1024-byte aligned) as
+  // the map's boxes: row r, columns [32 s, +32) of the slab on 128-byte line L = 2 r + s, 16-byte chunk j at
+  // j ^ (L % 8) (a half warp's float2 stores, rows g = 0..3, hit every bank once). Then lane i < 16 / c adds rows
+  // [c i, +c), one unit's: token toks[c i], heads from h0 + rowh[c i], D columns [32 seg0, +64).
+  __device__ __forceinline__ static void reduce_dq_chunks(const float (&dq)[8][4], float scale, float* stage,
+                                                          const CUtensorMap* map, int c, const int* toks,
+                                                          const int* rowh, int hq, int h0, int seg0, int lane) {
+    const int g = lane / 4, tq = lane % 4;
+    if (lane < 16) bulk_wait<0, true>();
+    __syncwarp();
+    char* base = reinterpret_cast<char*>(stage);
+#pragma unroll
+    for (int n = 0; n < 8; ++n) {
+      const int line = 2 * g + n / 4;  // row g; row g + 8 is 16 lines on, in the same swizzle phase
+      const int off = line * 128 + ((((n % 4) * 2 + tq / 2) ^ (line % 8)) * 16) + (tq % 2) * 8;
+      *reinterpret_cast<float2*>(base + off) = make_float2(dq[n][0] * scale, dq[n][1] * scale);
+      *reinterpret_cast<float2*>(base + off + 16 * 128) = make_float2(dq[n][2] * scale, dq[n][3] * scale);
+    }
+    fence_proxy_async_smem();
+    __syncwarp();
+    if (lane * c < 16) {
+      const int r0 = lane * c, tok = toks[r0];
+      if (tok >= 0) tma_reduce_add_3d(map, base + r0 * 256, 0, seg0, tok * hq + h0 + rowh[r0]);
       bulk_commit();
     }
   }

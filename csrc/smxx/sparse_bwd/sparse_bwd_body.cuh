@@ -41,11 +41,16 @@ struct SparseBwdShape {
   static constexpr int kThreads = 256;
   static constexpr int kKeys = 128;
   static constexpr int kRows = 64;
-  // The sm_90a kernel's dQ staging (non-deterministic mode), after Smem's bytes: per warp 16 rows of 64 fp32
-  // at a stride of 72 (the float2 stores of a half warp, rows g = 0..3, land in distinct banks).
+  // The sm_90a kernel's dQ staging (non-deterministic mode), from Smem's bytes rounded up to 1024: per warp
+  // kDqStageWarp bytes (1024-byte aligned), holding 16 rows of 64 fp32 either at a stride of 72 (per-row bulk
+  // reductions; the float2 stores of a half warp, rows g = 0..3, land in distinct banks) or as the tensor
+  // reductions' swizzled boxes (4 KB; sm90/sparse_bwd/mainloop.cuh reduce_dq_chunks).
   static constexpr int kDqStage = 72;
-  static constexpr int kDqStageBytes = 8 * 16 * kDqStage * 4;
+  static constexpr int kDqStageWarp = 5120;
+  static_assert(16 * kDqStage * 4 <= kDqStageWarp && 16 * 64 * 4 <= kDqStageWarp && kDqStageWarp % 1024 == 0,
+                "a warp's dQ staging holds either layout");
   static_assert(kDqStage * 4 % 16 == 0, "bulk reductions read 16-byte aligned rows");
+
   template <typename T, int D>
   struct Smem {
     static constexpr int k = 0;
@@ -60,7 +65,15 @@ struct SparseBwdShape {
     static constexpr int rowh = tok + 2 * kRows * 4;                   // row -> head in unit
     static constexpr int bytes = rowh + kRows * 4;
   };
+  template <typename T, int D>
+  static constexpr int dq_stage_offset() { return (Smem<T, D>::bytes + 1023) / 1024 * 1024; }
 };
+
+// Rows per dQ tensor reduction of the sm_90a kernel for Gu heads per unit (a run of one unit's heads, starting at a
+// multiple of it within the tile, at least 4 so that each box starts 1024-byte aligned); 0: per-row reductions.
+__host__ __device__ constexpr int dq_chunk_rows(int gu) {
+  return gu % 16 == 0 ? 16 : gu % 8 == 0 ? 8 : gu % 4 == 0 ? 4 : 0;
+}
 
 static_assert(SparseBwdShape::kKeys == kBwdKeys, "sparse_bwd.h sizes the deterministic partials");
 
@@ -189,8 +202,10 @@ __device__ __forceinline__ void flush_dkv(const SparseBwdParams& p, const float 
 
 // kDet: the deterministic mode (params.h): dQ by exact hi / lo sums, dK / dV stored as item partials. A
 // template parameter: the branch would cost the default kernel registers (252 -> 255 and a spill).
-template <class Mma, typename T, int D, bool kDet>
-__global__ void __launch_bounds__(SparseBwdShape::kThreads, 1) sparse_bwd_kernel(SparseBwdParams p) {
+// kDqMap (sm_90a, not kDet): dQ by tensor reductions through dq_map (Mma::reduce_dq_chunks), else per row.
+template <class Mma, typename T, int D, bool kDet, bool kDqMap = false>
+__global__ void __launch_bounds__(SparseBwdShape::kThreads, 1)
+    sparse_bwd_kernel(SparseBwdParams p, const __grid_constant__ typename Mma::DqMap dq_map) {
   constexpr bool kWgmma = Mma::kWgmma;
   static_assert(Mma::kKeys == SparseBwdShape::kKeys && Mma::kRows == SparseBwdShape::kRows, "the mainloop's tile extents");
   using Sh = SparseBwdShape;
@@ -218,8 +233,8 @@ __global__ void __launch_bounds__(SparseBwdShape::kThreads, 1) sparse_bwd_kernel
   int* sTok = reinterpret_cast<int*>(smem + L::tok);
   // kWgmma, non-deterministic: each warp's 16 x 64 fp32 dQ slab staged here (past L's bytes) for the
   // mainloop's bulk reductions.
-  static_assert(L::bytes % 16 == 0, "the dQ staging slabs start 16-byte aligned");
-  [[maybe_unused]] float* sDqW = reinterpret_cast<float*>(smem + L::bytes) + (threadIdx.x / 32) * 16 * Sh::kDqStage;
+  [[maybe_unused]] float* sDqW =
+      reinterpret_cast<float*>(smem + Sh::template dq_stage_offset<T, D>() + (threadIdx.x / 32) * Sh::kDqStageWarp);
 
   BwdItem bi;
   if (!bwd_item(p, bi)) return;
@@ -380,6 +395,9 @@ __global__ void __launch_bounds__(SparseBwdShape::kThreads, 1) sparse_bwd_kernel
         if (D == 128 || half == 0) {
           if constexpr (kDet) {
             add_dq(dq, half * 64);
+          } else if constexpr (kDqMap) {
+            Mma::reduce_dq_chunks(dq, p.scale, sDqW, &dq_map.map, dq_chunk_rows(Gu), sTokb + rw * 16, sRowH + rw * 16,
+                                  p.hq, h0, D == 128 ? 2 * half : 0, lane);
           } else {
             // The warp's rows [16 rw, +16) x columns [64 half, +64), scaled, to (token, head) by bulk reductions.
             const int row = rw * 16 + lane % 16, tr = sTokb[row];
@@ -414,13 +432,26 @@ template <class Mma, typename T, int D>
 cudaError_t launch_sparse_bwd_pass(const SparseBwdParams& p, cudaStream_t stream) {
   const int64_t grid = p.max_items;  // an upper bound on item_offsets[num_keys]
   if (grid == 0) return cudaSuccess;
+  using Sh = SparseBwdShape;
+  const bool det = p.dq_lo != nullptr;
   // The alignment slack and (sm_90a, non-deterministic mode) the dQ staging slabs.
-  const int smem = SparseBwdShape::Smem<T, D>::bytes + Mma::kSmemSlack +
-                   (Mma::kWgmma && p.dq_lo == nullptr ? SparseBwdShape::kDqStageBytes : 0);
-  auto kernel = p.dq_lo != nullptr ? sparse_bwd_kernel<Mma, T, D, true> : sparse_bwd_kernel<Mma, T, D, false>;
+  const int smem = (Mma::kWgmma && !det ? Sh::dq_stage_offset<T, D>() + 8 * Sh::kDqStageWarp : Sh::Smem<T, D>::bytes) +
+                   Mma::kSmemSlack;
+  auto kernel = det ? sparse_bwd_kernel<Mma, T, D, true> : sparse_bwd_kernel<Mma, T, D, false>;
+  typename Mma::DqMap dq_map{};
+  if constexpr (Mma::kWgmma) {
+    // dQ by tensor reductions where each unit's heads come in runs of >= 4 rows and the map's rows (T Hq) have int
+    // coordinates.
+    const int gu = p.hq / p.hi / (p.hkv > p.hi ? p.hkv / p.hi : 1);  // bwd_item's Gu
+    if (!det && dq_chunk_rows(gu) > 0 && int64_t(p.total_tokens) * p.hq <= INT32_MAX) {
+      const cudaError_t err = Mma::make_dq_map(p, D, dq_chunk_rows(gu), &dq_map);
+      if (err != cudaSuccess) return err;
+      kernel = sparse_bwd_kernel<Mma, T, D, false, true>;
+    }
+  }
   cudaError_t err = cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, smem);
   if (err != cudaSuccess) return err;
-  kernel<<<unsigned(grid), SparseBwdShape::kThreads, smem, stream>>>(p);
+  kernel<<<unsigned(grid), SparseBwdShape::kThreads, smem, stream>>>(p, dq_map);
   return cudaGetLastError();
 }
 
