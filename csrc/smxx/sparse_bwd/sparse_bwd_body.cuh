@@ -19,7 +19,8 @@
 // from shared memory (SS, m64n32 per warpgroup and 32-key step); the key phase and dQ take A from
 // registers (the same ldmatrix fragments of P^T, dS^T and dS) and B from shared memory: dO and Q read
 // MN-major for dV and dK, K read MN-major for dQ. dQ comes before the key phase, whose wgmmas then run
-// while the dQ atomics go out (5% of the backward at 32K). K, V, Q and dO then sit in the
+// while dQ goes out by bulk reductions from a staging slab per warp (TMA tensor reductions of one unit's 4 rows
+// where units have a multiple of 4 heads, else one bulk copy per row). K, V, Q and dO then sit in the
 // 128-byte-swizzled K-major layout wgmma reads (KMajorSw128), and every tile's gathered rows are fenced to the
 // async proxy before the CTA barrier. The accumulators have the same per-thread layout
 // as the mma.sync ones (warp w: keys / rows [16 (w % 4) + 64 (w / 4), +16)), so the epilogues are shared.
