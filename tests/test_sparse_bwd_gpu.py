@@ -80,16 +80,18 @@ def test_sparse_attention_backward(heads):
     _check_sparse_backward(q, k, v, idx.to(torch.int32).cuda(), cu, mx, 64)
 
 
-@pytest.mark.parametrize("D", [64, 128])
+@pytest.mark.parametrize("D, bs", [(64, 128), (128, 128), (128, 64)])
 @pytest.mark.parametrize("heads", [(16, 2, 2, 1), (12, 1, 1, 1), (16, 1, 1, 1), (24, 1, 1, 1), (32, 1, 1, 1)])
-def test_backward_wide_units(heads, D):
-    """Units of 8, 12, 16, 24 and 32 heads (Gu): the Hopper kernel adds dQ by tensor reductions of 16, 8 or 4 rows of
-    one unit (a unit's rows may span warps or, past 64 / Gu units, leave padding rows in the tile)."""
+def test_backward_wide_units(heads, D, bs):
+    """Units of 8, 12, 16, 24 and 32 heads (Gu): the Hopper kernel adds dQ by tensor reductions of 4 rows of one unit
+    (a unit's rows may span warps or, past 64 / Gu units, leave padding rows in the tile); with 64-key blocks the
+    second warpgroup has no row phase but still adds its dQ columns."""
     lengths = [700, 64, 1]
-    q, k, v, _, _, cu, mx = make_packed(lengths, heads, D, 64, dtype=torch.bfloat16, device="cuda", seed=sum(heads) + D)
-    g = torch.Generator().manual_seed(D)
-    idx = torch.cat([torch.randint(-1, -(-n // 128) + 1, (heads[2], n, 3), generator=g) for n in lengths], 1)
-    _check_sparse_backward(q, k, v, idx.to(torch.int32).cuda(), cu, mx, 128)
+    q, k, v, _, _, cu, mx = make_packed(lengths, heads, D, 64, dtype=torch.bfloat16, device="cuda",
+                                        seed=sum(heads) + D + bs)
+    g = torch.Generator().manual_seed(D + bs)
+    idx = torch.cat([torch.randint(-1, -(-n // bs) + 1, (heads[2], n, 3), generator=g) for n in lengths], 1)
+    _check_sparse_backward(q, k, v, idx.to(torch.int32).cuda(), cu, mx, bs)
 
 
 def _check_sparse_backward(q, k, v, idx, cu, mx, bs):

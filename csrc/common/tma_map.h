@@ -11,10 +11,6 @@
 
 namespace msa {
 
-// The TMA descriptor of a (tokens, heads, w) tensor of 16-bit T at ptr (strides in elements): boxes of 64
-// columns x 1 head x box_rows tokens, 128-byte swizzle (the KMajorSw128 panel layout), zeros out of bounds.
-// cudaErrorNotSupported when the driver offers no encoder or the tensor cannot be described (e.g. a stride
-// that is not a multiple of 16 bytes): nothing has been launched then.
 // The driver's cuTensorMapEncodeTiled through the runtime (nullptr where the driver offers none).
 inline PFN_cuTensorMapEncodeTiled_v12000 tensor_map_encoder() {
   static PFN_cuTensorMapEncodeTiled_v12000 encode = nullptr;
@@ -29,6 +25,10 @@ inline PFN_cuTensorMapEncodeTiled_v12000 tensor_map_encoder() {
   return encode;
 }
 
+// The TMA descriptor of a (tokens, heads, w) tensor of 16-bit T at ptr (strides in elements): boxes of 64
+// columns x 1 head x box_rows tokens, 128-byte swizzle (the KMajorSw128 panel layout), zeros out of bounds.
+// cudaErrorNotSupported when the driver offers no encoder or the tensor cannot be described (e.g. a stride
+// that is not a multiple of 16 bytes): nothing has been launched then.
 template <typename T>
 cudaError_t make_rows_map(const void* ptr, int w, int heads, int tokens, int64_t stride_h, int64_t stride_t,
                           int box_rows, CUtensorMap* map) {

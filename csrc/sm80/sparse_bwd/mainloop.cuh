@@ -72,10 +72,12 @@ struct BwdMma {
   __device__ __forceinline__ static void fence_operands() {}
   struct DqMap {};  // no tensor reductions here (the kernel's parameter, unused)
 
-  // The row phase's S = Q K^T and dP = dO V^T: the warp's rows [16 rw, +16) x keys [kbase, +32).
-  template <typename T, int D>
+  // The row phase's S = Q K^T and dP = dO V^T: the warp's rows [16 rw, +16) x keys [kbase, +32); on_issue() first.
+  template <typename T, int D, typename OnIssue>
   __device__ __forceinline__ static void s_dp(float (&s)[4][4], float (&dp)[4][4], const T* sQ, const T* sdO,
-                                              const T* sK, const T* sV, int rw, int kbase, int lane) {
+                                              const T* sK, const T* sV, int rw, int kbase, int lane,
+                                              OnIssue on_issue) {
+    on_issue();
     auto off = [](int row, int c) { return SwizzledTile<D>::offset(row, c); };
     s_dp_slab_mma<T, D>(s, dp, sQ, sdO, sK, sV, off, off, rw, kbase, lane);
   }

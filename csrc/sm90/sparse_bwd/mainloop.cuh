@@ -24,9 +24,11 @@ struct BwdMma {
 
   // The row phase's S and dP: the warpgroup's 64 rows x keys [kbase, +32), wgmma m64n32k16 with Q / dO and
   // K / V rows from shared memory (both K-major; a 32-row slice of the key tile starts 4 KB-aligned).
-  template <typename T, int D>
+  // on_issue() runs while the wgmmas do.
+  template <typename T, int D, typename OnIssue>
   __device__ __forceinline__ static void s_dp(float (&s)[4][4], float (&dp)[4][4], const T* sQ, const T* sdO,
-                                              const T* sK, const T* sV, int rw, int kbase, int lane) {
+                                              const T* sK, const T* sV, int rw, int kbase, int lane,
+                                              OnIssue on_issue) {
     using KW = KMajorSw128<kKeys, D>;
     using QW = KMajorSw128<kRows, D>;
     float(&s_w)[16] = *reinterpret_cast<float(*)[16]>(&s[0][0]);
@@ -41,6 +43,7 @@ struct BwdMma {
     for (int ks = 0; ks < D / 16; ++ks)
       WgmmaSS<T, 32>::run(dp_w, QW::desc_rebuilt(do_addr, ks), KW::desc_rebuilt(v_addr, ks), ks > 0);
     wgmma_commit();
+    on_issue();
     wgmma_wait<0>();
   }
 
@@ -111,25 +114,24 @@ struct BwdMma {
       bulk_commit();
     }
   }
-  // dQ by tensor bulk reductions, one per run of c >= 4 rows of one unit (the launcher's choice where the unit's heads
-  // allow it, smxx dq_chunk_rows): fewer and larger operations than one per row. The descriptor of dq_accum as (T Hq
-  // rows, D) travels as a kernel parameter.
+  // dQ by tensor bulk reductions, one per 4 rows of one unit (the launcher's choice where units have a multiple of 4
+  // heads): fewer and larger operations than one per row. The descriptor of dq_accum as (T Hq rows, D) travels as a
+  // kernel parameter.
   struct DqMap {
     CUtensorMap map;
   };
-  static cudaError_t make_dq_map(const SparseBwdParams& p, int d, int c, DqMap* m) {
-    return make_f32_rows_reduce_map(p.dq_accum, d, int64_t(p.total_tokens) * p.hq, c, &m->map);
+  static cudaError_t make_dq_map(const SparseBwdParams& p, int d, DqMap* m) {
+    return make_f32_rows_reduce_map(p.dq_accum, d, int64_t(p.total_tokens) * p.hq, 4, &m->map);
   }
   // The warp's 16 x 64 dQ slab (as reduce_dq_slab's), times scale, staged in `stage` (4 KB, 1024-byte aligned) as
   // the map's boxes: row r, columns [32 s, +32) of the slab on 128-byte line L = 2 r + s, 16-byte chunk j at
-  // j ^ (L % 8) (a half warp's float2 stores, rows g = 0..3, hit every bank once). Then lane i < 16 / c adds rows
-  // [c i, +c), one unit's: token toks[c i], heads from h0 + rowh[c i], D columns [32 seg0, +64).
-  __device__ __forceinline__ static void reduce_dq_chunks(const float (&dq)[8][4], float scale, float* stage,
-                                                          const CUtensorMap* map, int c, const int* toks,
-                                                          const int* rowh, int hq, int h0, int seg0, int lane) {
+  // j ^ (L % 8) (a half warp's float2 stores, rows g = 0..3, hit every bank once). Returns lane i < 4's box row in
+  // the map (rows [4 i, +4), one unit's: token toks[4 i], heads from h0 + rowh[4 i]; -1: none) for
+  // issue_dq_chunks, which the caller defers to the next tile's S / dP wgmmas; it has waited (reduce_dq_wait) for
+  // the previous boxes to be read before the CTA barrier that precedes this.
+  __device__ __forceinline__ static int stage_dq_chunks(const float (&dq)[8][4], float scale, float* stage,
+                                                        const int* toks, const int* rowh, int hq, int h0, int lane) {
     const int g = lane / 4, tq = lane % 4;
-    if (lane < 16) bulk_wait<0, true>();
-    __syncwarp();
     char* base = reinterpret_cast<char*>(stage);
 #pragma unroll
     for (int n = 0; n < 8; ++n) {
@@ -140,11 +142,21 @@ struct BwdMma {
     }
     fence_proxy_async_smem();
     __syncwarp();
-    if (lane * c < 16) {
-      const int r0 = lane * c, tok = toks[r0];
-      if (tok >= 0) tma_reduce_add_3d(map, base + r0 * 256, 0, seg0, tok * hq + h0 + rowh[r0]);
+    const int tok = lane < 4 ? toks[4 * lane] : -1;
+    return tok >= 0 ? tok * hq + h0 + rowh[4 * lane] : -1;
+  }
+  // Lane i < 4 adds box i of the staged slab (row y, from stage_dq_chunks; none where y < 0) at D columns
+  // [32 seg0, +64), in a bulk group of its own.
+  __device__ __forceinline__ static void issue_dq_chunks(const CUtensorMap* map, const float* stage, int y, int seg0,
+                                                         int lane) {
+    if (lane < 4) {
+      if (y >= 0) tma_reduce_add_3d(map, reinterpret_cast<const char*>(stage) + lane * 1024, 0, seg0, y);
       bulk_commit();
     }
+  }
+  // The boxes issued so far have been read (each issuing lane waits for its own).
+  __device__ __forceinline__ static void reduce_dq_wait(int lane) {
+    if (lane < 4) bulk_wait<0, true>();
   }
   // Before the CTA exits: the staged reductions are done.
   __device__ __forceinline__ static void reduce_dq_drain(int lane) {

@@ -19,8 +19,8 @@
 // from shared memory (SS, m64n32 per warpgroup and 32-key step); the key phase and dQ take A from
 // registers (the same ldmatrix fragments of P^T, dS^T and dS) and B from shared memory: dO and Q read
 // MN-major for dV and dK, K read MN-major for dQ. dQ comes before the key phase, whose wgmmas then run
-// while dQ goes out by bulk reductions from a staging slab per warp (TMA tensor reductions of one unit's 4 rows
-// where units have a multiple of 4 heads, else one bulk copy per row). K, V, Q and dO then sit in the
+// while dQ is staged in a slab per warp for bulk reductions: where units have a multiple of 4 heads, TMA tensor
+// reductions of one unit's 4 rows, issued under the next tile's S / dP wgmmas; else one bulk copy per row. K, V, Q and dO then sit in the
 // 128-byte-swizzled K-major layout wgmma reads (KMajorSw128), and every tile's gathered rows are fenced to the
 // async proxy before the CTA barrier. The accumulators have the same per-thread layout
 // as the mma.sync ones (warp w: keys / rows [16 (w % 4) + 64 (w / 4), +16)), so the epilogues are shared.
@@ -70,11 +70,6 @@ struct SparseBwdShape {
   static constexpr int dq_stage_offset() { return (Smem<T, D>::bytes + 1023) / 1024 * 1024; }
 };
 
-// Rows per dQ tensor reduction of the sm_90a kernel for Gu heads per unit (a run of one unit's heads, starting at a
-// multiple of it within the tile, at least 4 so that each box starts 1024-byte aligned); 0: per-row reductions.
-__host__ __device__ constexpr int dq_chunk_rows(int gu) {
-  return gu % 16 == 0 ? 16 : gu % 8 == 0 ? 8 : gu % 4 == 0 ? 4 : 0;
-}
 
 static_assert(SparseBwdShape::kKeys == kBwdKeys, "sparse_bwd.h sizes the deterministic partials");
 
@@ -144,6 +139,11 @@ struct BwdItem {
   int G, J, Gu;
 };
 
+// J, the kv heads of an index group (bwd_item; the launcher's Gu = G / J).
+__host__ __device__ __forceinline__ int bwd_kv_per_group(const SparseBwdParams& p) {
+  return p.hkv > p.hi ? p.hkv / p.hi : 1;
+}
+
 // The item of this CTA (item_order: largest first); false past the last item (the grid is an upper bound).
 __device__ __forceinline__ bool bwd_item(const SparseBwdParams& p, BwdItem& b) {
   b.item = p.item_order != nullptr ? p.item_order[blockIdx.x] : int(blockIdx.x);
@@ -159,7 +159,7 @@ __device__ __forceinline__ bool bwd_item(const SparseBwdParams& p, BwdItem& b) {
   b.kpos0 = span.q_origin + span.key0;
   b.blen = span.blen;
   b.G = p.hq / p.hi;
-  b.J = p.hkv > p.hi ? p.hkv / p.hi : 1;
+  b.J = bwd_kv_per_group(p);
   b.Gu = b.G / b.J;
   return true;
 }
@@ -253,6 +253,15 @@ __global__ void __launch_bounds__(SparseBwdShape::kThreads, 1)
   const T* K = static_cast<const T*>(p.k);
   const T* V = static_cast<const T*>(p.v);
   const T* dO = static_cast<const T*>(p.dout);
+  // kDqMap: the map row of the box this lane (< 4) staged last tile, added under the next tile's S / dP wgmmas
+  // (or after the last tile); -1: none.
+  [[maybe_unused]] int dq_pending = -1;
+  [[maybe_unused]] auto issue_dq = [&]() {
+    if constexpr (kDqMap) {
+      Mma::issue_dq_chunks(&dq_map.map, sDqW, dq_pending, D == 128 ? 2 * half : 0, lane);
+      dq_pending = -1;
+    }
+  };
 
   for (int j = 0; j < J; ++j) {
     const int h0 = r * G + j * Gu;
@@ -354,16 +363,20 @@ __global__ void __launch_bounds__(SparseBwdShape::kThreads, 1)
       for (int kq = 0; kq < 2; ++kq) {
         const int kbase = half * 64 + kq * 32;
         if (kbase >= p.block_size) {
+          if (kq == 0) issue_dq();
           zero_p_ds_slab<T, KTile>(sP, sdS, row0, row1, kbase, tq);
           continue;
         }
         float s[4][4], dp[4][4];
-        Mma::template s_dp<T, D>(s, dp, sQb, sdOb, sK, sV, rw, kbase, lane);
+        Mma::template s_dp<T, D>(s, dp, sQb, sdOb, sK, sV, rw, kbase, lane, [&] {
+          if (kq == 0) issue_dq();
+        });
         const float e0 = sLseb[row0] * kLog2e, e1 = sLseb[row1] * kLog2e;
         const float d0 = sDeltab[row0], d1 = sDeltab[row1];
         // P and dS of the warp's 16 x 32 slab.
         p_ds_slab<T, KTile>(full, s, dp, p.scale_log2, e0, e1, d0, d1, row0, row1, kbase, tq, lim0, lim1, sP, sdS);
       }
+      if constexpr (kDqMap) Mma::reduce_dq_wait(lane);  // the dQ stage is rewritten after this barrier
       __syncthreads();
 
       // dQ = scale * dS K for rows [16 rw, +16), added to the fp32 accumulator: one 16-byte atomic per
@@ -386,8 +399,8 @@ __global__ void __launch_bounds__(SparseBwdShape::kThreads, 1)
       };
       // dQ and the key phase (dV += P^T dO, dK += dS^T Q over the tile's rows, warp w: keys [16 w, +16)).
       if constexpr (kWgmma) {
-        // dQ first; then the key phase's wgmmas are issued, and this thread's dQ atomics (and their
-        // shuffles) go out while they run. Both run unconditionally (ptxas serialises wgmmas whose wait
+        // dQ first; then the key phase's wgmmas are issued, and this warp's dQ slab is staged for its bulk
+        // reductions (or, deterministic, this thread's hi / lo sums go out) while they run. Both run unconditionally (ptxas serialises wgmmas whose wait
         // sits in a branch): with D = 64 both warpgroups compute the same dQ and warpgroup 0 adds it; with
         // block_size 64 warpgroup 1's dK and dV (keys past the block) are computed and never stored.
         float dq[8][4];
@@ -397,8 +410,7 @@ __global__ void __launch_bounds__(SparseBwdShape::kThreads, 1)
           if constexpr (kDet) {
             add_dq(dq, half * 64);
           } else if constexpr (kDqMap) {
-            Mma::reduce_dq_chunks(dq, p.scale, sDqW, &dq_map.map, dq_chunk_rows(Gu), sTokb + rw * 16, sRowH + rw * 16,
-                                  p.hq, h0, D == 128 ? 2 * half : 0, lane);
+            dq_pending = Mma::stage_dq_chunks(dq, p.scale, sDqW, sTokb + rw * 16, sRowH + rw * 16, p.hq, h0, lane);
           } else {
             // The warp's rows [16 rw, +16) x columns [64 half, +64), scaled, to (token, head) by bulk reductions.
             const int row = rw * 16 + lane % 16, tr = sTokb[row];
@@ -425,7 +437,10 @@ __global__ void __launch_bounds__(SparseBwdShape::kThreads, 1)
 
     flush_dkv<D, kDet>(p, dk, dv, warp, g, tq, item * J + j, blen, krow0, kvh);
   }
-  if constexpr (kWgmma && !kDet) Mma::reduce_dq_drain(threadIdx.x % 32);
+  if constexpr (kWgmma && !kDet) {
+    issue_dq();  // the last tile's boxes
+    Mma::reduce_dq_drain(threadIdx.x % 32);
+  }
 }
 
 // One launch of the kernel with the mainloop Mma (sm80::BwdMma or sm90::BwdMma) over the backward's items.
@@ -441,11 +456,11 @@ cudaError_t launch_sparse_bwd_pass(const SparseBwdParams& p, cudaStream_t stream
   auto kernel = det ? sparse_bwd_kernel<Mma, T, D, true> : sparse_bwd_kernel<Mma, T, D, false>;
   typename Mma::DqMap dq_map{};
   if constexpr (Mma::kWgmma) {
-    // dQ by tensor reductions where each unit's heads come in runs of >= 4 rows and the map's rows (T Hq) have int
-    // coordinates.
-    const int gu = p.hq / p.hi / (p.hkv > p.hi ? p.hkv / p.hi : 1);  // bwd_item's Gu
-    if (!det && dq_chunk_rows(gu) > 0 && int64_t(p.total_tokens) * p.hq <= INT32_MAX) {
-      const cudaError_t err = Mma::make_dq_map(p, D, dq_chunk_rows(gu), &dq_map);
+    // dQ by tensor reductions of 4 rows where units have a multiple of 4 heads (each run of 4 rows is one unit's,
+    // its box 1024-byte aligned) and the map's rows (T Hq) have int coordinates.
+    const int gu = p.hq / p.hi / bwd_kv_per_group(p);  // bwd_item's Gu
+    if (!det && gu % 4 == 0 && int64_t(p.total_tokens) * p.hq <= INT32_MAX) {
+      const cudaError_t err = Mma::make_dq_map(p, D, &dq_map);
       if (err != cudaSuccess) return err;
       kernel = sparse_bwd_kernel<Mma, T, D, false, true>;
     }
