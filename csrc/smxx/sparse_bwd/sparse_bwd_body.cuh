@@ -20,9 +20,9 @@
 // registers (the same ldmatrix fragments of P^T, dS^T and dS) and B from shared memory: dO and Q read
 // MN-major for dV and dK, K read MN-major for dQ. dQ comes before the key phase, whose wgmmas then run
 // while dQ is staged in a slab per warp for bulk reductions: where units have a multiple of 4 heads, TMA tensor
-// reductions of one unit's 4 rows, issued under the next tile's S / dP wgmmas; else one bulk copy per row. K, V, Q and dO then sit in the
-// 128-byte-swizzled K-major layout wgmma reads (KMajorSw128), and every tile's gathered rows are fenced to the
-// async proxy before the CTA barrier. The accumulators have the same per-thread layout
+// reductions of one unit's 4 rows, issued under the next tile's S / dP wgmmas; else one bulk copy per row.
+// K, V, Q and dO sit in the 128-byte-swizzled K-major layout wgmma reads (KMajorSw128), and every tile's
+// gathered rows are fenced to the async proxy before the CTA barrier. The accumulators have the same per-thread layout
 // as the mma.sync ones (warp w: keys / rows [16 (w % 4) + 64 (w / 4), +16)), so the epilogues are shared.
 #pragma once
 #include <cuda_runtime.h>
@@ -45,7 +45,7 @@ struct SparseBwdShape {
   // The sm_90a kernel's dQ staging (non-deterministic mode), from Smem's bytes rounded up to 1024: per warp
   // kDqStageWarp bytes (1024-byte aligned), holding 16 rows of 64 fp32 either at a stride of 72 (per-row bulk
   // reductions; the float2 stores of a half warp, rows g = 0..3, land in distinct banks) or as the tensor
-  // reductions' swizzled boxes (4 KB; sm90/sparse_bwd/mainloop.cuh reduce_dq_chunks).
+  // reductions' swizzled boxes (4 KB; sm90/sparse_bwd/mainloop.cuh stage_dq_chunks).
   static constexpr int kDqStage = 72;
   static constexpr int kDqStageWarp = 5120;
   static_assert(16 * kDqStage * 4 <= kDqStageWarp && 16 * 64 * 4 <= kDqStageWarp && kDqStageWarp % 1024 == 0,
@@ -69,7 +69,6 @@ struct SparseBwdShape {
   template <typename T, int D>
   static constexpr int dq_stage_offset() { return (Smem<T, D>::bytes + 1023) / 1024 * 1024; }
 };
-
 
 static_assert(SparseBwdShape::kKeys == kBwdKeys, "sparse_bwd.h sizes the deterministic partials");
 
@@ -203,7 +202,7 @@ __device__ __forceinline__ void flush_dkv(const SparseBwdParams& p, const float 
 
 // kDet: the deterministic mode (params.h): dQ by exact hi / lo sums, dK / dV stored as item partials. A
 // template parameter: the branch would cost the default kernel registers (252 -> 255 and a spill).
-// kDqMap (sm_90a, not kDet): dQ by tensor reductions through dq_map (Mma::reduce_dq_chunks), else per row.
+// kDqMap (sm_90a, not kDet): dQ by tensor reductions through dq_map (Mma::stage_dq_chunks), else per row.
 template <class Mma, typename T, int D, bool kDet, bool kDqMap = false>
 __global__ void __launch_bounds__(SparseBwdShape::kThreads, 1)
     sparse_bwd_kernel(SparseBwdParams p, const __grid_constant__ typename Mma::DqMap dq_map) {
@@ -400,8 +399,8 @@ __global__ void __launch_bounds__(SparseBwdShape::kThreads, 1)
       // dQ and the key phase (dV += P^T dO, dK += dS^T Q over the tile's rows, warp w: keys [16 w, +16)).
       if constexpr (kWgmma) {
         // dQ first; then the key phase's wgmmas are issued, and this warp's dQ slab is staged for its bulk
-        // reductions (or, deterministic, this thread's hi / lo sums go out) while they run. Both run unconditionally (ptxas serialises wgmmas whose wait
-        // sits in a branch): with D = 64 both warpgroups compute the same dQ and warpgroup 0 adds it; with
+        // reductions (deterministic: this thread's hi / lo sums go out) while they run. Both run unconditionally
+        // (ptxas serialises wgmmas whose wait sits in a branch): with D = 64 both warpgroups compute the same dQ and warpgroup 0 adds it; with
         // block_size 64 warpgroup 1's dK and dV (keys past the block) are computed and never stored.
         float dq[8][4];
         Mma::template dq_half<T, D>(dq, sdS, sK, rw, half, lane);
