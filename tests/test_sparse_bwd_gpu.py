@@ -94,6 +94,28 @@ def test_backward_wide_units(heads, D, bs):
     _check_sparse_backward(q, k, v, idx.to(torch.int32).cuda(), cu, mx, bs)
 
 
+@pytest.mark.parametrize("heads, boxes", [((16, 2, 4, 1), True), ((16, 1, 1, 1), True), ((4, 4, 4, 1), False),
+                                          ((8, 8, 2, 1), False)])
+def test_backward_dq_path(heads, boxes, kernel_choice):
+    """Which dQ path the backward's launcher takes, read from the profiler's kernel names (the value tests cannot
+    tell the paths apart: both are exact): on the Hopper kernels, tensor reductions of 4-row boxes
+    (sparse_bwd_kernel<sm90::BwdMma, T, D, false, true>) where units have a multiple of 4 heads (Gu = Hq / Hi / J:
+    4, 16), per-row bulk reductions (<..., false, false>) otherwise (1, 1); the portable kernels have only the
+    latter."""
+    hopper = kernel_choice == "default" and int(torch.ops.msa.device_config(torch.empty(0, device="cuda"))[1]) == 1
+    q, k, v, qi, ki, cu, mx = make_packed([700, 129], heads, 128, 64, dtype=torch.bfloat16, device="cuda", seed=3)
+    leaves = [x.detach().requires_grad_(True) for x in (q, k, v, qi, ki)]
+    out, kl = msa.msa_attention_varlen(*leaves, cu, mx)
+    with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CUDA]) as prof:
+        torch.autograd.grad((out, kl), leaves, (torch.ones_like(out), torch.ones_like(kl)))
+        torch.cuda.synchronize()
+    names = {e.name for e in prof.events() if "sparse_bwd_kernel" in e.name}
+    assert len(names) == 1, names
+    name = names.pop()
+    assert ("sm90::BwdMma" in name) == hopper, name
+    assert name.split(">(")[0].endswith("false, true" if boxes and hopper else "false, false"), name
+
+
 def _check_sparse_backward(q, k, v, idx, cu, mx, bs):
     """sparse_attention's dq, dk, dv for a random dout against the float64 reference."""
     scale = 1 / math.sqrt(q.shape[-1])
