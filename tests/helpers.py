@@ -48,3 +48,11 @@ def poison_allocator(nbytes=1 << 28):
     element shows up as garbage instead of a lucky zero."""
     torch.empty(nbytes, dtype=torch.uint8, device="cuda").fill_(0x7F)
     torch.cuda.synchronize()
+
+
+def cuda_kernel_names(fn):
+    """The names of the CUDA activities (kernels, memsets) that fn() ran, from the profiler, in order."""
+    with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CUDA]) as prof:
+        fn()
+        torch.cuda.synchronize()
+    return [e.name for e in prof.events()]

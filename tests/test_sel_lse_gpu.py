@@ -13,7 +13,7 @@ import torch
 
 from attention_check import assert_close_style, assert_forward_close, low_precision, reference_forward, run_ref
 from msa import reference as ref
-from helpers import make_packed, poison_allocator, suffix_packed
+from helpers import cuda_kernel_names, make_packed, poison_allocator, suffix_packed
 
 pytestmark = pytest.mark.gpu
 ops = torch.ops.msa
@@ -78,10 +78,7 @@ def _run(monkeypatch, args, sel=None, wg=None, deterministic=False):
 
 
 def _kernels(fn):
-    with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CUDA]) as prof:
-        fn()
-        torch.cuda.synchronize()
-    return [e.name for e in prof.events() if "index_topk_sm90_kernel" in e.name]
+    return [n for n in cuda_kernel_names(fn) if "index_topk_sm90_kernel" in n]
 
 
 def _sel_kernel_ran(names):
