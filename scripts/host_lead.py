@@ -3,7 +3,8 @@ Times one msa_attention forward + backward (bench configuration) as msa.bench do
 the call, synchronised per repetition), then again with the GPU kept busy by a sleep kernel queued before
 the start event, so the host's work before the first launch overlaps the sleep. The difference is the
 host lead the bench counts; the CPU time of the call (to its return) is printed too. MSA_PROFILE_WARMUP=1 times
-warmup=True instead (dense main branch, KL over the full causal set)."""
+warmup=True instead (dense main branch, KL over the full causal set); MSA_PROFILE_DENSE=1 times the bench's dense cuDNN
+fwd+bwd (the reference the bench divides by: whether it shows the same gap)."""
 import os
 import statistics
 import sys
@@ -16,6 +17,9 @@ from msa import bench  # noqa: E402
 
 
 STEP = bench.msa_fwd_bwd_warmup if os.environ.get("MSA_PROFILE_WARMUP") == "1" else bench.msa_fwd_bwd
+if os.environ.get("MSA_PROFILE_DENSE") == "1":
+    STEP = bench.dense_fwd_bwd
+LABELS = {bench.msa_fwd_bwd_warmup: " (warmup)", bench.dense_fwd_bwd: " (dense cuDNN)"}
 
 
 def timed(x, sleep_cycles, reps=9):
@@ -42,7 +46,7 @@ def main():
             STEP(*x)
         plain, cpu = timed(x, 0)
         busy, _ = timed(x, 200_000_000)  # ~0.1 s at 1.98 GHz: the whole call is queued behind it
-        print(f"N = {n}{' (warmup)' if STEP is bench.msa_fwd_bwd_warmup else ''}: bench-style {plain:.3f} ms, GPU kept busy {busy:.3f} ms, host lead {plain - busy:.3f} ms; "
+        print(f"N = {n}{LABELS.get(STEP, '')}: bench-style {plain:.3f} ms, GPU kept busy {busy:.3f} ms, host lead {plain - busy:.3f} ms; "
               f"CPU time of the call {cpu:.3f} ms")
 
 

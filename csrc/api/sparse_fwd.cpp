@@ -434,10 +434,12 @@ msa_fwd_cuda(const Tensor& q, const Tensor& k, const Tensor& v, const Tensor& q_
     const DeviceGuard guard(q.get_device_index());
     indices = return_indices ? select_blocks_cuda(q_idx, k_idx, seqs, max_seqlen, topk, block_size, index_scale)
                              : empty({q_idx.size(1), q.size(0), 0}, kInt, q);
-    auto [out, lse] = dense_attention_forward(q, k, v, seqs, max_seqlen, softmax_scale, deterministic);
     // lse_idx: the Hopper index kernel's logsumexp mode (deterministic: no atomics), else the dense kernel on the
-    // index branch (its output unused, lse_only): both faster than our stats pass over every block.
+    // index branch (its output unused, lse_only): both faster than our stats pass over every block. Launched before
+    // the dense forward: the GPU runs it while the host goes through the dispatcher and cuDNN's launch path (at 8K
+    // the step's GPU otherwise waits ~0.3 ms for its first kernel).
     std::optional<Tensor> lse_idx_k = index_lse_cuda(q_idx, k_idx, seqs, max_seqlen, index_scale);
+    auto [out, lse] = dense_attention_forward(q, k, v, seqs, max_seqlen, softmax_scale, deterministic);
     const Tensor lse_idx = lse_idx_k ? *lse_idx_k
                                      : std::get<1>(dense_attention_forward(q_idx, k_idx, k_idx, seqs, max_seqlen,
                                                                            index_scale, deterministic,
