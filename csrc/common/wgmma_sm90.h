@@ -131,13 +131,19 @@ struct KMajorSw128 {
     d |= uint64_t(1) << 62;                          // layout type: 128-byte swizzle
     return d + (kstep_bytes(ks) >> 4);
   }
-  // The descriptors rebuilt from the k-step's byte address at every call (the arithmetic before the base +
-  // offset form): the general sm_90a backward keeps them, as the precomputed bases cost it a 72-byte spill.
+  // The descriptors of desc / desc_mn rebuilt from the tile's address at every call, for the general sm_90a
+  // backward (64-bit bases precomputed per operand cost it a 72-byte spill, s19): the low word is (address >> 4)
+  // plus constants (the start address and the k-step's offset in 16-byte units, the leading byte offset), one
+  // 32-bit add per k-step on a value the unrolled k-steps share, the high word a constant. Equal to desc /
+  // desc_mn for a 16-byte aligned shared address below 2^18 (every shared address on sm_90: no mask, no carry
+  // out of the 14-bit start field). The masked form cost four integer instructions per wgmma (s37 ncu).
   __device__ __forceinline__ static uint64_t desc_rebuilt(uint32_t base_smem_addr, int ks) {
-    return desc(base_smem_addr + kstep_bytes(ks), 0);
+    const uint32_t lo = (base_smem_addr >> 4) + ((1u << 16) + (kstep_bytes(ks) >> 4));
+    return (uint64_t((1024 >> 4) | (1u << 30)) << 32) | lo;
   }
   __device__ __forceinline__ static uint64_t desc_mn_rebuilt(uint32_t base_smem_addr, int ks) {
-    return desc_mn(base_smem_addr + ks * 16 * 128, 0);
+    const uint32_t lo = (base_smem_addr >> 4) + ((uint32_t((kPanelElems * 2) >> 4) << 16) + uint32_t(ks * 16 * 128 >> 4));
+    return (uint64_t((1024 >> 4) | (1u << 30)) << 32) | lo;
   }
   // The same tile read as an MN-major B operand (its rows run along the MMA's K, its K columns are the
   // N dimension, e.g. V for P V): descriptor of rows 16 ks .. 16 ks + 15 (two 8-row atoms, 1024 bytes
