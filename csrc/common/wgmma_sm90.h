@@ -123,7 +123,7 @@ struct KMajorSw128 {
   // The descriptor is the tile's base descriptor plus the k-step's byte offset / 16 in the start-address
   // field: shared addresses are below 2^18, so the 14-bit field never carries. The base part is the same
   // for every k-step (computed once), the offset a constant: one 64-bit add per wgmma.
-  __device__ __forceinline__ static uint64_t desc(uint32_t base_smem_addr, int ks) {
+  __device__ __forceinline__ static constexpr uint64_t desc(uint32_t base_smem_addr, int ks) {
     uint64_t d = 0;
     d |= uint64_t((base_smem_addr & 0x3FFFF) >> 4);  // start address, bits 0-13
     d |= uint64_t(1) << 16;                          // leading byte offset (unused with a swizzle)
@@ -137,11 +137,11 @@ struct KMajorSw128 {
   // 32-bit add per k-step on a value the unrolled k-steps share, the high word a constant. Equal to desc /
   // desc_mn for a 16-byte aligned shared address below 2^18 (every shared address on sm_90: no mask, no carry
   // out of the 14-bit start field). The masked form cost four integer instructions per wgmma (s37 ncu).
-  __device__ __forceinline__ static uint64_t desc_rebuilt(uint32_t base_smem_addr, int ks) {
+  __device__ __forceinline__ static constexpr uint64_t desc_rebuilt(uint32_t base_smem_addr, int ks) {
     const uint32_t lo = (base_smem_addr >> 4) + ((1u << 16) + (kstep_bytes(ks) >> 4));
     return (uint64_t((1024 >> 4) | (1u << 30)) << 32) | lo;
   }
-  __device__ __forceinline__ static uint64_t desc_mn_rebuilt(uint32_t base_smem_addr, int ks) {
+  __device__ __forceinline__ static constexpr uint64_t desc_mn_rebuilt(uint32_t base_smem_addr, int ks) {
     const uint32_t lo = (base_smem_addr >> 4) + ((uint32_t((kPanelElems * 2) >> 4) << 16) + uint32_t(ks * 16 * 128 >> 4));
     return (uint64_t((1024 >> 4) | (1u << 30)) << 32) | lo;
   }
@@ -149,7 +149,7 @@ struct KMajorSw128 {
   // N dimension, e.g. V for P V): descriptor of rows 16 ks .. 16 ks + 15 (two 8-row atoms, 1024 bytes
   // apart: the stride byte offset) over all columns (64-column panels R * 128 bytes apart: the leading
   // byte offset). The canonical MN-major 128B-swizzle layout ((8 x 16 B, panels), (8 rows, atoms)).
-  __device__ __forceinline__ static uint64_t desc_mn(uint32_t base_smem_addr, int ks) {
+  __device__ __forceinline__ static constexpr uint64_t desc_mn(uint32_t base_smem_addr, int ks) {
     uint64_t d = 0;
     d |= uint64_t((base_smem_addr & 0x3FFFF) >> 4);
     d |= uint64_t((kPanelElems * 2) >> 4) << 16;  // leading byte offset: next 64 columns
@@ -158,6 +158,24 @@ struct KMajorSw128 {
     return d + uint64_t(ks * 16 * 128 >> 4);      // as desc: the k-step's rows added to the start address
   }
 };
+
+// The rebuilt descriptors equal desc / desc_mn (which the other kernels use) at every shared address a k-step's
+// slice can start at (below 2^18, 128-byte steps here), checked at compile time for the tile shapes in use.
+namespace detail {
+template <typename Tile, int kKSteps>
+constexpr bool rebuilt_descs_agree() {
+  for (uint32_t a = 0; a + Tile::kstep_bytes(kKSteps - 1) + 16 * 128 * kKSteps < (1u << 18); a += 128) {
+    for (int ks = 0; ks < kKSteps; ++ks) {
+      if (Tile::desc_rebuilt(a, ks) != Tile::desc(a, ks) || Tile::desc_mn_rebuilt(a, ks) != Tile::desc_mn(a, ks))
+        return false;
+    }
+  }
+  return true;
+}
+static_assert(rebuilt_descs_agree<KMajorSw128<64, 128>, 8>() && rebuilt_descs_agree<KMajorSw128<128, 128>, 8>() &&
+                  rebuilt_descs_agree<KMajorSw128<64, 64>, 4>() && rebuilt_descs_agree<KMajorSw128<128, 64>, 4>(),
+              "KMajorSw128: desc_rebuilt / desc_mn_rebuilt differ from desc / desc_mn");
+}  // namespace detail
 
 // D (64 x N, fp32) (+)= A (64 x 16, registers) * B (16 x N, shared): wgmma m64nNk16 with A from
 // registers. accumulate = false overwrites D (no zeroing needed). N / 2 accumulators per thread. B is
