@@ -323,7 +323,7 @@ struct DenseKlParams {
   int64_t qi_stride_t, qi_stride_h, ki_stride_t, ki_stride_h;
   const int32_t* cu_seqlens;    // (S + 1) queries
   const int32_t* cu_seqlens_k;  // (S + 1) keys (cu_seqlens itself: the queries' layout)
-  const int32_t* tile_offsets;  // (S + 1): first 128-key tile of each sequence (launch_block_offsets of cu_seqlens_k)
+  const int32_t* tile_offsets;  // (S + 1): first key tile of each sequence (launch_block_offsets of cu_seqlens_k)
   const float* lse;             // (Hq, T) natural log
   const float* lse_idx;         // (Hi, T) natural log
   float* dq_idx;                // (T, Hi, Di) fp32, accumulated (zeroed by the caller); nullable: no grad
@@ -332,7 +332,7 @@ struct DenseKlParams {
   unsigned int* kl_bad;          // (Hi, T) nonzero: a non-finite partial sum reached the row, zeroed
   int total_tokens;    // T (query rows)
   int num_seqs;
-  int num_tiles;       // >= tile_offsets[S] (Tk / 128 + S); grid.x = num_tiles * max_chunks, grid.y = Hki
+  int num_tiles;       // >= tile_offsets[S] (Tk / key tile + S); grid.x = num_tiles * max_chunks, grid.y = Hki
   int chunk_tiles;     // 64-row query tiles per CTA
   int max_chunks;      // ceil(ceil(max_seqlen / 64) / chunk_tiles)
   int hq, hkv, hi, hki;
