@@ -1,0 +1,201 @@
+// Probe: the rate of the wgmma shapes the Hopper kernels use, alone and with exponentials between GEMMs,
+// on csrc/common/wgmma_sm90.h's own wrappers. Each warpgroup repeats one GEMM acc (64 x N) = A (64 x 128)
+// B^T (B: N x 128), eight k-steps of m64nNk16, A and B K-major 128-byte-swizzled tiles in shared memory
+// (A: the warpgroup's own 64 rows, B shared by the CTA's warpgroups, as the dense KL pass's S^T = K Q^T):
+//   ss        A and B by descriptor (SS)
+//   rs        A from registers (loaded once), B by descriptor (RS); N = 64 and 128 (the wrappers' RS shapes)
+//   (N = 128's SS reads both tiles MN-major: the only SS N = 128 wrapper; the bytes read are the same)
+//   acc       1: issue, wait, (exp); 2: GEMM i + 1 issued before GEMM i's wait and exponentials, in runs of 4
+//   exp       0: nothing between GEMMs; 1: each accumulator's N / 2 values per thread through exp2 into a
+//             running sum (one MUFU.EX2 and one FFMA + FADD per value: the dense KL's head_terms)
+// One CTA per SM (132), wg warpgroups each; TFLOP/s counts the wgmma FLOPs only (2 x 64 x N x 128 per GEMM).
+// Build and run on the GPU (repository root):
+//   nvcc -O3 -std=c++20 --expt-relaxed-constexpr -gencode=arch=compute_90a,code=sm_90a -Icsrc -o /tmp/wgmma_rate \
+//     benchmarks/cpp/wgmma_rate_bench.cu && /tmp/wgmma_rate
+// CSV: kernel,n,mode,wg,acc,exp,ms,tflops
+#include <cuda_bf16.h>
+#include <cuda_runtime.h>
+
+#include <cstdio>
+#include <cstdlib>
+
+#include "common/mma_sm80.h"
+#include "common/wgmma_sm90.h"
+
+#define CHECK(x)                                                             \
+  do {                                                                       \
+    cudaError_t e = (x);                                                     \
+    if (e != cudaSuccess) {                                                  \
+      std::printf("%s:%d %s\n", __FILE__, __LINE__, cudaGetErrorString(e)); \
+      std::exit(1);                                                          \
+    }                                                                        \
+  } while (0)
+
+namespace {
+
+using T = __nv_bfloat16;
+using msa::sm90::KMajorSw128;
+using msa::sm90::WgmmaRS;
+using msa::sm90::WgmmaSS;
+using msa::sm90::wgmma_commit;
+using msa::sm90::wgmma_fence;
+using msa::sm90::wgmma_wait;
+constexpr int kK = 128, kSteps = kK / 16, kMaxWg = 3;
+
+// One GEMM into acc (not waited for).
+template <int N, bool kRS>
+__device__ __forceinline__ void issue(float (&acc)[N / 2], uint32_t a_addr, uint32_t b_addr, const uint32_t (&af)[kSteps][4]) {
+  using AT = KMajorSw128<64, kK>;
+  using BT = KMajorSw128<N, kK>;
+  wgmma_fence();
+#pragma unroll
+  for (int ks = 0; ks < kSteps; ++ks) {
+    if constexpr (kRS) {
+      WgmmaRS<T, N>::run(acc, af[ks], BT::desc(b_addr, ks), ks > 0);
+    } else if constexpr (N == 128) {  // the SS N = 128 wrapper reads both operands MN-major
+      WgmmaSS<T, N, true, true>::run(acc, AT::desc_mn(a_addr, ks), BT::desc_mn(b_addr, ks), ks > 0);
+    } else {
+      WgmmaSS<T, N>::run(acc, AT::desc(a_addr, ks), BT::desc(b_addr, ks), ks > 0);
+    }
+  }
+  wgmma_commit();
+}
+
+constexpr int kSums = 8;
+template <int N, bool kExp>
+__device__ __forceinline__ void consume(float (&acc)[N / 2], float (&sum)[kSums]) {
+  msa::sm90::fence_regs(acc);
+#pragma unroll
+  for (int i = 0; i < N / 2; ++i) {
+    if constexpr (kExp) {
+      sum[i % kSums] += msa::sm80::fast_exp2(fmaf(acc[i], 0.0883883f, -3.f));
+    } else {
+      sum[i % kSums] += acc[i];
+    }
+  }
+}
+
+template <int N, bool kRS, int kAcc, bool kExp, int kWg>
+__global__ void __launch_bounds__(128 * kWg, 1) rate_kernel(int iters, float* out) {
+  extern __shared__ __align__(1024) char smem_raw[];
+  char* smem = smem_raw + ((1024u - (msa::sm80::smem_addr(smem_raw) & 1023u)) & 1023u);
+  const int tid = threadIdx.x, wg = tid / 128;
+  // Tiles: A 3 x (64 x 128) (one per warpgroup), then B (N x 128); small finite values.
+  constexpr int kABytes = 64 * kK * 2, kBBytes = N * kK * 2;
+  for (int i = tid; i < (kMaxWg * kABytes + kBBytes) / 2; i += blockDim.x) {
+    reinterpret_cast<T*>(smem)[i] = __float2bfloat16(float((i * 7) % 13 - 6) * 0.01f);
+  }
+  msa::sm90::fence_proxy_async_smem();
+  __syncthreads();
+  const uint32_t a_addr = msa::sm80::smem_addr(smem) + wg * kABytes;
+  const uint32_t b_addr = msa::sm80::smem_addr(smem) + kMaxWg * kABytes;
+  uint32_t af[kSteps][4] = {};
+  if constexpr (kRS) {
+    // This warp's A fragments (rows 16 (warp % 4) + lane / 4 and + 8): values only matter for the timing.
+#pragma unroll
+    for (int ks = 0; ks < kSteps; ++ks)
+#pragma unroll
+      for (int j = 0; j < 4; ++j) af[ks][j] = 0x3c003c00u ^ uint32_t(ks * 4 + j + tid);
+  }
+  float sum[kSums] = {};
+  float acc[kAcc][N / 2];
+  if constexpr (kAcc == 2) {
+    // GEMM i + 1 into the other accumulator before GEMM i's wait and use, four GEMMs per loop trip with the
+    // last one waited for in full (the dense KL pass's heads: no wgmma in flight across the back edge, which
+    // ptxas would serialise; iters a multiple of 4).
+    for (int it = 0; it < iters; it += 4) {
+      issue<N, kRS>(acc[0], a_addr, b_addr, af);
+#pragma unroll
+      for (int h = 0; h < 4; ++h) {
+        if (h < 3) {
+          issue<N, kRS>(acc[(h + 1) & 1], a_addr, b_addr, af);
+          wgmma_wait<1>();
+        } else {
+          wgmma_wait<0>();
+        }
+        consume<N, kExp>(acc[h & 1], sum);
+      }
+    }
+  } else {
+    for (int it = 0; it < iters; ++it) {
+      issue<N, kRS>(acc[0], a_addr, b_addr, af);
+      wgmma_wait<0>();
+      consume<N, kExp>(acc[0], sum);
+    }
+  }
+  float s = 0.f;
+#pragma unroll
+  for (int i = 0; i < kSums; ++i) s += sum[i];
+  if (s == 1234.5f) out[tid] = s;  // keeps the sums (never true for these inputs in practice)
+}
+
+template <int N, bool kRS, int kAcc, bool kExp, int kWg>
+void run(int sms, float* out) {
+  constexpr int wg = kWg;
+  auto kernel = rate_kernel<N, kRS, kAcc, kExp, kWg>;
+  const int smem = kMaxWg * 64 * kK * 2 + N * kK * 2 + 1024;
+  CHECK(cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, smem));
+  const int iters = 4000;
+  kernel<<<sms, 128 * wg, smem>>>(16, out);  // warm-up
+  CHECK(cudaGetLastError());
+  cudaEvent_t e0, e1;
+  CHECK(cudaEventCreate(&e0));
+  CHECK(cudaEventCreate(&e1));
+  float best = 1e30f;
+  for (int rep = 0; rep < 3; ++rep) {
+    CHECK(cudaEventRecord(e0));
+    kernel<<<sms, 128 * wg, smem>>>(iters, out);
+    CHECK(cudaEventRecord(e1));
+    CHECK(cudaEventSynchronize(e1));
+    float ms = 0.f;
+    CHECK(cudaEventElapsedTime(&ms, e0, e1));
+    best = ms < best ? ms : best;
+  }
+  const double flops = 2.0 * 64 * N * kK * double(iters) * wg * sms;
+  std::printf("wgmma_rate,%d,%s,%d,%d,%d,%.4f,%.1f\n", N, kRS ? "rs" : "ss", wg, kAcc, kExp ? 1 : 0, best,
+              flops / (best * 1e-3) / 1e12);
+  CHECK(cudaEventDestroy(e0));
+  CHECK(cudaEventDestroy(e1));
+}
+
+// Every mode of N (RS where the wrappers have it: N = 64 and 128) with kWg warpgroups.
+template <int N, int kWg>
+void modes(int sms, float* out) {
+  run<N, false, 1, false, kWg>(sms, out);
+  run<N, false, 2, false, kWg>(sms, out);
+  run<N, false, 1, true, kWg>(sms, out);
+  run<N, false, 2, true, kWg>(sms, out);
+  if constexpr (N != 32) {
+    run<N, true, 1, false, kWg>(sms, out);
+    run<N, true, 2, false, kWg>(sms, out);
+    run<N, true, 1, true, kWg>(sms, out);
+    run<N, true, 2, true, kWg>(sms, out);
+  }
+}
+template <int N>
+void all_modes(int sms, float* out) {
+  modes<N, 1>(sms, out);
+  modes<N, 2>(sms, out);
+  modes<N, 3>(sms, out);
+}
+
+}  // namespace
+
+int main() {
+  int dev = 0, sms = 0, major = 0;
+  CHECK(cudaGetDevice(&dev));
+  CHECK(cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, dev));
+  CHECK(cudaDeviceGetAttribute(&major, cudaDevAttrComputeCapabilityMajor, dev));
+  if (major != 9) {
+    std::printf("wgmma_rate: needs an sm_90 GPU (compute capability %d.x here)\n", major);
+    return 0;
+  }
+  float* out = nullptr;
+  CHECK(cudaMalloc(&out, 128 * kMaxWg * sizeof(float)));
+  std::printf("kernel,n,mode,wg,acc,exp,ms,tflops\n");
+  all_modes<32>(sms, out);
+  all_modes<64>(sms, out);
+  all_modes<128>(sms, out);
+  CHECK(cudaFree(out));
+  return 0;
+}
