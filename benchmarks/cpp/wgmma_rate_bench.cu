@@ -19,17 +19,9 @@
 #include <cstdio>
 #include <cstdlib>
 
+#include "bench_common.h"  // BENCH_CHECK (only the macro: this probe links nothing of the benchmarks)
 #include "common/mma_sm80.h"
 #include "common/wgmma_sm90.h"
-
-#define CHECK(x)                                                             \
-  do {                                                                       \
-    cudaError_t e = (x);                                                     \
-    if (e != cudaSuccess) {                                                  \
-      std::printf("%s:%d %s\n", __FILE__, __LINE__, cudaGetErrorString(e)); \
-      std::exit(1);                                                          \
-    }                                                                        \
-  } while (0)
 
 namespace {
 
@@ -134,28 +126,28 @@ void run(int sms, float* out) {
   constexpr int wg = kWg;
   auto kernel = rate_kernel<N, kRS, kAcc, kExp, kWg>;
   const int smem = kMaxWg * 64 * kK * 2 + N * kK * 2 + 1024;
-  CHECK(cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, smem));
+  BENCH_CHECK(cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, smem));
   const int iters = 4000;
   kernel<<<sms, 128 * wg, smem>>>(16, out);  // warm-up
-  CHECK(cudaGetLastError());
+  BENCH_CHECK(cudaGetLastError());
   cudaEvent_t e0, e1;
-  CHECK(cudaEventCreate(&e0));
-  CHECK(cudaEventCreate(&e1));
+  BENCH_CHECK(cudaEventCreate(&e0));
+  BENCH_CHECK(cudaEventCreate(&e1));
   float best = 1e30f;
   for (int rep = 0; rep < 3; ++rep) {
-    CHECK(cudaEventRecord(e0));
+    BENCH_CHECK(cudaEventRecord(e0));
     kernel<<<sms, 128 * wg, smem>>>(iters, out);
-    CHECK(cudaEventRecord(e1));
-    CHECK(cudaEventSynchronize(e1));
+    BENCH_CHECK(cudaEventRecord(e1));
+    BENCH_CHECK(cudaEventSynchronize(e1));
     float ms = 0.f;
-    CHECK(cudaEventElapsedTime(&ms, e0, e1));
+    BENCH_CHECK(cudaEventElapsedTime(&ms, e0, e1));
     best = ms < best ? ms : best;
   }
   const double flops = 2.0 * 64 * N * kK * double(iters) * wg * sms;
   std::printf("wgmma_rate,%d,%s,%d,%d,%d,%.4f,%.1f\n", N, kRS ? "rs" : "ss", wg, kAcc, kExp ? 1 : 0, best,
               flops / (best * 1e-3) / 1e12);
-  CHECK(cudaEventDestroy(e0));
-  CHECK(cudaEventDestroy(e1));
+  BENCH_CHECK(cudaEventDestroy(e0));
+  BENCH_CHECK(cudaEventDestroy(e1));
 }
 
 // Every mode of N (RS where the wrappers have it: N = 64 and 128) with kWg warpgroups.
@@ -182,20 +174,24 @@ void all_modes(int sms, float* out) {
 }  // namespace
 
 int main() {
-  int dev = 0, sms = 0, major = 0;
-  CHECK(cudaGetDevice(&dev));
-  CHECK(cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, dev));
-  CHECK(cudaDeviceGetAttribute(&major, cudaDevAttrComputeCapabilityMajor, dev));
+  int dev = 0, sms = 0, major = 0, count = 0;
+  if (cudaGetDeviceCount(&count) != cudaSuccess || count == 0) {
+    std::printf("wgmma_rate: no CUDA device here\n");
+    return 0;
+  }
+  BENCH_CHECK(cudaGetDevice(&dev));
+  BENCH_CHECK(cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, dev));
+  BENCH_CHECK(cudaDeviceGetAttribute(&major, cudaDevAttrComputeCapabilityMajor, dev));
   if (major != 9) {
     std::printf("wgmma_rate: needs an sm_90 GPU (compute capability %d.x here)\n", major);
     return 0;
   }
   float* out = nullptr;
-  CHECK(cudaMalloc(&out, 128 * kMaxWg * sizeof(float)));
+  BENCH_CHECK(cudaMalloc(&out, 128 * kMaxWg * sizeof(float)));
   std::printf("kernel,n,mode,wg,acc,exp,ms,tflops\n");
   all_modes<32>(sms, out);
   all_modes<64>(sms, out);
   all_modes<128>(sms, out);
-  CHECK(cudaFree(out));
+  BENCH_CHECK(cudaFree(out));
   return 0;
 }
