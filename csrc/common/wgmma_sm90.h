@@ -44,14 +44,6 @@ __device__ __forceinline__ void mbar_arrive_expect_tx(uint64_t* bar, uint32_t by
   asm volatile("mbarrier.arrive.expect_tx.shared::cta.b64 _, [%0], %1;\n"
                ::"r"(static_cast<uint32_t>(__cvta_generic_to_shared(bar))), "r"(bytes) : "memory");
 }
-// Four 8 x 8 matrices of 16-bit elements to shared memory (sm_90): lane L gives the address of row L % 8 of
-// matrix L / 8; r[i] holds matrix i's row lane / 4, elements 2 (lane % 4) and + 1 (an mma fragment's layout). Used
-// by s38's three-warpgroup dense KL patches (not in a landed kernel yet).
-__device__ __forceinline__ void stmatrix_x4(uint32_t addr, const uint32_t (&r)[4]) {
-  asm volatile("stmatrix.sync.aligned.m8n8.x4.shared.b16 [%0], {%1,%2,%3,%4};\n" ::"r"(addr), "r"(r[0]), "r"(r[1]),
-               "r"(r[2]), "r"(r[3])
-               : "memory");
-}
 // A plain arrival (one of the barrier's expected count).
 __device__ __forceinline__ void mbar_arrive(uint64_t* bar) {
   asm volatile("mbarrier.arrive.shared::cta.b64 _, [%0];\n"
@@ -284,12 +276,10 @@ struct WgmmaSS;
   };
 // (0, 0), N = 32: the sparse backward's S = Q K^T and dP = dO V^T over 32 keys; N = 64: the dense KL pass's
 // S^T = K Q^T (A = 64 keys of K, B = 64 queries of Q). (1, 1), N = 128: index dk's dK_idx = dsi^T Q_idx
-// (sm90/index_dk/mainloop.cuh); N = 64: dQ_idx = dS K_idx with A = dS^T in shared memory, in s38's three-warpgroup
-// dense KL patches (benchmarks/results/logs/20261204-issue17-s38/patches; not in the landed kernel yet).
+// (sm90/index_dk/mainloop.cuh).
 #define MSA_WGMMA_SS_ALL(TYPE, PTXTYPE) \
   MSA_WGMMA_SS(TYPE, PTXTYPE, 32, 0, 0, MSA_WGMMA_D_16, MSA_WGMMA_ACC_16, "%16", "%17", "%18") \
   MSA_WGMMA_SS(TYPE, PTXTYPE, 64, 0, 0, MSA_WGMMA_D_32, MSA_WGMMA_ACC_32, "%32", "%33", "%34") \
-  MSA_WGMMA_SS(TYPE, PTXTYPE, 64, 1, 1, MSA_WGMMA_D_32, MSA_WGMMA_ACC_32, "%32", "%33", "%34") \
   MSA_WGMMA_SS(TYPE, PTXTYPE, 128, 1, 1, MSA_WGMMA_D_64, MSA_WGMMA_ACC_64, "%64", "%65", "%66")
 MSA_WGMMA_SS_ALL(__nv_bfloat16, "bf16")
 MSA_WGMMA_SS_ALL(__half, "f16")
