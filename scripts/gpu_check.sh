@@ -29,7 +29,9 @@ rc=$?
 [ $rc -eq 0 ] && bash "$(dirname "$0")/sync_build.sh" done
 echo "build: rc=$rc, $(( $(date +%s) - t0 )) s" | tee -a "$LOG/summary.txt"
 if [ $rc -ne 0 ]; then tail -n 40 "$LOG/build.log"; exit $rc; fi
-grep -E "spill|registers|Compiling entry" "$LOG/build.log" | sort -u > "$LOG/ptxas.txt" || true
+# In build order (each entry function, then its stack / spill and register lines), so that
+# scripts/ptxas_table.py can read it like build.log (sorted, the lines lost their kernels).
+grep -E "spill|registers|Compiling entry" "$LOG/build.log" > "$LOG/ptxas.txt" || true
 t0=$(date +%s)
 # MSA_PYTEST_ARGS narrows the run (e.g. "tests -m gpu" while iterating on a kernel); default: everything.
 $PY -m pytest ${MSA_PYTEST_ARGS:-tests} -q -rs --durations=10 > "$LOG/tests.log" 2>&1

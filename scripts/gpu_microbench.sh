@@ -60,7 +60,7 @@ rc=$?
 [ $rc -eq 0 ] && echo "$key" > "$BUILD/.msa_src_hash"
 summary "microbench build: rc=$rc, $(( $(date +%s) - t0 )) s, archs $ARCHS, $JOBS jobs"
 if [ $rc -ne 0 ]; then tail -n 40 "$LOG/build.log"; exit $rc; fi
-grep -E "spill|registers|Compiling entry" "$LOG/build.log" | sort -u > "$LOG/ptxas.txt" || true
+grep -E "spill|registers|Compiling entry" "$LOG/build.log" > "$LOG/ptxas.txt" || true  # build order: scripts/ptxas_table.py reads it
 
 BIN="$BUILD/bin"
 CSV="$LOG/microbench.csv"

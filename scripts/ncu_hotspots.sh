@@ -14,6 +14,8 @@ ncu --clock-control none --kernel-name-base mangled -k "regex:$K" -c 1 \
 grep -E "Duration|Throughput|Warp Cycles|Occupancy|Stall|Issued|Executed Ipc" "$OUT/details.txt" | head -40
 ncu --clock-control none --kernel-name-base mangled -k "regex:$K" -c 1 --section SourceCounters \
     --page source --print-source sass --csv python3 scripts/profile_msa.py "$N" > "$OUT/source.csv" 2>&1
-python3 "$(dirname "$0")/ncu_hotspots.py" "$OUT/source.csv" | tee "$OUT/hotspots.txt"
+# Into the file first: a reader that closes stdout early (| head) must not cut the summary short.
+python3 "$(dirname "$0")/ncu_hotspots.py" "$OUT/source.csv" > "$OUT/hotspots.txt"
+cat "$OUT/hotspots.txt"
 gzip -f "$OUT/source.csv"
 tar czf "${OUT%/}.tgz" -C "$(dirname "${OUT%/}")" "$(basename "${OUT%/}")"
