@@ -449,8 +449,9 @@ cudaError_t launch_sparse_bwd_pass(const SparseBwdParams& p, cudaStream_t stream
   if (grid == 0) return cudaSuccess;
   using Sh = SparseBwdShape;
   const bool det = p.dq_lo != nullptr;
-  // The alignment slack and (sm_90a, non-deterministic mode) the dQ staging slabs.
-  const int smem = (Mma::kWgmma && !det ? Sh::dq_stage_offset<T, D>() + 8 * Sh::kDqStageWarp : Sh::Smem<T, D>::bytes) +
+  // The alignment slack and (sm_90a, non-deterministic mode) the dQ staging slabs, one per warp.
+  const int smem = (Mma::kWgmma && !det ? Sh::dq_stage_offset<T, D>() + (Sh::kThreads / 32) * Sh::kDqStageWarp
+                                        : Sh::Smem<T, D>::bytes) +
                    Mma::kSmemSlack;
   auto kernel = det ? sparse_bwd_kernel<Mma, T, D, true> : sparse_bwd_kernel<Mma, T, D, false>;
   typename Mma::DqMap dq_map{};
