@@ -9,7 +9,7 @@
 # LOGDIR/ptxas.txt. The args go to every executable, so only the common options fit there (e.g. --reps 10,
 # --portable, --dtype fp16; see any executable's --help). CUTLASS: MSA_CUTLASS_DIR, else the carried
 # .whl/nvidia_cutlass-*.whl installed into /tmp/msa-site (as scripts/gpu_check.sh does), else an installed
-# nvidia-cutlass.
+# nvidia-cutlass. MSA_MICROBENCH_BUILD_ONLY=1: build only (scripts/ab_microbench.sh runs the executables itself).
 set -uo pipefail
 LOG=${1:?usage: scripts/gpu_microbench.sh LOGDIR [common bench args...]}
 shift
@@ -61,6 +61,7 @@ rc=$?
 summary "microbench build: rc=$rc, $(( $(date +%s) - t0 )) s, archs $ARCHS, $JOBS jobs"
 if [ $rc -ne 0 ]; then tail -n 40 "$LOG/build.log"; exit $rc; fi
 grep -E "spill|registers|Compiling entry" "$LOG/build.log" > "$LOG/ptxas.txt" || true  # build order: scripts/ptxas_table.py reads it
+[ -n "${MSA_MICROBENCH_BUILD_ONLY:-}" ] && exit 0
 
 BIN="$BUILD/bin"
 CSV="$LOG/microbench.csv"
