@@ -18,6 +18,8 @@ ARGS=${3-}
 shift 3 || exit 2
 [ $# -gt 0 ] || { echo "no variant given"; exit 2; }
 here=$(cd "$(dirname "$0")" && pwd)
+# shellcheck source=scripts/ab_lib.sh
+. "$here/ab_lib.sh"
 mkdir -p "$LOG/bin"
 LOG=$(cd "$LOG" && pwd)
 ROUNDS=${MSA_AB_ROUNDS:-5}
@@ -34,20 +36,9 @@ build_side() {  # build_side NAME: the tree as it is now; its EXE kept as LOG/bi
 }
 build_side a
 for v in "$@"; do
-  IFS=, read -r -a patches <<< "$v"
-  name=""
-  for pf in "${patches[@]}"; do name="$name${name:+-}$(basename "$pf" .patch)"; done
-  applied=()
-  ok=1
-  for pf in "${patches[@]}"; do
-    if ! patch -p1 --dry-run --forward < "$pf" >> "$LOG/patch-$name.txt" 2>&1; then
-      echo "$name: $pf does not apply"; ok=0; break
-    fi
-    patch -p1 --forward --no-backup-if-mismatch < "$pf" > /dev/null 2>&1
-    applied+=("$pf")
-  done
-  [ $ok = 1 ] && build_side "$name"
-  for ((i = ${#applied[@]} - 1; i >= 0; i--)); do patch -p1 -R --no-backup-if-mismatch < "${applied[i]}" > /dev/null 2>&1; done
+  name=$(ab_name "$v")
+  ab_apply "$v" "$LOG/patch-$name.txt" && build_side "$name"
+  ab_revert
 done
 
 echo "round,side,kernel,shape,ms,tflops,gbps" > "$LOG/rounds.csv"

@@ -17,6 +17,8 @@ while [ $# -gt 0 ] && [ "$1" != "--" ]; do variants+=("$1"); shift; done
 [ $# -gt 0 ] && shift  # the --
 [ ${#variants[@]} -gt 0 ] || { echo "no patch given"; exit 2; }
 here=$(cd "$(dirname "$0")" && pwd)
+# shellcheck source=scripts/ab_lib.sh
+. "$here/ab_lib.sh"
 base=$(cat .msa_commit 2>/dev/null || echo unknown)
 profile() {
   [ -n "${MSA_AB_PROFILE:-}" ] && ${PYTHON:-python3} "$here/profile_msa.py" $MSA_AB_PROFILE > "$1/profile.txt" 2>&1
@@ -26,8 +28,6 @@ profile() {
   return 0
 }
 summary() { echo "$1: $(tr '\n' ' ' < "$LOG/$1/summary.txt" 2> /dev/null)"; }
-# Undoes the current variant's applied patches, last first.
-revert() { for ((i = ${#applied[@]} - 1; i >= 0; i--)); do patch -p1 -R --no-backup-if-mismatch < "${applied[i]}" > /dev/null 2>&1; done; }
 
 if [ -n "${MSA_AB_A_ARGS:-}" ]; then a_args=($MSA_AB_A_ARGS); else a_args=("$@"); fi
 MSA_PYTEST_ARGS="${MSA_AB_A_TESTS:-tests/test_errors.py}" bash "$here/gpu_check.sh" "$LOG/a" "${a_args[@]}" > /dev/null 2>&1
@@ -37,19 +37,8 @@ rc=0
 for v in "${variants[@]}"; do
   v_tests="${MSA_AB_B_TESTS:-tests -m gpu}"
   if [[ "$v" == *:* ]]; then v_tests="${v#*:}"; v="${v%%:*}"; fi
-  IFS=, read -r -a patches <<< "$v"
-  name=""
-  for pf in "${patches[@]}"; do name="$name${name:+-}$(basename "$pf" .patch)"; done
-  applied=()
-  ok=1
-  for pf in "${patches[@]}"; do
-    if ! patch -p1 --dry-run --forward < "$pf" >> "$LOG/patch-$name.txt" 2>&1; then
-      echo "$name: $pf does not apply"; cat "$LOG/patch-$name.txt"; ok=0; break
-    fi
-    patch -p1 --forward --no-backup-if-mismatch < "$pf" > /dev/null 2>&1
-    applied+=("$pf")
-  done
-  if [ $ok = 1 ]; then
+  name=$(ab_name "$v")
+  if ab_apply "$v" "$LOG/patch-$name.txt"; then
     MSA_COMMIT="$base-$name" MSA_PYTEST_ARGS="$v_tests" \
       bash "$here/gpu_check.sh" "$LOG/$name" "$@" > /dev/null 2>&1 || rc=1
     profile "$LOG/$name"
@@ -57,7 +46,7 @@ for v in "${variants[@]}"; do
   else
     rc=2
   fi
-  revert
+  ab_revert
 done
 for d in "$LOG"/*/; do
   side=$(basename "$d")
