@@ -48,11 +48,9 @@ for ((r = 0; r < ROUNDS; r++)); do
   for ((j = 0; j < n; j++)); do
     s=${sides[(r + j) % n]}
     # shellcheck disable=SC2086  # ARGS: the executable's options, split as given
-    "$LOG/bin/$s" $ARGS --no-header 2>> "$LOG/run.log" > "$LOG/round.tmp" || rc=1
-    sed "s/^/$r,$s,/" "$LOG/round.tmp" >> "$LOG/rounds.csv"
+    "$LOG/bin/$s" $ARGS --no-header 2>> "$LOG/run.log" | sed "s/^/$r,$s,/" >> "$LOG/rounds.csv" || rc=1  # pipefail: the exe's status
   done
 done
-rm -f "$LOG/round.tmp"
 ${PYTHON:-python3} - "$LOG/rounds.csv" "${sides[@]}" > "$LOG/ab.txt" <<'PY'
 import csv, statistics, sys
 path, sides = sys.argv[1], sys.argv[2:]
