@@ -1,7 +1,8 @@
-"""The warp-specialized sm_90a backward (csrc/sm90/sparse_bwd/sparse_bwd_ws.cuh, MSA_BWD_WS=1) against the
-general sm_90a one (the default): dq, dk and dv of sparse_attention for the same indices and dout. The
-two kernels compute the transposed logits (K Q^T) and split dQ over the two consumers' keys, another fp32
-summation order, so the gradients match to rounding, not bitwise."""
+"""The warp-specialized sm_90a backward (csrc/sm90/sparse_bwd/sparse_bwd_ws.cuh; the default on Hopper,
+MSA_BWD_WS=1 forces it in deterministic mode too) against the general sm_90a one (MSA_BWD_WS=0; deterministic
+mode's default): dq, dk and dv of sparse_attention for the same indices and dout. The two kernels compute the
+transposed logits (K Q^T) and split dQ over the two consumers' keys, another fp32 summation order, so the
+gradients match to rounding, not bitwise."""
 import pytest
 import torch
 
@@ -108,3 +109,23 @@ def test_ws_kernel_runs(monkeypatch):
     assert "sparse_bwd_ws_kernel" in names(True)
     general = names(False)
     assert "sparse_bwd_ws_kernel" not in general and "sparse_bwd_kernel" in general, general
+
+
+def test_default_dispatch(monkeypatch):
+    """Without MSA_BWD_WS, the Hopper backward is the warp-specialized kernel, and the general one in
+    deterministic mode (the warp-specialized deterministic writer is not measured against it)."""
+    heads, D, bs, dtype = CASES[0]
+    q, k, v, idx, cu, mx, dout = _inputs([700], heads, D, bs, dtype, 4, seed=5)
+    monkeypatch.delenv("MSA_BWD_WS", raising=False)
+
+    def names(deterministic):
+        def step():
+            leaves = [x.detach().requires_grad_(True) for x in (q, k, v)]
+            out = msa.sparse_attention(*leaves, idx, block_size=bs, cu_seqlens=cu, max_seqlen=mx,
+                                       deterministic=deterministic)
+            return torch.autograd.grad(out, leaves, dout)
+        return " ".join(cuda_kernel_names(step))
+
+    assert "sparse_bwd_ws_kernel" in names(False)
+    det = names(True)
+    assert "sparse_bwd_ws_kernel" not in det and "sparse_bwd_kernel" in det, det

@@ -96,12 +96,13 @@ def test_backward_wide_units(heads, D, bs):
 
 @pytest.mark.parametrize("heads, boxes", [((16, 2, 4, 1), True), ((16, 1, 1, 1), True), ((4, 4, 4, 1), False),
                                           ((8, 8, 2, 1), False)])
-def test_backward_dq_path(heads, boxes, kernel_choice):
-    """Which dQ path the backward's launcher takes, read from the profiler's kernel names (the value tests cannot
-    tell the paths apart: both are exact): on the Hopper kernels, tensor reductions of 4-row boxes
-    (sparse_bwd_kernel<sm90::BwdMma, T, D, false, true>) where units have a multiple of 4 heads (Gu = Hq / Hi / J:
-    4, 16), per-row bulk reductions (<..., false, false>) otherwise (1, 1); the portable kernels have only the
-    latter."""
+def test_backward_dq_path(heads, boxes, kernel_choice, monkeypatch):
+    """Which dQ path the general backward's launcher takes (MSA_BWD_WS=0: on Hopper the warp-specialized kernel
+    is the default), read from the profiler's kernel names (the value tests cannot tell the paths apart: both
+    are exact): on the Hopper kernels, tensor reductions of 4-row boxes (sparse_bwd_kernel<sm90::BwdMma, T, D,
+    false, true>) where units have a multiple of 4 heads (Gu = Hq / Hi / J: 4, 16), per-row bulk reductions
+    (<..., false, false>) otherwise (1, 1); the portable kernels have only the latter."""
+    monkeypatch.setenv("MSA_BWD_WS", "0")
     hopper = kernel_choice == "default" and int(torch.ops.msa.device_config(torch.empty(0, device="cuda"))[1]) == 1
     q, k, v, qi, ki, cu, mx = make_packed([700, 129], heads, 128, 64, dtype=torch.bfloat16, device="cuda", seed=3)
     leaves = [x.detach().requires_grad_(True) for x in (q, k, v, qi, ki)]

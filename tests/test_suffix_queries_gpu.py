@@ -190,7 +190,7 @@ def test_suffix_deterministic_bitwise(case):
                        bs, scale, iscale, cu_k=x["cu_k"])
 
 
-KNOBS = [("MSA_BWD_WS", "1"), ("MSA_FWD_WS", "0"), ("MSA_FWD_WS_STATS", "1"), ("MSA_SMALL_SMEM", "1"),
+KNOBS = [("MSA_BWD_WS", "0"), ("MSA_FWD_WS", "0"), ("MSA_FWD_WS_STATS", "1"), ("MSA_SMALL_SMEM", "1"),
          ("MSA_FWD_ROWS", "64"), ("MSA_ITEM_ORDER", "0"), ("MSA_FWD_FIXED_GU", "0"),
          ("MSA_PARTIAL_BUDGET", "1048576"), ("MSA_FWD_UNITS_PER_ITEM", "37"), ("MSA_BWD_UNITS_PER_ITEM", "5")]
 

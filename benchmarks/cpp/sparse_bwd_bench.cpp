@@ -36,7 +36,7 @@ int main(int argc, char** argv) {
        [&](const char*) { item_order = false; }},
       {"--sink", nullptr, "an attention sink: slot 0 of every row is block 0 (msa.bench's sparse bwd, sink row)",
        [&](const char*) { sink = true; }},
-      {"--ws", nullptr, "sm_90a: the warp-specialized kernel, not the general one (MSA_BWD_WS=1)",
+      {"--ws", nullptr, "sm_90a: the warp-specialized kernel (the library's default outside deterministic mode)",
        [&](const char*) { ws = true; }},
       {"--only", "delta|bwd|total", "time one row only", [&](const char* v) { only = v; }},
   };

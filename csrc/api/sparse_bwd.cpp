@@ -157,9 +157,10 @@ SparseGradsF32 sparse_backward_f32(const Tensor& dout_in, const Tensor& q_in, co
     p.block_size = int(block_size);
     p.max_blocks = int(ri.max_blocks);
     p.small_smem = small;  // the 99 KB configuration (the Hopper launcher ignores it)
-    // Hopper: the warp-specialized kernel (csrc/sm90/sparse_bwd/sparse_bwd_ws.cuh) only when asked for
-    // (MSA_BWD_WS=1): so far slower than the general one (benchmarks/NOTES.md).
-    p.ws = env_is("MSA_BWD_WS", "1");
+    // Hopper: the warp-specialized kernel (csrc/sm90/sparse_bwd/sparse_bwd_ws.cuh) unless MSA_BWD_WS=0 (s41: 9%
+    // faster than the general one at 32K, 12% at 8K; benchmarks/NOTES.md); deterministic mode keeps the general
+    // kernel unless MSA_BWD_WS=1 (the warp-specialized one's deterministic writer is not measured against it).
+    p.ws = deterministic ? env_is("MSA_BWD_WS", "1") : !env_is("MSA_BWD_WS", "0");
     p.hq = int(Hq);
     p.hkv = int(Hkv);
     p.hi = int(Hi);

@@ -5,13 +5,14 @@
 // A CTA takes one work item (a kv block of one index group and up to units_per_item of the units that
 // selected it) with 3 warpgroups:
 //  - warpgroup 0 (setmaxnreg down to 40) has two jobs:
-//    - warps 0-1, the gatherers: each tile's 64 rows (U = 64 / Gu units x Gu heads: Q, dO, lse, delta,
-//      and per row its token, head and last visible key) by cp.async into a ring of two stages; a stage is
-//      announced on its "full" mbarrier once its copies landed and were fenced to the async proxy
-//      (wgmma reads Q and dO), and reused once both consumers released it ("empty");
-//    - warps 2-3, the dQ writer: per tile it adds the tile's fp32 dQ from shared memory (one of two
-//      buffers) to dq_accum (one bulk reduction per row; the deterministic mode: 16-byte reds of its hi / lo
-//      split), so no consumer waits for an atomic.
+//    - warps 0-2 (deterministic mode: 0-1), the gatherers: each tile's 64 rows (U = 64 / Gu units x Gu heads:
+//      Q, dO, lse, delta, and per row its token, head and last visible key) by cp.async into a ring of two
+//      stages; a stage is announced on its "full" mbarrier once its copies landed and were fenced to the
+//      async proxy (wgmma reads Q and dO), and reused once both consumers released it ("empty": right after
+//      their dV / dK GEMMs, before dQ);
+//    - warp 3 (deterministic mode: 2-3), the dQ writer: per tile it adds the tile's fp32 dQ from shared memory
+//      (one of two buffers) to dq_accum (one bulk reduction per row; the deterministic mode: 16-byte reds of
+//      its hi / lo split), so no consumer waits for an atomic.
 //  - warpgroups 1 and 2, the consumers (setmaxnreg up to 232): consumer c owns keys [64 c, +64) of the
 //    block for the whole item, dK and dV of them in registers (m64nD each). Per tile, in two halves of 32
 //    rows, transposed (keys as the MMA's M):
@@ -55,7 +56,10 @@ constexpr int kKeys = 128;     // keys of a block (block_size 64: keys past it a
 constexpr int kRows = 64;      // rows per tile
 constexpr int kStages = 2;
 constexpr int kThreads = 384;  // producer / writer + two consumers
-constexpr int kGather = 64;    // gatherer threads (warps 0-1); the rest of warpgroup 0 writes dQ
+// Gatherer threads: warps 0-2 (s41: 16% faster than two at 32K, where the consumers waited for the stages), the
+// last warp of warpgroup 0 writes dQ; deterministic mode: warps 0-1, its two writer warps adding the exact sums.
+template <bool kDet>
+constexpr int kGatherOf = kDet ? 64 : 96;
 constexpr int kProducerRegs = 40, kConsumerRegs = 232;
 static_assert(kProducerRegs * 128 + kConsumerRegs * 256 <= (65536 / kThreads & ~7) * kThreads, "register pool");
 // Named barriers: 1, 2 = consumer warpgroup 0, 1 (out_ws::group_sync); 3 = both consumers; 4 = gatherers.
@@ -100,6 +104,7 @@ __global__ void __launch_bounds__(kThreads, 1) sparse_bwd_ws_kernel(SparseBwdPar
   using QT = typename L::QT;
   using DsT = typename L::DsT;
   constexpr int kChunks = D / 8;
+  constexpr int kGather = kGatherOf<kDet>;
   extern __shared__ __align__(128) unsigned char smem_raw[];
   unsigned char* smem = smem_raw + ((1024 - (smem_addr(smem_raw) & 1023)) & 1023);
   T* sK = reinterpret_cast<T*>(smem + L::k);
@@ -151,23 +156,26 @@ __global__ void __launch_bounds__(kThreads, 1) sparse_bwd_ws_kernel(SparseBwdPar
         }
         if (i == n_all) break;
         const int s = i % kStages;
+        const int j = i / n_tiles, t = i - j * n_tiles;
+        const int h0 = r * G + j * Gu;
+        // This thread's row of tile i's table (token, head, last visible key): its token is loaded before the
+        // stage is free, so the load's latency runs under the wait.
+        static_assert(kGather >= kRows, "one row per gatherer thread");
+        const int trow = tid, u = trow / Gu, uu = u_begin + t * U + u;
+        const bool tok_ok = trow < kRows && u < U && uu < u_end;
+        const int ttok = tok_ok ? p.tokens[uu] : -1;
         if (i >= kStages) mbar_wait(&empty[s], ((i / kStages) - 1) & 1);
         unsigned char* st = smem + L::stage0 + s * L::stage_bytes;
         int* sTok = reinterpret_cast<int*>(st + L::s_tok);
         int* sHead = reinterpret_cast<int*>(st + L::s_head);
-        const int j = i / n_tiles, t = i - j * n_tiles;
-        const int h0 = r * G + j * Gu;
-        for (int row = tid; row < kRows; row += kGather) {  // token, head, last visible key; lse and delta
-          const int u = row / Gu, uu = u_begin + t * U + u;
-          const bool ok = u < U && uu < u_end;
-          const int tok = ok ? p.tokens[uu] : -1;
-          const int head = h0 + (row - u * Gu);
-          sTok[row] = tok;
-          sHead[row] = head;
-          reinterpret_cast<int*>(st + L::s_lim)[row] = ok ? min(blen - 1, tok - kpos0) : -1;
-          const int64_t o = ok ? int64_t(head) * p.total_tokens + tok : 0;
-          cp_async_4(st + L::s_lse + row * 4, p.lse + o, ok);
-          cp_async_4(st + L::s_delta + row * 4, p.delta + o, ok);
+        if (trow < kRows) {  // token, head, last visible key; lse and delta
+          const int head = h0 + (trow - u * Gu);
+          sTok[trow] = ttok;
+          sHead[trow] = head;
+          reinterpret_cast<int*>(st + L::s_lim)[trow] = tok_ok ? min(blen - 1, ttok - kpos0) : -1;
+          const int64_t o = tok_ok ? int64_t(head) * p.total_tokens + ttok : 0;
+          cp_async_4(st + L::s_lse + trow * 4, p.lse + o, tok_ok);
+          cp_async_4(st + L::s_delta + trow * 4, p.delta + o, tok_ok);
         }
         asm volatile("bar.sync %0, %1;\n" ::"n"(kBarGather), "n"(kGather) : "memory");  // the row table
         const T* Q = static_cast<const T*>(p.q);
@@ -360,6 +368,14 @@ __global__ void __launch_bounds__(kThreads, 1) sparse_bwd_ws_kernel(SparseBwdPar
       // (Waited for here, not under dQ: with half 1's fragments, dQ's and dK / dV live together, ptxas
       // serialises every wgmma of the kernel for registers, C7512.)
       wgmma_wait<0>();
+      // The stage is read (Q, dO by dV / dK; lse, delta, limits by P / dS): consumer 0 keeps its row table for the
+      // dQ buffer, and the stage goes back to the gatherers before dQ.
+      int tab_tok = -1, tab_head = 0;
+      if (wg == 0 && ctid < kRows) {
+        tab_tok = reinterpret_cast<const int*>(st + L::s_tok)[ctid];
+        tab_head = reinterpret_cast<const int*>(st + L::s_head)[ctid];
+      }
+      mbar_arrive(&empty[s]);
       group_sync(1 + wg);  // dS^T of the consumer's 64 keys complete
 
       // dQ_c = dS_c K_c: A = dS by transposed ldmatrix of dS^T (rows [16 wq, +16), keys [16 kk, +16)), B =
@@ -384,16 +400,15 @@ __global__ void __launch_bounds__(kThreads, 1) sparse_bwd_ws_kernel(SparseBwdPar
         const int b = i & 1;
         float* buf = sDq + b * kRows * L::kDqStride;
         if (panel == 0) {
-          // The stage's Q / dO are read (dV, dK done). Consumer 0 stores its partial into buffer b once the
-          // writer has written out tile i - 2 from it; consumer 1 adds its own once consumer 0's is there.
+          // Consumer 0 stores its partial into buffer b once the writer has written out tile i - 2 from it;
+          // consumer 1 adds its own once consumer 0's is there.
           if (wg == 0) {
             if (i >= 2) mbar_wait(&dq_empty[b], ((i >> 1) - 1) & 1);
             if (ctid < kRows) {
-              sDqTok[b * kRows + ctid] = reinterpret_cast<const int*>(st + L::s_tok)[ctid];
-              sDqHead[b * kRows + ctid] = reinterpret_cast<const int*>(st + L::s_head)[ctid];
+              sDqTok[b * kRows + ctid] = tab_tok;
+              sDqHead[b * kRows + ctid] = tab_head;
             }
           }
-          mbar_arrive(&empty[s]);
           if (wg == 1) mbar_wait(&dq_half[b], (i >> 1) & 1);
         }
 #pragma unroll
