@@ -113,7 +113,8 @@ def test_ws_kernel_runs(monkeypatch):
 
 def test_default_dispatch(monkeypatch):
     """Without MSA_BWD_WS, the Hopper backward is the warp-specialized kernel, and the general one in
-    deterministic mode (the warp-specialized deterministic writer is not measured against it)."""
+    deterministic mode (the warp-specialized deterministic writer is not measured against it); MSA_BWD_WS=1 takes
+    the warp-specialized one there too (test_ws_deterministic's subject)."""
     heads, D, bs, dtype = CASES[0]
     q, k, v, idx, cu, mx, dout = _inputs([700], heads, D, bs, dtype, 4, seed=5)
     monkeypatch.delenv("MSA_BWD_WS", raising=False)
@@ -129,3 +130,5 @@ def test_default_dispatch(monkeypatch):
     assert "sparse_bwd_ws_kernel" in names(False)
     det = names(True)
     assert "sparse_bwd_ws_kernel" not in det and "sparse_bwd_kernel" in det, det
+    monkeypatch.setenv("MSA_BWD_WS", "1")
+    assert "sparse_bwd_ws_kernel" in names(True)

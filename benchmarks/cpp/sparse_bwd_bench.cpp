@@ -27,7 +27,7 @@ struct BwdSet {
 int main(int argc, char** argv) {
   Options opt;
   int64_t units = 0;  // 0: the op's choice, bwd_units_per_item(entries)
-  bool item_order = true, sink = false, ws = false;
+  bool item_order = true, sink = false, ws = true;  // ws: as the op outside deterministic mode
   std::string only;
   const std::vector<Knob> knobs = {
       {"--units-per-item", "U", "tokens per backward work item (default: the op's, 1024 up to 2^20 entries, else 2048; MSA_BWD_UNITS_PER_ITEM)",
@@ -36,8 +36,8 @@ int main(int argc, char** argv) {
        [&](const char*) { item_order = false; }},
       {"--sink", nullptr, "an attention sink: slot 0 of every row is block 0 (msa.bench's sparse bwd, sink row)",
        [&](const char*) { sink = true; }},
-      {"--ws", nullptr, "sm_90a: the warp-specialized kernel (the library's default outside deterministic mode)",
-       [&](const char*) { ws = true; }},
+      {"--general", nullptr, "sm_90a: the general kernel, not the warp-specialized one (MSA_BWD_WS=0)",
+       [&](const char*) { ws = false; }},
       {"--only", "delta|bwd|total", "time one row only", [&](const char* v) { only = v; }},
   };
   parse_options(argc, argv,
