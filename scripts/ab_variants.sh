@@ -7,7 +7,8 @@
 # set, e.g. fewer N than the variants' final run, else the bench args). Then per variant: apply, rebuild, the
 # tests in MSA_AB_B_TESTS (default tests -m gpu), benchmark, revert. A variant whose patches do not apply is
 # reported and skipped. MSA_AB_PROFILE=N adds a per-kernel profile (scripts/profile_msa.py N) of each side
-# (profile.txt); MSA_AB_EXTRA=CMD runs CMD after it (extra.txt). Logs (scripts/gpu_check.sh each) land in LOGDIR/a and LOGDIR/<variant name> and come back
+# (profile.txt; MSA_AB_GREP=REGEX prints the matching kernels' times); MSA_AB_EXTRA=CMD runs CMD after it
+# (extra.txt). Logs (scripts/gpu_check.sh each) land in LOGDIR/a and LOGDIR/<variant name> and come back
 # packed as LOGDIR.tgz (only a few files return from a device call). scripts/ab_patch.sh: one variant.
 set -uo pipefail
 LOG=${1:?usage: scripts/ab_variants.sh LOGDIR VARIANT [VARIANT ...] [-- bench args]}
@@ -22,6 +23,11 @@ here=$(cd "$(dirname "$0")" && pwd)
 base=$(cat .msa_commit 2>/dev/null || echo unknown)
 profile() {
   [ -n "${MSA_AB_PROFILE:-}" ] && ${PYTHON:-python3} "$here/profile_msa.py" $MSA_AB_PROFILE > "$1/profile.txt" 2>&1
+  # MSA_AB_GREP=REGEX (kernel names): those rows' GPU time printed as each side's profile ends (the figures reach
+  # stdout even when a device call is cut before LOGDIR.tgz is packed).
+  [ -n "${MSA_AB_PROFILE:-}" ] && [ -n "${MSA_AB_GREP:-}" ] &&
+    awk -v side="$(basename "$1")" -v re="$MSA_AB_GREP" '/^## N/ {n = $4; sub(/:/, "", n)} $0 ~ re && NF > 10 {
+      print "  " side " N=" n ": " substr($0, 1, 60) " " $(NF - 2)}' "$1/profile.txt"
   # MSA_AB_EXTRA: one more command per side (e.g. "MSA_HOST_PHASES=1 python3 scripts/host_time.py 8192"), its
   # stdout and stderr in extra.txt.
   [ -n "${MSA_AB_EXTRA:-}" ] && bash -c "$MSA_AB_EXTRA" > "$1/extra.txt" 2>&1
