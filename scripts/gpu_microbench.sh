@@ -61,7 +61,7 @@ rc=$?
 summary "microbench build: rc=$rc, $(( $(date +%s) - t0 )) s, archs $ARCHS, $JOBS jobs"
 if [ $rc -ne 0 ]; then tail -n 40 "$LOG/build.log"; exit $rc; fi
 grep -E "spill|registers|Compiling entry" "$LOG/build.log" > "$LOG/ptxas.txt" || true  # build order: scripts/ptxas_table.py reads it
-[ -n "${MSA_MICROBENCH_BUILD_ONLY:-}" ] && exit 0
+[ "${MSA_MICROBENCH_BUILD_ONLY:-0}" = 1 ] && exit 0
 
 BIN="$BUILD/bin"
 CSV="$LOG/microbench.csv"
