@@ -1,0 +1,122 @@
+// Probe: can a TMA tile load with the 128-byte swizzle write a box of R < 8 rows at row R b of a KMajorSw128 tile
+// (a shared address 128 R b bytes past a 1024-aligned panel, i.e. not at the start of an 8-row swizzle atom), and
+// does the data land where KMajorSw128::offset (swizzle by the row's address bits) says? The question decides
+// whether the sparse backward / forward passes could gather a unit's Gu = R consecutive heads of one token by one
+// TMA box per 64-column panel (R = 4 in the bench layout) instead of 16-byte cp.async copies by many threads
+// (benchmarks/NOTES.md, s42). A box of R rows (R heads of one token, heads b R % 8 ..) per 64-column panel, 64 / R
+// boxes per panel, into a 64 x 128 tile; each thread then reads the tile through KMajorSw128 and the bits are
+// compared with the source (random 16-bit patterns, copied as bf16 bits).
+// Build and run on the GPU (repository root), one box height per process (a misaligned TMA faults the context):
+//   nvcc -O3 -std=c++20 --expt-relaxed-constexpr -gencode=arch=compute_90a,code=sm_90a -Icsrc -o /tmp/tma_probe \
+//     benchmarks/cpp/tma_box_offset_probe.cu && for r in 8 4 2 1; do /tmp/tma_probe $r; done
+// Prints: rows_per_box,mismatches,elements (or the CUDA error of the launch); exit status 1 on any mismatch.
+#include <cuda.h>
+#include <cuda_bf16.h>
+#include <cuda_runtime.h>
+
+#include <cstdint>
+#include <cstdio>
+#include <cstdlib>
+#include <random>
+#include <vector>
+
+#include "bench_common.h"  // BENCH_CHECK (only the macro)
+#include "common/mma_sm80.h"
+#include "common/tma_map.h"
+#include "common/wgmma_sm90.h"
+
+namespace {
+
+constexpr int kRows = 64, kD = 128, kHeads = 8, kTokens = 256;
+using Tile = msa::sm90::KMajorSw128<kRows, kD>;
+
+__global__ void __launch_bounds__(128) probe_kernel(const __grid_constant__ CUtensorMap map, const int* tokens,
+                                                    int box_rows, uint16_t* out) {
+  extern __shared__ __align__(1024) unsigned char smem_raw[];
+  unsigned char* smem = smem_raw + ((1024u - (msa::sm80::smem_addr(smem_raw) & 1023u)) & 1023u);
+  uint64_t* bar = reinterpret_cast<uint64_t*>(smem + kRows * kD * 2);
+  if (threadIdx.x == 0) {
+    msa::sm90::mbar_init(bar, 1);
+    msa::sm90::mbar_fence_init();
+  }
+  __syncthreads();
+  if (threadIdx.x == 0) {
+    msa::sm90::mbar_arrive_expect_tx(bar, kRows * kD * 2);
+    for (int b = 0; b < kRows / box_rows; ++b) {
+      const int head0 = (b * box_rows) % kHeads;
+      for (int panel = 0; panel < kD / 64; ++panel) {
+        msa::sm90::tma_load_3d(smem + panel * Tile::kPanelElems * 2 + b * box_rows * 128, &map, panel * 64, head0,
+                               tokens[b], bar);
+      }
+    }
+  }
+  msa::sm90::mbar_wait(bar, 0);
+  const uint16_t* tile = reinterpret_cast<const uint16_t*>(smem);
+  for (int i = threadIdx.x; i < kRows * (kD / 8); i += blockDim.x) {
+    const int row = i / (kD / 8), chunk = i % (kD / 8);
+    for (int e = 0; e < 8; ++e) out[row * kD + chunk * 8 + e] = tile[Tile::offset(row, chunk) + e];
+  }
+}
+
+}  // namespace
+
+int main(int argc, char** argv) {
+  const int box_rows = argc > 1 ? std::atoi(argv[1]) : 4;
+  if (box_rows < 1 || box_rows > 8 || kRows % box_rows != 0 || kHeads % box_rows != 0) {
+    std::fprintf(stderr, "rows per box: 1, 2, 4 or 8\n");
+    return 2;
+  }
+  std::mt19937 rng(1234);
+  std::vector<uint16_t> src(size_t(kTokens) * kHeads * kD);
+  for (auto& x : src) x = uint16_t(rng());
+  const int n_boxes = kRows / box_rows;
+  std::vector<int> tokens(n_boxes);
+  for (auto& t : tokens) t = int(rng() % kTokens);
+
+  uint16_t *d_src = nullptr, *d_out = nullptr;
+  int* d_tok = nullptr;
+  BENCH_CHECK(cudaMalloc(&d_src, src.size() * 2));
+  BENCH_CHECK(cudaMalloc(&d_out, size_t(kRows) * kD * 2));
+  BENCH_CHECK(cudaMalloc(&d_tok, n_boxes * sizeof(int)));
+  BENCH_CHECK(cudaMemcpy(d_src, src.data(), src.size() * 2, cudaMemcpyHostToDevice));
+  BENCH_CHECK(cudaMemcpy(d_tok, tokens.data(), n_boxes * sizeof(int), cudaMemcpyHostToDevice));
+  BENCH_CHECK(cudaMemset(d_out, 0xff, size_t(kRows) * kD * 2));
+
+  // (D, heads, tokens), boxes of 64 columns x box_rows heads x 1 token, 128-byte swizzle.
+  const PFN_cuTensorMapEncodeTiled_v12000 encode = msa::tensor_map_encoder();
+  if (encode == nullptr) {
+    std::fprintf(stderr, "no cuTensorMapEncodeTiled\n");
+    return 2;
+  }
+  CUtensorMap map;
+  const cuuint64_t dims[3] = {kD, kHeads, kTokens};
+  const cuuint64_t strides[2] = {kD * 2, uint64_t(kHeads) * kD * 2};
+  const cuuint32_t box[3] = {64, cuuint32_t(box_rows), 1};
+  const cuuint32_t elem_strides[3] = {1, 1, 1};
+  const CUresult r = encode(&map, CU_TENSOR_MAP_DATA_TYPE_BFLOAT16, 3, d_src, dims, strides, box, elem_strides,
+                            CU_TENSOR_MAP_INTERLEAVE_NONE, CU_TENSOR_MAP_SWIZZLE_128B, CU_TENSOR_MAP_L2_PROMOTION_NONE,
+                            CU_TENSOR_MAP_FLOAT_OOB_FILL_NONE);
+  if (r != CUDA_SUCCESS) {
+    std::printf("%d,encode_error_%d,\n", box_rows, int(r));
+    return 1;
+  }
+  const int smem = kRows * kD * 2 + 64 + 1024;
+  BENCH_CHECK(cudaFuncSetAttribute(probe_kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, smem));
+  probe_kernel<<<1, 128, smem>>>(map, d_tok, box_rows, d_out);
+  const cudaError_t err = cudaDeviceSynchronize();
+  if (err != cudaSuccess) {
+    std::printf("%d,%s,\n", box_rows, cudaGetErrorString(err));
+    return 1;
+  }
+  std::vector<uint16_t> out(size_t(kRows) * kD);
+  BENCH_CHECK(cudaMemcpy(out.data(), d_out, out.size() * 2, cudaMemcpyDeviceToHost));
+  int64_t bad = 0;
+  for (int row = 0; row < kRows; ++row) {
+    const int b = row / box_rows, head = (b * box_rows) % kHeads + row % box_rows;
+    for (int d = 0; d < kD; ++d) {
+      bad += out[size_t(row) * kD + d] != src[(size_t(tokens[b]) * kHeads + head) * kD + d];
+    }
+  }
+  std::printf("%d,%lld,%d\n", box_rows, static_cast<long long>(bad), kRows * kD);
+  return bad == 0 ? 0 : 1;
+}
