@@ -5,11 +5,14 @@
 // TMA box per 64-column panel (R = 4 in the bench layout) instead of 16-byte cp.async copies by many threads
 // (benchmarks/NOTES.md, s42). A box of R rows (R heads of one token, heads b R % 8 ..) per 64-column panel, 64 / R
 // boxes per panel, into a 64 x 128 tile; each thread then reads the tile through KMajorSw128 and the bits are
-// compared with the source (random 16-bit patterns, copied as bf16 bits).
-// Build and run on the GPU (repository root), one box height per process (a misaligned TMA faults the context):
+// compared with the source (random 16-bit patterns, copied as bf16 bits). With "oob" every odd box reads a token
+// past the tensor's end (entirely out of bounds): its rows must read zeros and its bytes still complete the
+// mbarrier's phase (a hang otherwise: run under timeout), as a gather of a tile's missing units would use it.
+// Build and run on the GPU (repository root), one case per process (a misaligned TMA faults the context):
 //   nvcc -O3 -std=c++20 --expt-relaxed-constexpr -gencode=arch=compute_90a,code=sm_90a -Icsrc -o /tmp/tma_probe \
-//     benchmarks/cpp/tma_box_offset_probe.cu && for r in 8 4 2 1; do /tmp/tma_probe $r; done
-// Prints: rows_per_box,mismatches,elements (or the CUDA error of the launch); exit status 1 on any mismatch.
+//     benchmarks/cpp/tma_box_offset_probe.cu && for r in 8 4 2 1; do timeout 20 /tmp/tma_probe $r; \
+//     timeout 20 /tmp/tma_probe $r oob; done
+// Prints: rows_per_box,oob,mismatches,elements (or the CUDA error of the launch); exit status 1 on any mismatch.
 #include <cuda.h>
 #include <cuda_bf16.h>
 #include <cuda_runtime.h>
@@ -18,6 +21,7 @@
 #include <cstdio>
 #include <cstdlib>
 #include <random>
+#include <string>
 #include <vector>
 
 #include "bench_common.h"  // BENCH_CHECK (only the macro)
@@ -62,6 +66,7 @@ __global__ void __launch_bounds__(128) probe_kernel(const __grid_constant__ CUte
 
 int main(int argc, char** argv) {
   const int box_rows = argc > 1 ? std::atoi(argv[1]) : 4;
+  const bool oob = argc > 2 && std::string(argv[2]) == "oob";
   if (box_rows < 1 || box_rows > 8 || kRows % box_rows != 0 || kHeads % box_rows != 0) {
     std::fprintf(stderr, "rows per box: 1, 2, 4 or 8\n");
     return 2;
@@ -71,7 +76,7 @@ int main(int argc, char** argv) {
   for (auto& x : src) x = uint16_t(rng());
   const int n_boxes = kRows / box_rows;
   std::vector<int> tokens(n_boxes);
-  for (auto& t : tokens) t = int(rng() % kTokens);
+  for (int b = 0; b < n_boxes; ++b) tokens[b] = oob && b % 2 == 1 ? kTokens : int(rng() % kTokens);
 
   uint16_t *d_src = nullptr, *d_out = nullptr;
   int* d_tok = nullptr;
@@ -97,7 +102,7 @@ int main(int argc, char** argv) {
                             CU_TENSOR_MAP_INTERLEAVE_NONE, CU_TENSOR_MAP_SWIZZLE_128B, CU_TENSOR_MAP_L2_PROMOTION_NONE,
                             CU_TENSOR_MAP_FLOAT_OOB_FILL_NONE);
   if (r != CUDA_SUCCESS) {
-    std::printf("%d,encode_error_%d,\n", box_rows, int(r));
+    std::printf("%d,%d,encode_error_%d,\n", box_rows, int(oob), int(r));
     return 1;
   }
   const int smem = kRows * kD * 2 + 64 + 1024;
@@ -105,7 +110,7 @@ int main(int argc, char** argv) {
   probe_kernel<<<1, 128, smem>>>(map, d_tok, box_rows, d_out);
   const cudaError_t err = cudaDeviceSynchronize();
   if (err != cudaSuccess) {
-    std::printf("%d,%s,\n", box_rows, cudaGetErrorString(err));
+    std::printf("%d,%d,%s,\n", box_rows, int(oob), cudaGetErrorString(err));
     return 1;
   }
   std::vector<uint16_t> out(size_t(kRows) * kD);
@@ -114,9 +119,10 @@ int main(int argc, char** argv) {
   for (int row = 0; row < kRows; ++row) {
     const int b = row / box_rows, head = (b * box_rows) % kHeads + row % box_rows;
     for (int d = 0; d < kD; ++d) {
-      bad += out[size_t(row) * kD + d] != src[(size_t(tokens[b]) * kHeads + head) * kD + d];
+      const uint16_t want = tokens[b] >= kTokens ? uint16_t(0) : src[(size_t(tokens[b]) * kHeads + head) * kD + d];
+      bad += out[size_t(row) * kD + d] != want;
     }
   }
-  std::printf("%d,%lld,%d\n", box_rows, static_cast<long long>(bad), kRows * kD);
+  std::printf("%d,%d,%lld,%d\n", box_rows, int(oob), static_cast<long long>(bad), kRows * kD);
   return bad == 0 ? 0 : 1;
 }
