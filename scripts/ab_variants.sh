@@ -22,7 +22,10 @@ here=$(cd "$(dirname "$0")" && pwd)
 . "$here/ab_lib.sh"
 base=$(cat .msa_commit 2>/dev/null || echo unknown)
 profile() {
-  [ -n "${MSA_AB_PROFILE:-}" ] && ${PYTHON:-python3} "$here/profile_msa.py" $MSA_AB_PROFILE > "$1/profile.txt" 2>&1
+  # MSA_AB_TIMEOUT=S: each side's profile killed after S seconds (with MSA_PYTEST_TIMEOUT for its tests: a variant
+  # whose kernel deadlocks costs those seconds, and the next variant still runs).
+  local to=(); [ -n "${MSA_AB_TIMEOUT:-}" ] && to=(timeout -k 10 "$MSA_AB_TIMEOUT")
+  [ -n "${MSA_AB_PROFILE:-}" ] && "${to[@]}" ${PYTHON:-python3} "$here/profile_msa.py" $MSA_AB_PROFILE > "$1/profile.txt" 2>&1
   # MSA_AB_GREP=REGEX (kernel names): those rows' GPU time printed as each side's profile ends (the figures reach
   # stdout even when a device call is cut before LOGDIR.tgz is packed).
   [ -n "${MSA_AB_PROFILE:-}" ] && [ -n "${MSA_AB_GREP:-}" ] &&

@@ -34,7 +34,9 @@ if [ $rc -ne 0 ]; then tail -n 40 "$LOG/build.log"; exit $rc; fi
 grep -E "spill|registers|Compiling entry" "$LOG/build.log" > "$LOG/ptxas.txt" || true
 t0=$(date +%s)
 # MSA_PYTEST_ARGS narrows the run (e.g. "tests -m gpu" while iterating on a kernel); default: everything.
-$PY -m pytest ${MSA_PYTEST_ARGS:-tests} -q -rs --durations=10 > "$LOG/tests.log" 2>&1
+# MSA_PYTEST_TIMEOUT=S: the tests killed after S seconds (a kernel that deadlocks then costs S, not the device call).
+to=(); [ -n "${MSA_PYTEST_TIMEOUT:-}" ] && to=(timeout -k 10 "$MSA_PYTEST_TIMEOUT")
+"${to[@]}" $PY -m pytest ${MSA_PYTEST_ARGS:-tests} -q -rs --durations=10 > "$LOG/tests.log" 2>&1
 rc_tests=$?
 echo "tests: rc=$rc_tests, $(( $(date +%s) - t0 )) s, $(tail -n 1 "$LOG/tests.log")" | tee -a "$LOG/summary.txt"
 rc_bench=0
