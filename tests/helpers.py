@@ -1,4 +1,7 @@
 """Input factories shared by the tests."""
+import os
+import shutil
+
 import torch
 
 # (Hq, Hkv, Hi, Hki) head classes of the foundation issue.
@@ -56,3 +59,12 @@ def cuda_kernel_names(fn):
         fn()
         torch.cuda.synchronize()
     return [e.name for e in prof.events()]
+
+
+def find_nvcc():
+    """The CUDA compiler as setup.py looks for it (CUDACXX, CUDA_HOME / CUDA_PATH, the default toolkit, PATH); None
+    when there is none."""
+    cands = [os.environ.get("CUDACXX")]
+    cands += [os.path.join(os.environ[v], "bin", "nvcc") for v in ("CUDA_HOME", "CUDA_PATH") if os.environ.get(v)]
+    cands += ["/usr/local/cuda/bin/nvcc", shutil.which("nvcc")]
+    return next((c for c in cands if c and os.path.isfile(c) and os.access(c, os.X_OK)), None)

@@ -11,6 +11,7 @@ import subprocess
 from pathlib import Path
 
 import pytest
+from helpers import find_nvcc
 
 ROOT = Path(__file__).resolve().parent.parent
 BENCHES = ["index_topk", "reverse_index", "sparse_fwd", "sparse_combine", "sparse_bwd", "dense_kl"]
@@ -30,18 +31,11 @@ def _cutlass_dir():
         return None
 
 
-def _nvcc():
-    cands = [os.environ.get("CUDACXX")]
-    cands += [os.path.join(os.environ[v], "bin", "nvcc") for v in ("CUDA_HOME", "CUDA_PATH") if os.environ.get(v)]
-    cands += ["/usr/local/cuda/bin/nvcc", shutil.which("nvcc")]
-    return next((c for c in cands if c and os.path.isfile(c) and os.access(c, os.X_OK)), None)
-
-
 @pytest.fixture(scope="module")
 def bindir(tmp_path_factory):
     import torch.utils
 
-    nvcc, cutlass = _nvcc(), _cutlass_dir()
+    nvcc, cutlass = find_nvcc(), _cutlass_dir()
     if nvcc is None or shutil.which("cmake") is None or shutil.which("ninja") is None:
         pytest.skip("needs nvcc, cmake and ninja")
     if cutlass is None:

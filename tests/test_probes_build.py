@@ -1,23 +1,18 @@
 """The standalone probes in benchmarks/cpp (built by nvcc alone, outside CMake: their headers give the line) still
-compile against csrc as the kernels' headers change. Needs nvcc (skips without it, e.g. on the CPU-only CI)."""
-import shutil
+compile against csrc as the kernels' headers change. Needs nvcc (skips without it)."""
 import subprocess
 from pathlib import Path
 
 import pytest
+from helpers import find_nvcc
 
 ROOT = Path(__file__).resolve().parent.parent
 PROBES = ["wgmma_rate_bench.cu", "tma_box_offset_probe.cu"]
 
 
-def _nvcc():
-    cands = [shutil.which("nvcc"), "/usr/local/cuda/bin/nvcc"]
-    return next((c for c in cands if c and Path(c).is_file()), None)
-
-
 @pytest.mark.parametrize("probe", PROBES)
 def test_probe_compiles(tmp_path, probe):
-    nvcc = _nvcc()
+    nvcc = find_nvcc()
     if nvcc is None:
         pytest.skip("needs nvcc")
     src = ROOT / "benchmarks" / "cpp" / probe
