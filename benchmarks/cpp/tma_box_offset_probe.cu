@@ -13,7 +13,6 @@
 //     benchmarks/cpp/tma_box_offset_probe.cu && for r in 8 4 2 1; do timeout 20 /tmp/tma_probe $r; \
 //     timeout 20 /tmp/tma_probe $r oob; done
 // Prints: rows_per_box,oob,mismatches,elements (or the CUDA error of the launch); exit status 1 on any mismatch.
-#include <cuda.h>
 #include <cuda_bf16.h>
 #include <cuda_runtime.h>
 
@@ -87,22 +86,12 @@ int main(int argc, char** argv) {
   BENCH_CHECK(cudaMemcpy(d_tok, tokens.data(), n_boxes * sizeof(int), cudaMemcpyHostToDevice));
   BENCH_CHECK(cudaMemset(d_out, 0xff, size_t(kRows) * kD * 2));
 
-  // (D, heads, tokens), boxes of 64 columns x box_rows heads x 1 token, 128-byte swizzle.
-  const PFN_cuTensorMapEncodeTiled_v12000 encode = msa::tensor_map_encoder();
-  if (encode == nullptr) {
-    std::fprintf(stderr, "no cuTensorMapEncodeTiled\n");
-    return 2;
-  }
+  // (D, heads, tokens), boxes of 64 columns x box_rows heads x 1 token, 128-byte swizzle (the kernels' encoder).
   CUtensorMap map;
-  const cuuint64_t dims[3] = {kD, kHeads, kTokens};
-  const cuuint64_t strides[2] = {kD * 2, uint64_t(kHeads) * kD * 2};
-  const cuuint32_t box[3] = {64, cuuint32_t(box_rows), 1};
-  const cuuint32_t elem_strides[3] = {1, 1, 1};
-  const CUresult r = encode(&map, CU_TENSOR_MAP_DATA_TYPE_BFLOAT16, 3, d_src, dims, strides, box, elem_strides,
-                            CU_TENSOR_MAP_INTERLEAVE_NONE, CU_TENSOR_MAP_SWIZZLE_128B, CU_TENSOR_MAP_L2_PROMOTION_NONE,
-                            CU_TENSOR_MAP_FLOAT_OOB_FILL_NONE);
-  if (r != CUDA_SUCCESS) {
-    std::printf("%d,%d,encode_error_%d,\n", box_rows, int(oob), int(r));
+  const cudaError_t enc = msa::make_rows_map<__nv_bfloat16>(d_src, kD, kHeads, kTokens, kD, int64_t(kHeads) * kD, 1,
+                                                            &map, box_rows);
+  if (enc != cudaSuccess) {
+    std::printf("%d,%d,encode_error,\n", box_rows, int(oob));
     return 1;
   }
   const int smem = kRows * kD * 2 + 64 + 1024;

@@ -26,17 +26,17 @@ inline PFN_cuTensorMapEncodeTiled_v12000 tensor_map_encoder() {
 }
 
 // The TMA descriptor of a (tokens, heads, w) tensor of 16-bit T at ptr (strides in elements): boxes of 64
-// columns x 1 head x box_rows tokens, 128-byte swizzle (the KMajorSw128 panel layout), zeros out of bounds.
+// columns x box_heads heads x box_rows tokens, 128-byte swizzle (the KMajorSw128 panel layout), zeros out of bounds.
 // cudaErrorNotSupported when the driver offers no encoder or the tensor cannot be described (e.g. a stride
 // that is not a multiple of 16 bytes): nothing has been launched then.
 template <typename T>
 cudaError_t make_rows_map(const void* ptr, int w, int heads, int tokens, int64_t stride_h, int64_t stride_t,
-                          int box_rows, CUtensorMap* map) {
+                          int box_rows, CUtensorMap* map, int box_heads = 1) {
   const PFN_cuTensorMapEncodeTiled_v12000 encode = tensor_map_encoder();
   if (encode == nullptr) return cudaErrorNotSupported;
   const cuuint64_t dims[3] = {cuuint64_t(w), cuuint64_t(heads), cuuint64_t(tokens)};
   const cuuint64_t strides[2] = {cuuint64_t(stride_h) * sizeof(T), cuuint64_t(stride_t) * sizeof(T)};
-  const cuuint32_t box[3] = {64, 1, cuuint32_t(box_rows)};
+  const cuuint32_t box[3] = {64, cuuint32_t(box_heads), cuuint32_t(box_rows)};
   const cuuint32_t elem_strides[3] = {1, 1, 1};
   const CUresult r = encode(map, std::is_same_v<T, __half> ? CU_TENSOR_MAP_DATA_TYPE_FLOAT16 : CU_TENSOR_MAP_DATA_TYPE_BFLOAT16,
                             3, const_cast<void*>(ptr), dims, strides, box, elem_strides, CU_TENSOR_MAP_INTERLEAVE_NONE,
