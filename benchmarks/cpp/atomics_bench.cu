@@ -17,7 +17,11 @@
 // After the timings, "check": f32x4 red and bulk red (512-byte ops) of the same entries into zeroed accumulators agree
 // (max |difference| over the max |value|; fp32 sums in another order, so not bitwise).
 // Build and run on the GPU: nvcc -O3 -arch=sm_90a -o /tmp/atomics_bench benchmarks/cpp/atomics_bench.cu
-//   && /tmp/atomics_bench [tokens] (default 32768 = the bench configuration at 32K: 2.1M entries).
+//   && /tmp/atomics_bench [tokens] [window] (default 32768 = the bench configuration at 32K: 2.1M entries).
+// window < tokens (s44): each entry's token is drawn from the window of `window` tokens its query chunk covers (entries
+// in order, 64 per token of the window: 4 groups x 16 slots), as a backward run over query chunks would add dQ; the
+// chunk's rows (window x 16 heads x 512 B: 33.5 MB at 4096) can then stay in L2 while its entries are added. Its
+// question: whether the fp32 reductions' rate (1.55 TB/s over the whole accumulator, s22) is L2-miss traffic.
 #include <cuda_bf16.h>
 #include <cuda_runtime.h>
 
@@ -43,9 +47,16 @@ __device__ __forceinline__ uint32_t hash(uint32_t x) {
   return x;
 }
 
-// Destination row of entry e: a pseudo-random token, group e % 4.
-__device__ __forceinline__ int64_t dest(int e, int tokens) {
-  const int t = hash(uint32_t(e)) % uint32_t(tokens);
+// Destination row of entry e: a pseudo-random token (of the entry's window of tokens when window < tokens), group
+// e % 4.
+__device__ __forceinline__ int64_t dest(int e, int tokens, int window) {
+  int t;
+  if (window < tokens) {
+    const int64_t w0 = int64_t(e) / (64 * int64_t(window)) * window;  // the window's first token
+    t = int(min(int64_t(tokens - 1), w0 + hash(uint32_t(e)) % uint32_t(window)));
+  } else {
+    t = hash(uint32_t(e)) % uint32_t(tokens);
+  }
   return (int64_t(t) * kHeads + (e % 4) * kGroupHeads) * kDim;
 }
 
@@ -53,10 +64,10 @@ __device__ __forceinline__ float value(int e, int i) { return float(int(hash(e *
 
 template <int kMode>
 __global__ void flush(float* acc, float* acc2, unsigned long long* acc64, double* accd, float* part, int entries,
-                      int tokens, float inv_u, float u, float inv_w, float w, float inv_fix) {
+                      int tokens, int window, float inv_u, float u, float inv_w, float w, float inv_fix) {
   const int lane = threadIdx.x % 32;
   for (int e = blockIdx.x * (blockDim.x / 32) + threadIdx.x / 32; e < entries; e += gridDim.x * (blockDim.x / 32)) {
-    const int64_t base = dest(e, tokens);
+    const int64_t base = dest(e, tokens, window);
 #pragma unroll
     for (int c = 0; c < kRow / 128; ++c) {  // 4 chunks of 128 floats: lane owns 4 consecutive floats
       const int i = c * 128 + lane * 4;
@@ -92,7 +103,7 @@ __global__ void flush(float* acc, float* acc2, unsigned long long* acc64, double
 // written again, lane 0 waits until the reduction issued from it two rows ago has read it.
 // kOps: the row in that many reductions (1: the group's 4 heads at once, 4: one 512-byte head row each).
 template <int kOps>
-__global__ void flush_bulk(float* acc, int entries, int tokens) {
+__global__ void flush_bulk(float* acc, int entries, int tokens, int window) {
   extern __shared__ __align__(128) float sbuf[];  // 2 x kRow floats per warp
   const int lane = threadIdx.x % 32, wid = threadIdx.x / 32;
   float* mine = sbuf + wid * 2 * kRow;
@@ -114,7 +125,7 @@ __global__ void flush_bulk(float* acc, int entries, int tokens) {
       for (int o = 0; o < kOps; ++o) {
         const uint32_t src = uint32_t(__cvta_generic_to_shared(buf + o * kOpFloats));
         asm volatile("cp.reduce.async.bulk.global.shared::cta.bulk_group.add.f32 [%0], [%1], %2;\n" ::"l"(
-                         acc + dest(e, tokens) + o * kOpFloats),
+                         acc + dest(e, tokens, window) + o * kOpFloats),
                      "r"(src), "n"(kOpFloats * 4)
                      : "memory");
       }
@@ -171,6 +182,11 @@ __global__ void combine(const P* part, float* out, int rows) {
 
 int main(int argc, char** argv) {
   const int tokens = argc > 1 ? std::atoi(argv[1]) : 32768;
+  const int window = argc > 2 ? std::atoi(argv[2]) : tokens;
+  if (tokens <= 0 || window <= 0) {
+    std::printf("usage: atomics_bench [tokens > 0] [window > 0]\n");
+    return 2;
+  }
   const int entries = 4 * tokens * 16;  // Hi x T x topk
   const size_t n = size_t(tokens) * kHeads * kDim;
   float *acc, *acc2, *part;
@@ -194,20 +210,21 @@ int main(int argc, char** argv) {
   cudaEvent_t a, b;
   CHECK(cudaEventCreate(&a));
   CHECK(cudaEventCreate(&b));
-  std::printf("tokens %d, entries %d (2 KB each: %.2f GB of values)\n", tokens, entries, entries * 2048.0 / 1e9);
+  std::printf("tokens %d, window %d, entries %d (2 KB each: %.2f GB of values)\n", tokens, window < tokens ? window : tokens,
+              entries, entries * 2048.0 / 1e9);
   for (int mode = 0; mode < 10; ++mode) {
     float best = 1e30f;
     for (int rep = 0; rep < 5; ++rep) {
       CHECK(cudaEventRecord(a));
       const dim3 grid(sms * 8), block(256);
       const float u = 1.0f / 1024, w = u / 16777216.0f, fix = 1.0f / 1073741824.0f;
-      if (mode == 0) flush<0><<<grid, block>>>(acc, acc2, acc64, accd, part, entries, tokens, 1 / u, u, 1 / w, w, 1 / fix);
-      if (mode == 1) flush<1><<<grid, block>>>(acc, acc2, acc64, accd, part, entries, tokens, 1 / u, u, 1 / w, w, 1 / fix);
-      if (mode == 2) flush<2><<<grid, block>>>(acc, acc2, acc64, accd, part, entries, tokens, 1 / u, u, 1 / w, w, 1 / fix);
-      if (mode == 3) flush<3><<<grid, block>>>(acc, acc2, acc64, accd, part, entries, tokens, 1 / u, u, 1 / w, w, 1 / fix);
-      if (mode == 4) flush<4><<<grid, block>>>(acc, acc2, acc64, accd, part, entries, tokens, 1 / u, u, 1 / w, w, 1 / fix);
-      if (mode == 5) flush_bulk<1><<<grid, block, kBulkSmem>>>(acc, entries, tokens);
-      if (mode == 9) flush_bulk<4><<<grid, block, kBulkSmem>>>(acc, entries, tokens);
+      if (mode == 0) flush<0><<<grid, block>>>(acc, acc2, acc64, accd, part, entries, tokens, window, 1 / u, u, 1 / w, w, 1 / fix);
+      if (mode == 1) flush<1><<<grid, block>>>(acc, acc2, acc64, accd, part, entries, tokens, window, 1 / u, u, 1 / w, w, 1 / fix);
+      if (mode == 2) flush<2><<<grid, block>>>(acc, acc2, acc64, accd, part, entries, tokens, window, 1 / u, u, 1 / w, w, 1 / fix);
+      if (mode == 3) flush<3><<<grid, block>>>(acc, acc2, acc64, accd, part, entries, tokens, window, 1 / u, u, 1 / w, w, 1 / fix);
+      if (mode == 4) flush<4><<<grid, block>>>(acc, acc2, acc64, accd, part, entries, tokens, window, 1 / u, u, 1 / w, w, 1 / fix);
+      if (mode == 5) flush_bulk<1><<<grid, block, kBulkSmem>>>(acc, entries, tokens, window);
+      if (mode == 9) flush_bulk<4><<<grid, block, kBulkSmem>>>(acc, entries, tokens, window);
       if (mode == 6) store_bf16<<<grid, block>>>(part16, entries);
       if (mode == 7) combine<float><<<grid, block>>>(part, acc, entries / 16);
       if (mode == 8) combine<__nv_bfloat16><<<grid, block>>>(part16, acc, entries / 16);
@@ -224,8 +241,8 @@ int main(int argc, char** argv) {
     const dim3 grid(sms * 8), block(256);
     CHECK(cudaMemset(acc, 0, n * 4));
     CHECK(cudaMemset(acc2, 0, n * 4));
-    flush<0><<<grid, block>>>(acc, acc2, acc64, accd, part, entries, tokens, 1, 1, 1, 1, 1);
-    flush_bulk<4><<<grid, block, kBulkSmem>>>(acc2, entries, tokens);
+    flush<0><<<grid, block>>>(acc, acc2, acc64, accd, part, entries, tokens, window, 1, 1, 1, 1, 1);
+    flush_bulk<4><<<grid, block, kBulkSmem>>>(acc2, entries, tokens, window);
     CHECK(cudaDeviceSynchronize());
     std::vector<float> x(n), y(n);
     CHECK(cudaMemcpy(x.data(), acc, n * 4, cudaMemcpyDeviceToHost));
