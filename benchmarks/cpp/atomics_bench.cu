@@ -18,7 +18,7 @@
 // (max |difference| over the max |value|; fp32 sums in another order, so not bitwise).
 // Build and run on the GPU: nvcc -O3 -arch=sm_90a -o /tmp/atomics_bench benchmarks/cpp/atomics_bench.cu
 //   && /tmp/atomics_bench [tokens] [window] (default 32768 = the bench configuration at 32K: 2.1M entries).
-// window < tokens (s44): each entry's token is drawn from the window of `window` tokens its query chunk covers (entries
+// window < tokens (s44; a larger one is the whole tensor): each entry's token is drawn from the window of `window` tokens its query chunk covers (entries
 // in order, 64 per token of the window: 4 groups x 16 slots), as a backward run over query chunks would add dQ; the
 // chunk's rows (window x 16 heads x 512 B: 33.5 MB at 4096) can then stay in L2 while its entries are added. Its
 // question: whether the fp32 reductions' rate (1.55 TB/s over the whole accumulator, s22) is L2-miss traffic.
@@ -47,16 +47,11 @@ __device__ __forceinline__ uint32_t hash(uint32_t x) {
   return x;
 }
 
-// Destination row of entry e: a pseudo-random token (of the entry's window of tokens when window < tokens), group
-// e % 4.
+// Destination row of entry e: a pseudo-random token of the entry's window (window <= tokens; the whole tensor when
+// equal: every entry's window then starts at token 0), group e % 4.
 __device__ __forceinline__ int64_t dest(int e, int tokens, int window) {
-  int t;
-  if (window < tokens) {
-    const int64_t w0 = int64_t(e) / (64 * int64_t(window)) * window;  // the window's first token
-    t = int(min(int64_t(tokens - 1), w0 + hash(uint32_t(e)) % uint32_t(window)));
-  } else {
-    t = hash(uint32_t(e)) % uint32_t(tokens);
-  }
+  const int64_t w0 = int64_t(e) / (64 * int64_t(window)) * window;  // the window's first token
+  const int t = int(min(int64_t(tokens - 1), w0 + hash(uint32_t(e)) % uint32_t(window)));
   return (int64_t(t) * kHeads + (e % 4) * kGroupHeads) * kDim;
 }
 
@@ -182,11 +177,12 @@ __global__ void combine(const P* part, float* out, int rows) {
 
 int main(int argc, char** argv) {
   const int tokens = argc > 1 ? std::atoi(argv[1]) : 32768;
-  const int window = argc > 2 ? std::atoi(argv[2]) : tokens;
-  if (tokens <= 0 || window <= 0) {
+  const int window_arg = argc > 2 ? std::atoi(argv[2]) : tokens;
+  if (tokens <= 0 || window_arg <= 0) {
     std::printf("usage: atomics_bench [tokens > 0] [window > 0]\n");
     return 2;
   }
+  const int window = window_arg < tokens ? window_arg : tokens;
   const int entries = 4 * tokens * 16;  // Hi x T x topk
   const size_t n = size_t(tokens) * kHeads * kDim;
   float *acc, *acc2, *part;
@@ -210,8 +206,8 @@ int main(int argc, char** argv) {
   cudaEvent_t a, b;
   CHECK(cudaEventCreate(&a));
   CHECK(cudaEventCreate(&b));
-  std::printf("tokens %d, window %d, entries %d (2 KB each: %.2f GB of values)\n", tokens, window < tokens ? window : tokens,
-              entries, entries * 2048.0 / 1e9);
+  std::printf("tokens %d, window %d, entries %d (2 KB each: %.2f GB of values)\n", tokens, window, entries,
+              entries * 2048.0 / 1e9);
   for (int mode = 0; mode < 10; ++mode) {
     float best = 1e30f;
     for (int rep = 0; rep < 5; ++rep) {
