@@ -46,10 +46,19 @@ def batch_cu(B, N):
     return [N * b for b in range(B + 1)]
 
 
-def poison_allocator(nbytes=1 << 28):
+def poison_allocator(nbytes=1 << 28, small_bytes=64 << 20):
     """Fill memory the caching allocator will hand out next with 0x7f bytes, so an unwritten output
-    element shows up as garbage instead of a lucky zero."""
-    torch.empty(nbytes, dtype=torch.uint8, device="cuda").fill_(0x7F)
+    element shows up as garbage instead of a lucky zero or a stale, correct value of an earlier call.
+    The cached free blocks are dropped first (an earlier call's outputs of the same size would be reused
+    before the poisoned block: best fit), and both of the allocator's pools are filled: requests up to
+    1 MiB (lse, lse_idx, kl_rows, small-N outputs) come from the small pool, which a large block never feeds.
+    Free fragments inside segments that still hold live tensors keep their old bytes."""
+    torch.cuda.synchronize()
+    torch.cuda.empty_cache()
+    held = [torch.empty(nbytes, dtype=torch.uint8, device="cuda")]
+    held += [torch.empty(1 << 20, dtype=torch.uint8, device="cuda") for _ in range(small_bytes >> 20)]
+    for t in held:
+        t.fill_(0x7F)
     torch.cuda.synchronize()
 
 

@@ -23,6 +23,19 @@ def expect(exc, name, fn):
     return str(info.value)
 
 
+def expect_no_launch(exc, name, fn):
+    """expect(), and no kernel ran on the GPU before the error (SPEC 7): the profiler's CUDA activities of
+    the call, copies and memsets aside (a host check may read cu_seqlens back)."""
+    torch.cuda.synchronize()
+    with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CUDA]) as prof:
+        msg = expect(exc, name, fn)
+        torch.cuda.synchronize()
+    kernels = [e.name for e in prof.events() if e.device_type == torch.autograd.DeviceType.CUDA
+               and not e.name.startswith(("Memcpy", "Memset"))]
+    assert not kernels, f"{name}: kernels ran before the error: {kernels}"
+    return msg
+
+
 @pytest.mark.parametrize("name", ["q", "k", "v", "q_idx", "k_idx"])
 def test_wrong_rank(name):
     kw = good()
@@ -92,7 +105,7 @@ def test_unsupported_head_dim(name, dim):
                                            ("topk", 33, ValueError), ("topk", True, TypeError)])
 def test_unsupported_options(opt, value, exc):
     msg = expect(exc, opt, lambda: call(good(), **{opt: value}))
-    assert repr(value) in msg or str(value) in msg
+    assert msg.endswith(f"got {value!r}"), msg
 
 
 @pytest.mark.parametrize("name", ["q", "k", "v", "q_idx", "k_idx"])
@@ -105,11 +118,14 @@ def test_noncontiguous_last_dim(name):
 
 
 def test_other_strides_are_fine():
+    """Strides other than the last dimension's are accepted (the CPU twin of test_harness_gpu's
+    test_strided_layouts): the same out and KL as the contiguous call."""
     kw = good()
     ref_out, ref_kl = call(kw, topk=2, block_size=64)
     kw["q"] = kw["q"].transpose(1, 2).contiguous().transpose(1, 2)  # (B, N, H, D) view of BHND memory
     out, kl = call(kw, topk=2, block_size=64)
     torch.testing.assert_close(out, ref_out, rtol=0, atol=0)
+    torch.testing.assert_close(kl, ref_kl, rtol=0, atol=0)
 
 
 @pytest.mark.parametrize("cu,mx,name", [([0, 100, 80, 200], 120, "cu_seqlens"),   # decreasing
@@ -155,24 +171,24 @@ def test_select_blocks_and_sparse_attention_errors():
 def test_cuda_bad_inputs_raise_before_launch():
     kw = good("cuda")
     kw32 = {n: x.float() for n, x in kw.items()}
-    expect(TypeError, "q", lambda: call(kw32))  # fp32 is CPU-only
+    expect_no_launch(TypeError, "q", lambda: call(kw32))  # fp32 is CPU-only
     mixed = dict(kw, k_idx=kw["k_idx"].cpu())
-    expect(ValueError, "k_idx", lambda: call(mixed))
+    expect_no_launch(ValueError, "k_idx", lambda: call(mixed))
     # The raw ops check their arguments in C++ too. Through PyTorch's stable ABI a C++ check can only
     # raise RuntimeError (csrc/api/stable.h), still naming the argument first; msa's Python API raises
     # the ValueError / TypeError of SPEC 7 before it reaches them.
     idx = torch.zeros(4, 260, 2, dtype=torch.int32, device="cuda")
     bad_cu = torch.tensor([0, 200, 100, 260], dtype=torch.int32, device="cuda")
-    expect(RuntimeError, "cu_seqlens", lambda: torch.ops.msa.reverse_index(idx, bad_cu, 200, 64))
+    expect_no_launch(RuntimeError, "cu_seqlens", lambda: torch.ops.msa.reverse_index(idx, bad_cu, 200, 64))
     good_cu = torch.tensor([0, 130, 260], dtype=torch.int32, device="cuda")
-    expect(RuntimeError, "max_seqlen", lambda: torch.ops.msa.reverse_index(idx, good_cu, 100, 64))
-    expect(RuntimeError, "block_size", lambda: torch.ops.msa.reverse_index(idx, good_cu, 130, 32))
+    expect_no_launch(RuntimeError, "max_seqlen", lambda: torch.ops.msa.reverse_index(idx, good_cu, 100, 64))
+    expect_no_launch(RuntimeError, "block_size", lambda: torch.ops.msa.reverse_index(idx, good_cu, 130, 32))
     # The public sparse_bwd op checks k and v itself: here v has fewer tokens than q and k.
     q = torch.randn(260, 8, 64, dtype=torch.bfloat16, device="cuda")
     k, v = torch.randn_like(q[:, :2]), torch.randn(200, 2, 64, dtype=torch.bfloat16, device="cuda")
     lse = torch.zeros(8, 260, device="cuda")
-    expect(RuntimeError, "q, k, v",
-           lambda: torch.ops.msa.sparse_bwd(q, q, k, v, q, lse, idx, good_cu, 130, 64, 0.125))
+    expect_no_launch(RuntimeError, "q, k, v",
+                     lambda: torch.ops.msa.sparse_bwd(q, q, k, v, q, lse, idx, good_cu, 130, 64, 0.125))
     # The raw msa_fwd checks the index inputs before either branch (warmup's dense kernels included):
     # an unsupported Di, and an Hi that does not divide Hq.
     k = torch.randn(260, 2, 64, dtype=torch.bfloat16, device="cuda")
@@ -181,14 +197,14 @@ def test_cuda_bad_inputs_raise_before_launch():
                          (torch.randn(260, 3, 64, dtype=torch.bfloat16, device="cuda"),
                           torch.randn(260, 1, 64, dtype=torch.bfloat16, device="cuda"), "q_idx")):
         for warmup in (True, False):
-            expect(RuntimeError, name, lambda: torch.ops.msa.msa_fwd(q, k, k, qi, ki, good_cu, 130, 2, 64, 0.125, 0.1,
-                                                                     warmup, False, True))
+            expect_no_launch(RuntimeError, name, lambda: torch.ops.msa.msa_fwd(q, k, k, qi, ki, good_cu, 130, 2, 64,
+                                                                               0.125, 0.1, warmup, False, True))
     # A block_size the selection refuses, 0 included (s27: the sparse path once divided by it first: SIGFPE).
     qi, ki = torch.randn(260, 4, 64, dtype=torch.bfloat16, device="cuda"), torch.randn(260, 1, 64, dtype=torch.bfloat16,
                                                                                         device="cuda")
     for bs in (0, 32, 256):
-        expect(RuntimeError, "block_size", lambda: torch.ops.msa.msa_fwd(q, k, k, qi, ki, good_cu, 130, 2, bs, 0.125,
-                                                                         0.1, False, False, True))
+        expect_no_launch(RuntimeError, "block_size", lambda: torch.ops.msa.msa_fwd(q, k, k, qi, ki, good_cu, 130, 2,
+                                                                                   bs, 0.125, 0.1, False, False, True))
     torch.cuda.synchronize()  # nothing faulted
 
 
@@ -221,9 +237,19 @@ def test_cuda_step_does_not_sync_the_host():
         (out.float().sum() + kl).backward()
 
     step()
+    step()  # the first step that adds into existing .grad tensors: its kernels load now, not under the spin
+    torch.cuda.synchronize()
+    # The sync debug mode sees PyTorch's own synchronising calls only, not a raw cudaStreamSynchronize in the
+    # extension: so the GPU is also kept busy (~1 s of spin) while the step is queued, and the host must get
+    # past the step before the spin ends (a kernel loaded lazily for the first time would also wait for it:
+    # every kernel of the timed step ran in the two steps before).
+    torch.cuda._sleep(1 << 31)
+    spin_done = torch.cuda.Event()
+    spin_done.record()
     torch.cuda.set_sync_debug_mode("error")
     try:
         step()
     finally:
         torch.cuda.set_sync_debug_mode(0)
+    assert not spin_done.query(), "the step waited for the GPU (a host synchronisation)"
     torch.cuda.synchronize()

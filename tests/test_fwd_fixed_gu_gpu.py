@@ -1,16 +1,36 @@
 """The sm_90a stats and output passes compiled for Gu = 4 heads per unit (the bench configuration:
 G = 4, J = 1, with the index branch) against the general ones (MSA_FWD_FIXED_GU=0): the same
 operations per entry in another order, so out, lse, lse_idx and the KL must be bitwise equal. Without
-the index branch (sparse_attention) the Gu = 4 kernels run too (G = 4, J = 1) and must match as well."""
+the index branch (sparse_attention) the Gu = 4 kernels run too (G = 4, J = 1) and must match as well.
+Warmup runs its KL on the sparse passes' dense mode here (MSA_DENSE_KL=0): the dense KL kernel, warmup's
+default on Hopper, has no Gu = 4 variant. Each comparison also checks from the kernel names that the two
+runs took different kernels (kGu = 4 is a template argument of the passes)."""
 import math
 
 import pytest
 import torch
 
-from helpers import make_packed, poison_allocator
+from helpers import cuda_kernel_names, make_packed, poison_allocator
 
 pytestmark = pytest.mark.gpu
 ops = torch.ops.msa
+
+
+@pytest.fixture(autouse=True)
+def _hopper(monkeypatch):
+    monkeypatch.delenv("MSA_PORTABLE_KERNELS", raising=False)  # as _run does: the check sees the path it runs
+    if int(ops.device_config(torch.empty(0, device="cuda"))[1]) != 1:
+        pytest.skip("the Gu = 4 passes are sm_90a kernels")
+
+
+def _fwd_kernels(fn):
+    return sorted({n for n in cuda_kernel_names(fn) if "sparse_fwd_kernel" in n})
+
+
+def _written(name, x):
+    """Every element written: finite, and no bf16 poison (0x7F7F is finite: 3.39e38)."""
+    x = x.float()
+    assert torch.isfinite(x).all() and (x.abs() < 1e38).all(), f"{name}: poison left (unwritten output?)"
 
 
 def _run(monkeypatch, fixed, args, op=ops.msa_fwd):
@@ -31,15 +51,20 @@ def _run(monkeypatch, fixed, args, op=ops.msa_fwd):
                                   ((8, 1, 2, 1), 128, 64, 128, torch.bfloat16)])
 def test_fixed_gu_matches_general(monkeypatch, case, warmup):
     heads, D, Di, bs, dtype = case
+    if warmup:
+        monkeypatch.setenv("MSA_DENSE_KL", "0")
     q, k, v, qi, ki, cu, mx = make_packed([1500, 700, 1, 300], heads, D, Di, dtype=dtype, device="cuda",
                                           seed=D + Di + warmup)
     args = (q, k, v, qi, ki, cu, mx, 6, bs, 1 / math.sqrt(D), 1 / math.sqrt(Di), warmup, True, True)
     general = _run(monkeypatch, False, args)
     fixed = _run(monkeypatch, True, args)
-    for name, a, b in zip(("out", "kl", "indices", "lse", "lse_idx"), general[:5], fixed[:5]):
-        assert torch.equal(a, b), f"{name} differs between the Gu = 4 and the general kernels"
-    for name, a, b in zip(("kl_dq_idx", "kl_dk_idx"), general[5:], fixed[5:]):
+    for name, i in (("out", 0), ("kl", 1), ("indices", 2), ("lse", 3), ("lse_idx", 4), ("kl_rows", 7)):
+        _written(name, general[i])
+        assert torch.equal(general[i], fixed[i]), f"{name} differs between the Gu = 4 and the general kernels"
+    for name, a, b in zip(("kl_dq_idx", "kl_dk_idx"), general[5:7], fixed[5:7]):
         torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-9, msg=f"{name} differs between the two kernels")
+    names = [_fwd_kernels(lambda: _run(monkeypatch, f, args)) for f in (False, True)]
+    assert names[0] and names[1] and names[0] != names[1], names
 
 
 @pytest.mark.parametrize("case", [((16, 2, 4, 1), 128, 128, torch.bfloat16), ((8, 2, 2, 2), 64, 64, torch.float16)])
@@ -52,5 +77,7 @@ def test_fixed_gu_without_index_matches_general(monkeypatch, case):
     general = _run(monkeypatch, False, sargs, ops.sparse_fwd)
     fixed = _run(monkeypatch, True, sargs, ops.sparse_fwd)
     for name, a, b in zip(("out", "lse"), general, fixed):
-        assert torch.isfinite(a).all(), f"{name}: poison left in the general kernel's result"
+        _written(name, a)
         assert torch.equal(a, b), f"{name} differs between the Gu = 4 and the general kernels"
+    names = [_fwd_kernels(lambda: _run(monkeypatch, f, sargs, ops.sparse_fwd)) for f in (False, True)]
+    assert names[0] and names[1] and names[0] != names[1], names

@@ -236,7 +236,7 @@ def test_autocast_casts_fp32_inputs(dtype):
     assert got[0].dtype == dtype and got[2].dtype == torch.float32
     _close(got[:2], want[:2], NAMES[:2])
     _close([g.to(dtype) for g in got[2:]], want[2:], NAMES[2:])
-    with pytest.raises(TypeError, match="q"):
+    with pytest.raises(TypeError, match=r"^q: expected dtype in .* on cuda, got torch\.float32$"):
         _msa_attention(*xs)
 
 

@@ -5,11 +5,12 @@ import pytest
 import torch
 
 import msa
-from attention_check import assert_close_style, assert_grads_close, low_precision, run_ref
+from attention_check import assert_close_style, assert_grads_close, assert_lse_close, low_precision, run_ref
 from helpers import HEADS, cuda_kernel_names, make_inputs, make_packed, poison_allocator
 from msa import reference as ref
 
 pytestmark = [pytest.mark.gpu, pytest.mark.usefixtures("kernel_choice")]  # Hopper (wgmma) and portable
+ops = torch.ops.msa
 
 
 def _grads(q, k, v, qi, ki, cu, mx, topk, bs, seed):
@@ -116,17 +117,25 @@ def test_backward_dq_path(heads, boxes, kernel_choice, monkeypatch):
 
 
 def _check_sparse_backward(q, k, v, idx, cu, mx, bs):
-    """sparse_attention's dq, dk, dv for a random dout against the float64 reference."""
-    scale = 1 / math.sqrt(q.shape[-1])
+    """sparse_attention's out and lse, then dq, dk, dv for a random dout, against the float64 reference. The
+    oracle's gradients are built from the reference's own lse (not the kernel's: a wrong lse, e.g. one never
+    written, would otherwise scale P alike on both sides and cancel)."""
+    scale, dtype = 1 / math.sqrt(q.shape[-1]), q.dtype
     leaves = [x.detach().requires_grad_(True) for x in (q, k, v)]
+    poison_allocator()
     out, lse = msa.sparse_attention(*leaves, idx, block_size=bs, return_lse=True, cu_seqlens=cu, max_seqlen=mx)
+    exact_out, exact_lse = run_ref(ref.sparse_fwd, q, k, v, idx, cu, bs, scale)
+    with low_precision():
+        lowp_out, lowp_lse = run_ref(ref.sparse_fwd, q, k, v, idx, cu, bs, scale, dtype=dtype)
+    assert_close_style("out", out, exact_out, lowp_out, dtype)
+    assert_lse_close("lse", lse, exact_lse)
     dout = torch.randn_like(out)
     grads = torch.autograd.grad(out, leaves, dout)
-    exact = run_ref(ref.sparse_bwd, dout, q, k, v, lse.double(), idx, cu, bs, scale)
+    exact = run_ref(ref.sparse_bwd, dout, q, k, v, exact_lse, idx, cu, bs, scale)
     with low_precision():
-        lowp = run_ref(ref.sparse_bwd, dout, q, k, v, lse, idx, cu, bs, scale, dtype=torch.bfloat16)
+        lowp = run_ref(ref.sparse_bwd, dout, q, k, v, lowp_lse, idx, cu, bs, scale, dtype=dtype)
     for name, got, e, lp in zip(("dq", "dk", "dv"), grads, exact, lowp):
-        assert_close_style(name, got, e, lp, torch.bfloat16)
+        assert_close_style(name, got, e, lp, dtype)
 
 
 @pytest.mark.parametrize("per_item", [None, "7", "64"])
@@ -149,20 +158,38 @@ def test_hot_block_split(monkeypatch, per_item):
     _check_sparse_backward(q, k, v, idx, cu, mx, bs)
 
 
-@pytest.mark.parametrize("warmup", [False, True])
-def test_many_query_chunks(monkeypatch, warmup):
+def _assert_same_forward(a, b, what):
+    """msa_fwd's per-entry results bitwise (kl_rows too: the per-row sums kl is the mean of), the index
+    gradients (fp32 atomics) up to rounding."""
+    for name, i in (("out", 0), ("kl", 1), ("indices", 2), ("lse", 3), ("lse_idx", 4), ("kl_rows", 7)):
+        assert torch.equal(a[i], b[i]), f"{name} depends on {what}"
+    for name, x, y in zip(("kl_dq_idx", "kl_dk_idx"), a[5:7], b[5:7]):
+        torch.testing.assert_close(x, y, rtol=1e-5, atol=1e-9, msg=f"{name} depends on {what}")
+
+
+@pytest.mark.parametrize("mode", ["sparse", "warmup", "warmup_dense_kl"])
+def test_many_query_chunks(monkeypatch, mode, kernel_choice):
     """A small partial budget splits the queries into many chunks (as N = 128K does with the default):
-    results must not depend on the chunking."""
+    results must not depend on the chunking. Warmup's KL on the sparse passes' dense mode (MSA_DENSE_KL=0)
+    chunks the same way; the dense KL kernel (warmup's default on Hopper) ignores the budget and splits its
+    query tiles by MSA_DENSE_KL_CHUNK instead."""
+    warmup = mode != "sparse"
+    dense_kl = mode == "warmup_dense_kl"
+    if dense_kl and (kernel_choice != "default" or int(ops.device_config(torch.empty(0, device="cuda"))[1]) != 1):
+        pytest.skip("the dense KL kernel is a Hopper kernel")
+    if mode == "warmup":
+        monkeypatch.setenv("MSA_DENSE_KL", "0")
     q, k, v, qi, ki, cu, mx = make_packed([1500, 700], (8, 2, 4, 1), 64, 64, dtype=torch.bfloat16, device="cuda",
                                           seed=11)
     args = (q, k, v, qi, ki, cu, mx, 4, 64, 0.125, 0.125, warmup, False, True)
-    whole = torch.ops.msa.msa_fwd(*args)
-    monkeypatch.setenv("MSA_PARTIAL_BUDGET", str(300 * 1024))  # a few hundred tokens per chunk
-    chunked = torch.ops.msa.msa_fwd(*args)
-    for name, a, b in zip(("out", "kl", "indices", "lse", "lse_idx"), whole[:5], chunked[:5]):
-        assert torch.equal(a, b), f"{name} depends on the chunking"
-    for name, a, b in zip(("kl_dq_idx", "kl_dk_idx"), whole[5:], chunked[5:]):
-        torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-9, msg=f"{name} depends on the chunking")
+    whole = ops.msa_fwd(*args)
+    if dense_kl:
+        ran = cuda_kernel_names(lambda: ops.msa_fwd(*args))
+        assert any("dense_kl_kernel" in n for n in ran), ran
+        monkeypatch.setenv("MSA_DENSE_KL_CHUNK", "1")  # one 64-row query tile per CTA
+    else:
+        monkeypatch.setenv("MSA_PARTIAL_BUDGET", str(300 * 1024))  # a few hundred tokens per chunk
+    _assert_same_forward(whole, ops.msa_fwd(*args), "the chunking")
 
 
 @pytest.mark.parametrize("per_item", ["7", "128"])
@@ -176,10 +203,7 @@ def test_forward_item_size(monkeypatch, per_item):
     ref_run = torch.ops.msa.msa_fwd(*args)
     monkeypatch.setenv("MSA_FWD_UNITS_PER_ITEM", per_item)
     run = torch.ops.msa.msa_fwd(*args)
-    for name, a, b in zip(("out", "kl", "indices", "lse", "lse_idx"), ref_run[:5], run[:5]):
-        assert torch.equal(a, b), f"{name} depends on the item size"
-    for name, a, b in zip(("kl_dq_idx", "kl_dk_idx"), ref_run[5:], run[5:]):
-        torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-9, msg=f"{name} depends on the item size")
+    _assert_same_forward(ref_run, run, "the item size")
 
 
 @pytest.mark.parametrize("per_item", ["7", None])
@@ -197,8 +221,5 @@ def test_item_launch_order(monkeypatch, per_item):
     _check_sparse_backward(q, k, v, ordered[2], cu, mx, 64)
     monkeypatch.setenv("MSA_ITEM_ORDER", "0")
     in_key_order = torch.ops.msa.msa_fwd(*args)
-    for name, a, b in zip(("out", "kl", "indices", "lse", "lse_idx"), ordered[:5], in_key_order[:5]):
-        assert torch.equal(a, b), f"{name} depends on the launch order"
-    for name, a, b in zip(("kl_dq_idx", "kl_dk_idx"), ordered[5:], in_key_order[5:]):
-        torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-9, msg=f"{name} depends on the launch order")
+    _assert_same_forward(ordered, in_key_order, "the launch order")
     _check_sparse_backward(q, k, v, ordered[2], cu, mx, 64)

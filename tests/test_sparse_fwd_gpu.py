@@ -9,6 +9,7 @@ from attention_check import (assert_close_style, assert_forward_close, assert_ls
                              reference_forward, run_ref)
 from helpers import HEADS, make_inputs, make_packed, poison_allocator
 from msa import reference as ref
+from topk_check import assert_valid_topk
 
 pytestmark = [pytest.mark.gpu, pytest.mark.usefixtures("kernel_choice")]  # Hopper stats pass and portable
 ops = torch.ops.msa
@@ -19,7 +20,10 @@ def _fwd_case(q, k, v, qi, ki, cu, mx, topk, bs):
     poison_allocator()
     out, kl, idx, lse, lse_idx = ops.msa_fwd(q, k, v, qi, ki, cu, mx, topk, bs, scale, iscale, False, True,
                                              False)[:5]
-    # The oracle attends to the kernel's own selection (checked against SPEC 2 in test_index_topk_gpu).
+    # The oracle attends to the kernel's own selection, checked here against SPEC 2 too: msa_fwd selects with
+    # the kSel top-k (the kept blocks' sums) where it applies, which msa.select_blocks (test_index_topk_gpu)
+    # does not run.
+    assert_valid_topk(idx, qi, ki, cu, topk, bs, iscale)
     exact, (lowp_out, _) = reference_forward(q, k, v, qi, ki, idx, cu, bs, scale, iscale)
     assert_forward_close(out, kl, lse, lse_idx, exact, lowp_out)
     again = ops.msa_fwd(q, k, v, qi, ki, cu, mx, topk, bs, scale, iscale, False, True, False)[:5]

@@ -11,7 +11,7 @@ import torch
 
 import msa
 from attention_check import ATOL, assert_forward_close, assert_grads_close, reference_forward
-from helpers import poison_allocator, suffix_packed
+from helpers import cuda_kernel_names, poison_allocator, suffix_packed
 from topk_check import assert_valid_topk, block_scores
 
 pytestmark = [pytest.mark.gpu, pytest.mark.usefixtures("kernel_choice")]  # Hopper (wgmma) and portable
@@ -190,18 +190,27 @@ def test_suffix_deterministic_bitwise(case):
                        bs, scale, iscale, cu_k=x["cu_k"])
 
 
-KNOBS = [("MSA_BWD_WS", "0"), ("MSA_FWD_WS", "0"), ("MSA_FWD_WS_STATS", "1"), ("MSA_SMALL_SMEM", "1"),
-         ("MSA_FWD_ROWS", "64"), ("MSA_ITEM_ORDER", "0"), ("MSA_FWD_FIXED_GU", "0"),
-         ("MSA_PARTIAL_BUDGET", "1048576"), ("MSA_FWD_UNITS_PER_ITEM", "37"), ("MSA_BWD_UNITS_PER_ITEM", "5")]
+# Each knob: one or more (variable, value) pairs. The warp-specialized stats pass never runs where the selection's
+# lse_idx comes from the top-k (idx_own_only: at most MSA_SEL_MAX_BLOCKS key blocks, here 16), so its knob turns
+# that off too.
+KNOBS = [(("MSA_BWD_WS", "0"),), (("MSA_FWD_WS", "0"),), (("MSA_FWD_WS_STATS", "1"), ("MSA_SEL_MAX_BLOCKS", "0")),
+         (("MSA_SMALL_SMEM", "1"),), (("MSA_FWD_ROWS", "64"),), (("MSA_ITEM_ORDER", "0"),),
+         (("MSA_FWD_FIXED_GU", "0"),), (("MSA_PARTIAL_BUDGET", "1048576"),), (("MSA_FWD_UNITS_PER_ITEM", "37"),),
+         (("MSA_BWD_UNITS_PER_ITEM", "5"),)]
 
 
-@pytest.mark.parametrize("knob", KNOBS, ids=[f"{n}={v}" for n, v in KNOBS])
-def test_suffix_knobs(knob, monkeypatch):
+@pytest.mark.parametrize("knob", KNOBS, ids=[",".join(f"{n}={v}" for n, v in k) for k in KNOBS])
+def test_suffix_knobs(knob, monkeypatch, kernel_choice):
     """Every work split and kernel variant on one case with 4 query heads per index head (the Hopper
     warp-specialized passes apply) and several sequences."""
-    monkeypatch.setenv(*knob)
+    for name, value in knob:
+        monkeypatch.setenv(name, value)
     x = suffix_packed([200, 1, 129, 0], [201, 1000, 258, 64], (16, 4, 4, 1), 128, 128, dtype=torch.bfloat16,
                       device="cuda", seed=11)
+    if dict(knob).get("MSA_FWD_WS_STATS") == "1" and kernel_choice == "default" and \
+            int(torch.ops.msa.device_config(torch.empty(0, device="cuda"))[1]) == 1:
+        ran = cuda_kernel_names(lambda: _forward(x, 64, 16))
+        assert any("stats_pass_ws_kernel" in n for n in ran), ran
     _check_against_reference(x, 64, 16, seed=11)
 
 
