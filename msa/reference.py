@@ -27,6 +27,11 @@ def acc_dtype(dtype: torch.dtype) -> torch.dtype:
     return torch.float64 if dtype == torch.float64 else torch.float32
 
 
+def _sum_dtype(acc: torch.dtype) -> torch.dtype:
+    """The dtype of a sum over the reference's query chunks: acc, at least fp32 (tests force acc to bf16 / fp16)."""
+    return torch.promote_types(acc, torch.float32)
+
+
 def seq_bounds(cu_seqlens: torch.Tensor, cu_seqlens_k: torch.Tensor | None = None) -> list[tuple[int, int, int, int]]:
     """(q0, nq, k0, nk) of every sequence with queries: query rows [q0, q0 + nq), key rows [k0, k0 + nk),
     nq <= nk (checked by the callers of the ops); query row q0 + i is at position i + nk - nq."""
@@ -169,8 +174,10 @@ def sparse_bwd(dout, q, k, v, lse, indices, cu_seqlens, block_size: int, softmax
     for q0, nq, k0, n in seq_bounds(cu_seqlens, cu_seqlens_k):
         ks = _expand_heads(k[k0:k0 + n], Hq).to(acc)
         vs = _expand_heads(v[k0:k0 + n], Hq).to(acc)
-        dk_h = torch.zeros(n, Hq, D, dtype=acc)
-        dv_h = torch.zeros(n, Hq, D, dtype=acc)
+        # Summed over query chunks in fp32 at least: the chunks are the reference's own split (a plain
+        # PyTorch backward makes one product per key, rounded once), not a rounding step of the model.
+        dk_h = torch.zeros(n, Hq, D, dtype=_sum_dtype(acc))
+        dv_h = torch.zeros(n, Hq, D, dtype=_sum_dtype(acc))
         for c0, c1 in _chunks(nq, Hq, n):
             _, _, p = _main_chunk(q, ks, indices, q0, c0, c1, n, n - nq, block_size, softmax_scale,
                                   lse[:, q0 + c0:q0 + c1])
@@ -248,7 +255,7 @@ def index_kl_bwd(dkl, q, k, lse, q_idx, k_idx, lse_idx, indices, cu_seqlens, blo
     for q0, nq, k0, n in seq_bounds(cu_seqlens, cu_seqlens_k):
         ks = _expand_heads(k[k0:k0 + n], Hq).to(acc)
         kis = _expand_heads(k_idx[k0:k0 + n], Hi).to(acc)
-        dk_h = torch.zeros(n, Hi, Di, dtype=acc)
+        dk_h = torch.zeros(n, Hi, Di, dtype=_sum_dtype(acc))  # as in sparse_bwd
         for c0, c1 in _chunks(nq, Hq, n):
             rows = slice(q0 + c0, q0 + c1)
             logP, s_idx, mask = _kl_chunk(q, ks, lse, q_idx, kis, indices, q0, c0, c1, n, n - nq, block_size,
