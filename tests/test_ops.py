@@ -33,14 +33,16 @@ def test_opcheck_msa_bwd(grad):
                                             64, 0.125, 0.125, False))
 
 
-def test_forward_index_grad_matches_backward():
-    """kl_dq_idx / kl_dk_idx of the forward equal the backward's recomputation for d_kl = 1."""
+@pytest.mark.parametrize("warmup", [False, True])
+def test_forward_index_grad_matches_backward(warmup):
+    """kl_dq_idx / kl_dk_idx of the forward equal the backward's recomputation for d_kl = 1 (softmax and index
+    scales differ, so an argument swapped on either side shows)."""
     q, k, v, qi, ki, cu, mx = _packed(dtype=torch.float64, requires_grad=False)
-    out, kl, idx, lse, lse_idx, g_q, g_k, _ = ops.msa_fwd(q, k, v, qi, ki, cu, mx, 2, 64, 0.125, 0.125, False, False,
+    out, kl, idx, lse, lse_idx, g_q, g_k, _ = ops.msa_fwd(q, k, v, qi, ki, cu, mx, 2, 64, 0.125, 0.09, warmup, False,
                                                         True)
     none = torch.empty(0, dtype=torch.float64)
     *_, dq_idx, dk_idx = ops.msa_bwd(None, torch.tensor(1.0, dtype=torch.float64), q, k, v, out, lse, qi, ki,
-                                     lse_idx, idx, none, none, cu, mx, 64, 0.125, 0.125, False)
+                                     lse_idx, idx, none, none, cu, mx, 64, 0.125, 0.09, warmup)
     torch.testing.assert_close(g_q, dq_idx)
     torch.testing.assert_close(g_k, dk_idx)
 
