@@ -64,17 +64,22 @@ def emu_bwd(dout, q, k, v, out, lse, idx, cu, bs, scale):
 
 CASES = [(2, 1, 64, 64, 128, 16), (2, 100, 128, 64, 64, 3), (1, 129, 128, 128, 64, 16), (1, 300, 64, 64, 64, 32),
          (2, 700, 128, 128, 128, 3), (2, 2048, 128, 128, 128, 16), (1, 8192, 128, 128, 128, 16)]
+
+def case_inputs(case, dtype):
+    """test_sparse_bwd_gpu's case on the CPU: packed inputs, cu_seqlens, block size, scales, the reference selection."""
+    B, N, D, Di, bs, topk = CASES[case]
+    x = make_inputs(B, N, HEADS[case % len(HEADS)], D, Di, dtype=dtype, device="cpu", seed=case)
+    q, k, v, qi, ki = [t.reshape(B * N, *t.shape[2:]) for t in x]
+    cu = torch.arange(0, (B + 1) * N, N, dtype=torch.int32)
+    scale, iscale = 1 / math.sqrt(D), 1 / math.sqrt(Di)
+    return q, k, v, qi, ki, cu, bs, scale, iscale, ref.select_blocks(qi, ki, cu, topk, bs, iscale)
+
+
 def main():
   for dtype in (torch.bfloat16, torch.float16):
       for case in [int(a) for a in sys.argv[1].split(",")]:
           t0 = time.time()
-          B, N, D, Di, bs, topk = CASES[case]
-          heads = HEADS[case % len(HEADS)]
-          x = make_inputs(B, N, heads, D, Di, dtype=dtype, device="cpu", seed=case)
-          q, k, v, qi, ki = [t.reshape(B * N, *t.shape[2:]) for t in x]
-          cu = torch.arange(0, (B + 1) * N, N, dtype=torch.int32)
-          scale, iscale = 1 / math.sqrt(D), 1 / math.sqrt(Di)
-          idx = ref.select_blocks(qi, ki, cu, topk, bs, iscale)
+          q, k, v, qi, ki, cu, bs, scale, iscale, idx = case_inputs(case, dtype)
           out, lse = emu_fwd(q, k, v, idx, cu, bs, scale)
           exact_out, exact_lse = run_ref(ref.sparse_fwd, q, k, v, idx, cu, bs, scale)
           with low_precision():
@@ -142,13 +147,7 @@ def main_index(cases):
     from attention_check import assert_close_style as acs
     for dtype in (torch.bfloat16, torch.float16):
         for case in cases:
-            B, N, D, Di, bs, topk = CASES[case]
-            heads = HEADS[case % len(HEADS)]
-            x = make_inputs(B, N, heads, D, Di, dtype=dtype, device="cpu", seed=case)
-            q, k, v, qi, ki = [t.reshape(B * N, *t.shape[2:]) for t in x]
-            cu = torch.arange(0, (B + 1) * N, N, dtype=torch.int32)
-            scale, iscale = 1 / math.sqrt(D), 1 / math.sqrt(Di)
-            idx = ref.select_blocks(qi, ki, cu, topk, bs, iscale)
+            q, k, v, qi, ki, cu, bs, scale, iscale, idx = case_inputs(case, dtype)
             dkl = torch.tensor(0.5 + case % 3, dtype=torch.float64)
             _, lse32 = run_ref(ref.sparse_fwd, q, k, v, idx, cu, bs, scale, dtype=F32)
             _, lse_idx32 = run_ref(ref.index_kl, q, k, lse32, qi, ki, idx, cu, bs, scale, iscale, dtype=F32)

@@ -1,6 +1,6 @@
 """emu.py's stand-in on _check_sparse_backward's configurations (packed [700, 64, 1], random indices with -1 and
 repeats, the wide-unit layouts, bs 64 / 128), with the s45 oracles."""
-import math, sys, time
+import math, sys
 import os
 HERE = os.path.dirname(os.path.abspath(__file__))
 sys.path.insert(0, os.path.join(HERE, "../../../../tests")); sys.path.insert(0, HERE)
