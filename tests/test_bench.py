@@ -1,6 +1,7 @@
 """msa.bench's accounting (CPU): the attended-token count against brute force, and the floor's FLOPs
 (msa_step_flops) against a GEMM-by-GEMM count of the same selection; and a CPU run's table has the floor
-columns (n/a off the GPU: no matmul peak is measured there)."""
+columns (n/a off the GPU: no matmul peak is measured there), every other column timed, the ratios and the
+dense TFLOP/s computed from the timed columns."""
 import pytest
 import torch
 
@@ -63,6 +64,30 @@ def test_cpu_bench_table_has_the_floor_columns(capsys):
     cols = [x.strip() for x in head.strip("|").split("|")]
     assert cells[cols.index("msa fwd+bwd floor ms")] == "n/a"
     assert "matmul peak (this run): n/a" in out
+    # Every other column is timed on the CPU (msa through its exact CPU path), and the derived columns are
+    # computed from the timed ones: each shown figure within the rounding of its inputs (ms to 3 decimals).
+    cell = dict(zip(cols, cells))
+    floor = ("msa fwd+bwd floor ms", "floor / msa fwd+bwd")
+    assert all(v != "n/a" for c, v in cell.items() if c not in floor), cell
+    ms = {c: float(v) for c, v in cell.items() if c.endswith(" ms") and c not in floor}
+    assert len(ms) == 7 and all(v > 0 for v in ms.values()), ms
+
+    def within(shown, slack, f, a, b):
+        lo, hi = f(ms[a] - 5e-4, ms[b] + 5e-4), f(ms[a] + 5e-4, ms[b] - 5e-4)
+        assert min(lo, hi) - slack <= shown <= max(lo, hi) + slack, (shown, a, b)
+
+    def ratio(x, y):
+        return x / y
+
+    within(float(cell["dense/msa fwd"]), 5e-3, ratio, "dense fwd ms", "msa fwd ms")
+    within(float(cell["dense/msa fwd+bwd"]), 5e-3, ratio, "dense fwd+bwd ms", "msa fwd+bwd ms")
+    within(float(cell["warmup / dense fwd+bwd"]), 5e-3, ratio, "msa fwd+bwd warmup ms", "dense fwd+bwd ms")
+    within(float(cell["deterministic cost"].rstrip("%")) / 100, 5e-4, lambda x, y: x / y - 1,
+           "msa fwd+bwd deterministic ms", "msa fwd+bwd ms")
+    c = bench.CONFIG
+    tflops = float(cell["dense TFLOP/s"])  # 3 significant digits
+    within(tflops, 5e-3 * tflops, lambda x, _: 3.5 * 2 * 256 ** 2 * c["D"] * c["Hq"] / x / 1e9,
+           "dense fwd+bwd ms", "dense fwd+bwd ms")
 
 
 @pytest.mark.gpu
