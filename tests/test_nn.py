@@ -589,7 +589,7 @@ def test_register_msa_module(monkeypatch):
             self.warmup, self.msa_kl = False, None
 
     model = nn.Sequential(Other(), Other())
-    with pytest.raises(ValueError):
+    with pytest.raises(ValueError, match="no msa layer"):
         with mnn.warmup(model):
             pass
     mnn.register_msa_module(lambda m: isinstance(m, Other))
