@@ -62,6 +62,12 @@ def poison_allocator(nbytes=1 << 28, small_bytes=64 << 20):
     torch.cuda.synchronize()
 
 
+def sm90_kernels_run():
+    """Whether calls on the current GPU run this build's sm_90a kernels now (the op's own answer, device_config:
+    a 90a build on a 9.x GPU without MSA_PORTABLE_KERNELS=1, read at each call)."""
+    return int(torch.ops.msa.device_config(torch.empty(0, device="cuda"))[1]) == 1
+
+
 def cuda_kernel_names(fn):
     """The names of the CUDA activities (kernels, memsets) that fn() ran, from the profiler, in order."""
     with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CUDA]) as prof:

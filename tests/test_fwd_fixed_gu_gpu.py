@@ -10,7 +10,7 @@ import math
 import pytest
 import torch
 
-from helpers import cuda_kernel_names, make_packed, poison_allocator
+from helpers import cuda_kernel_names, make_packed, poison_allocator, sm90_kernels_run
 
 pytestmark = pytest.mark.gpu
 ops = torch.ops.msa
@@ -19,7 +19,7 @@ ops = torch.ops.msa
 @pytest.fixture(autouse=True)
 def _hopper(monkeypatch):
     monkeypatch.delenv("MSA_PORTABLE_KERNELS", raising=False)  # as _run does: the check sees the path it runs
-    if int(ops.device_config(torch.empty(0, device="cuda"))[1]) != 1:
+    if not sm90_kernels_run():
         pytest.skip("the Gu = 4 passes are sm_90a kernels")
 
 

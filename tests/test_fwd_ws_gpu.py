@@ -15,7 +15,7 @@ import pytest
 import torch
 
 from attention_check import assert_close_style, reference_forward
-from helpers import cuda_kernel_names, make_packed, poison_allocator
+from helpers import cuda_kernel_names, make_packed, poison_allocator, sm90_kernels_run
 
 pytestmark = pytest.mark.gpu
 ops = torch.ops.msa
@@ -41,7 +41,7 @@ def _run(monkeypatch, ws, args, stats=True):
 @pytest.fixture(autouse=True)
 def _hopper(monkeypatch):
     monkeypatch.delenv("MSA_PORTABLE_KERNELS", raising=False)
-    if int(ops.device_config(torch.empty(0, device="cuda"))[1]) != 1:  # this build runs the sm_90a kernels here
+    if not sm90_kernels_run():
         pytest.skip("the warp-specialized pass is an sm_90a kernel")
 
 

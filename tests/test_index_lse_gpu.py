@@ -8,15 +8,14 @@ import pytest
 import torch
 
 from attention_check import assert_lse_close
-from helpers import make_packed, poison_allocator, suffix_packed
+from helpers import make_packed, poison_allocator, sm90_kernels_run, suffix_packed
 
 pytestmark = [pytest.mark.gpu, pytest.mark.usefixtures("kernel_choice")]
 ops = torch.ops.msa
 
 
 def _hopper_kernel():
-    return os.environ.get("MSA_PORTABLE_KERNELS") != "1" and int(
-        ops.device_config(torch.empty(0, device="cuda"))[1]) == 1
+    return os.environ.get("MSA_PORTABLE_KERNELS") != "1" and sm90_kernels_run()
 
 
 def _exact(qi, ki, cu_q, cu_k, iscale):

@@ -13,7 +13,7 @@ import torch
 
 from attention_check import assert_close_style, assert_forward_close, low_precision, reference_forward, run_ref
 from msa import reference as ref
-from helpers import cuda_kernel_names, make_packed, poison_allocator, suffix_packed
+from helpers import cuda_kernel_names, make_packed, poison_allocator, sm90_kernels_run, suffix_packed
 
 pytestmark = pytest.mark.gpu
 ops = torch.ops.msa
@@ -26,7 +26,7 @@ def _hopper(monkeypatch):
     monkeypatch.delenv("MSA_PORTABLE_KERNELS", raising=False)
     for var in ("MSA_SEL_MAX_BLOCKS", "MSA_FWD_WS_STATS", "MSA_TOPK_WG"):
         monkeypatch.delenv(var, raising=False)
-    if int(ops.device_config(torch.empty(0, device="cuda"))[1]) != 1:  # this build runs the sm_90a kernels here
+    if not sm90_kernels_run():
         pytest.skip("the selection's lse_idx comes from the sm_90a top-k kernel")
 
 

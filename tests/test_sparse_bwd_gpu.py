@@ -6,7 +6,7 @@ import torch
 
 import msa
 from attention_check import assert_close_style, assert_grads_close, assert_lse_close, low_precision, run_ref
-from helpers import HEADS, cuda_kernel_names, make_inputs, make_packed, poison_allocator
+from helpers import HEADS, cuda_kernel_names, make_inputs, make_packed, poison_allocator, sm90_kernels_run
 from msa import reference as ref
 
 pytestmark = [pytest.mark.gpu, pytest.mark.usefixtures("kernel_choice")]  # Hopper (wgmma) and portable
@@ -104,7 +104,7 @@ def test_backward_dq_path(heads, boxes, kernel_choice, monkeypatch):
     false, true>) where units have a multiple of 4 heads (Gu = Hq / Hi / J: 4, 16), per-row bulk reductions
     (<..., false, false>) otherwise (1, 1); the portable kernels have only the latter."""
     monkeypatch.setenv("MSA_BWD_WS", "0")
-    hopper = kernel_choice == "default" and int(torch.ops.msa.device_config(torch.empty(0, device="cuda"))[1]) == 1
+    hopper = kernel_choice == "default" and sm90_kernels_run()
     q, k, v, qi, ki, cu, mx = make_packed([700, 129], heads, 128, 64, dtype=torch.bfloat16, device="cuda", seed=3)
     leaves = [x.detach().requires_grad_(True) for x in (q, k, v, qi, ki)]
     out, kl = msa.msa_attention_varlen(*leaves, cu, mx)
@@ -175,7 +175,7 @@ def test_many_query_chunks(monkeypatch, mode, kernel_choice):
     query tiles by MSA_DENSE_KL_CHUNK instead."""
     warmup = mode != "sparse"
     dense_kl = mode == "warmup_dense_kl"
-    if dense_kl and (kernel_choice != "default" or int(ops.device_config(torch.empty(0, device="cuda"))[1]) != 1):
+    if dense_kl and (kernel_choice != "default" or not sm90_kernels_run()):
         pytest.skip("the dense KL kernel is a Hopper kernel")
     if mode == "warmup":
         monkeypatch.setenv("MSA_DENSE_KL", "0")

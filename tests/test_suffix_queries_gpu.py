@@ -11,7 +11,7 @@ import torch
 
 import msa
 from attention_check import ATOL, assert_forward_close, assert_grads_close, reference_forward
-from helpers import cuda_kernel_names, poison_allocator, suffix_packed
+from helpers import cuda_kernel_names, poison_allocator, sm90_kernels_run, suffix_packed
 from topk_check import assert_valid_topk, block_scores
 
 pytestmark = [pytest.mark.gpu, pytest.mark.usefixtures("kernel_choice")]  # Hopper (wgmma) and portable
@@ -207,8 +207,7 @@ def test_suffix_knobs(knob, monkeypatch, kernel_choice):
         monkeypatch.setenv(name, value)
     x = suffix_packed([200, 1, 129, 0], [201, 1000, 258, 64], (16, 4, 4, 1), 128, 128, dtype=torch.bfloat16,
                       device="cuda", seed=11)
-    if dict(knob).get("MSA_FWD_WS_STATS") == "1" and kernel_choice == "default" and \
-            int(torch.ops.msa.device_config(torch.empty(0, device="cuda"))[1]) == 1:
+    if dict(knob).get("MSA_FWD_WS_STATS") == "1" and kernel_choice == "default" and sm90_kernels_run():
         ran = cuda_kernel_names(lambda: _forward(x, 64, 16))
         assert any("stats_pass_ws_kernel" in n for n in ran), ran
     _check_against_reference(x, 64, 16, seed=11)
