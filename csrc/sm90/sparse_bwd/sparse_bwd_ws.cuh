@@ -20,12 +20,16 @@
 //      P^T = exp2(S^T c - lse), 0 past the row's last visible key; dS^T = P^T (dP^T - delta);
 //      dV += P^T dO, dK += dS^T Q       wgmma m64nD RS (P^T, dS^T from registers; dO, Q MN-major),
 //                                       left running while the next half's exponentials are computed;
-//      dS^T into the consumer's own shared tile, then its dQ partial over its 64 keys:
-//      dQ_c = dS_c K_c                  wgmma m64n64 RS per 64 columns (dS by transposed ldmatrix, K
-//                                       MN-major): consumer 0 stores its partial (fp32) into the tile's
-//                                       dQ buffer, consumer 1 adds its own to it there.
-// The consumers meet only there (consumer 1 waits for consumer 0's partial), on the stages and (J > 1) on
-// the K / V reload; each has its own keys and dS tile.
+//      dS^T into the consumer's own shared tile, then dQ:
+//      D = 128: dQ[:, 64 c, +64) = dS K[:, 64 c, +64) over all 128 keys, wgmma m64n64 SS (dS read MN-major from
+//                both consumers' dS^T tiles after a barrier of the two, K MN-major), issued at the tile's end
+//                and left running under the next tile's stage wait and first S^T / dP^T; then stored into
+//                the previous tile's dQ buffer (fp32, its own 64 columns) and a second barrier of the two
+//                frees the dS^T tiles;
+//      D = 64:  dQ_c = dS_c K_c over its 64 keys, wgmma m64n64 RS (dS by transposed ldmatrix, K MN-major):
+//                consumer 0 stores its partial (fp32) into the tile's dQ buffer, consumer 1 adds its own.
+// The consumers meet there (D = 128: two barriers of the two per tile; D = 64: consumer 1 waits for consumer 0's
+// partial), on the stages and (J > 1) on the K / V reload.
 #pragma once
 #include <cuda_runtime.h>
 
@@ -106,6 +110,9 @@ __global__ void __launch_bounds__(kThreads, 1) sparse_bwd_ws_kernel(SparseBwdPar
   using DsT = typename L::DsT;
   constexpr int kChunks = D / 8;
   constexpr int kGather = kGatherOf<kDet>;
+  // D = 128: consumer c computes dQ's columns [64 c, +64) over all 128 keys (both dS^T tiles); D = 64: its 64 keys'
+  // partial over all columns, consumer 1 adding its own to consumer 0's.
+  constexpr bool kColSplit = D == 128;
   extern __shared__ __align__(128) unsigned char smem_raw[];
   unsigned char* smem = smem_raw + ((1024 - (smem_addr(smem_raw) & 1023)) & 1023);
   T* sK = reinterpret_cast<T*>(smem + L::k);
@@ -115,7 +122,8 @@ __global__ void __launch_bounds__(kThreads, 1) sparse_bwd_ws_kernel(SparseBwdPar
   int* sDqHead = reinterpret_cast<int*>(smem + L::dq_head);
   uint64_t* full = reinterpret_cast<uint64_t*>(smem + L::bars);
   uint64_t* empty = full + kStages;
-  // dQ buffer b: dq_half (consumer 0's partial stored), dq_full (consumer 1's added), dq_empty (written out).
+  // dQ buffer b: dq_half (D = 64: consumer 0's partial stored), dq_full (complete: D = 128 both consumers' columns,
+  // D = 64 consumer 1's sum), dq_empty (written out).
   uint64_t* dq_half = empty + kStages;
   uint64_t* dq_full = dq_half + 2;
   uint64_t* dq_empty = dq_full + 2;
@@ -137,7 +145,7 @@ __global__ void __launch_bounds__(kThreads, 1) sparse_bwd_ws_kernel(SparseBwdPar
     }
     for (int b = 0; b < 2; ++b) {
       mbar_init(&dq_half[b], 128);
-      mbar_init(&dq_full[b], 128);
+      mbar_init(&dq_full[b], kColSplit ? 256 : 128);
       mbar_init(&dq_empty[b], 128 - kGather);
     }
     mbar_fence_init();
@@ -287,6 +295,31 @@ __global__ void __launch_bounds__(kThreads, 1) sparse_bwd_ws_kernel(SparseBwdPar
     float(&dv_w)[D / 2] = *reinterpret_cast<float(*)[D / 2]>(&dv[0][0]);
     float(&dk_w)[D / 2] = *reinterpret_cast<float(*)[D / 2]>(&dk[0][0]);
 
+    // kColSplit: tile i - 1's dQ GEMM (SS, no A registers) left running under tile i's first S / dP; its result
+    // stored once that has been issued.
+    float dq_c[32];
+    bool dq_pending = false;
+    int dq_tok = -1, dq_head = 0;
+    // Tile ti's dQ columns [64 wg, +64) (dq_c, finished) into buffer ti % 2 once the writer is done with tile ti - 2.
+    auto store_dq = [&](int ti) {
+      const int b = ti & 1, qrow = wq * 16 + g;
+      float* buf = sDq + b * kRows * L::kDqStride;
+      if (ti >= 2) mbar_wait(&dq_empty[b], ((ti >> 1) - 1) & 1);
+      if (wg == 0 && ctid < kRows) {
+        sDqTok[b * kRows + ctid] = dq_tok;
+        sDqHead[b * kRows + ctid] = dq_head;
+      }
+#pragma unroll
+      for (int n = 0; n < 8; ++n) {
+        const int col = wg * 64 + n * 8 + 2 * tq;
+        *reinterpret_cast<float2*>(buf + qrow * L::kDqStride + col) =
+            make_float2(dq_c[4 * n] * p.scale, dq_c[4 * n + 1] * p.scale);
+        *reinterpret_cast<float2*>(buf + (qrow + 8) * L::kDqStride + col) =
+            make_float2(dq_c[4 * n + 2] * p.scale, dq_c[4 * n + 3] * p.scale);
+      }
+      if (!kDet) fence_proxy_async_smem();  // the writer's bulk reductions read the buffer through the async proxy
+      mbar_arrive(&dq_full[b]);
+    };
     for (int t = 0; t < n_tiles; ++t, ++i) {
       const int s = i % kStages;
       mbar_wait(&full[s], (i / kStages) & 1);
@@ -352,9 +385,29 @@ __global__ void __launch_bounds__(kThreads, 1) sparse_bwd_ws_kernel(SparseBwdPar
 
       float s0[16], dp0[16], s1[16], dp1[16];
       uint32_t pa0[2][4], da0[2][4], pa1[2][4], da1[2][4];
-      // Every warp of this consumer is done with the previous tile's dS^T (its dQ fragments are loaded).
-      group_sync(1 + wg);
+      // Every warp of this consumer is done with the previous tile's dS^T (its dQ fragments are loaded); kColSplit:
+      // both consumers' dQ GEMMs of the previous tile (they read both dS^T tiles) are done, below.
+      if constexpr (!kColSplit) group_sync(1 + wg);
+      if constexpr (kColSplit) {
+        // Defined here, before the wgmmas' fence: left undefined, the compiler copies registers in, and where
+        // those are the running dQ GEMM's, ptxas waits for it before this issue (C7517).
+#pragma unroll
+        for (int e = 0; e < 16; ++e) s0[e] = dp0[e] = 0.f;
+        fence_regs(s0);
+        fence_regs(dp0);
+      }
       issue_sdp(s0, dp0, 0);
+      if constexpr (kColSplit) {
+        // The previous tile's dQ (none at the first tile) and this tile's S^T, dP^T are done: the dQ GEMM ran under
+        // the stage wait and this issue. (wait<1> would leave S^T, dP^T running under the dQ stores, but ptxas then
+        // serialises every wgmma of the kernel, C7514: it does not see dq_c's group complete. Unconditional, as a
+        // conditional wait before dq_c is read injects one, C7517.)
+        wgmma_wait<0>();
+        fence_regs(dq_c);
+        if (dq_pending) store_dq(i - 1);
+        dq_pending = false;
+        asm volatile("bar.sync %0, 256;\n" ::"n"(kBarConsumers) : "memory");  // both dQ GEMMs done: dS^T free
+      }
       wgmma_wait<0>();
       fence_regs(s0);
       fence_regs(dp0);
@@ -377,7 +430,27 @@ __global__ void __launch_bounds__(kThreads, 1) sparse_bwd_ws_kernel(SparseBwdPar
         tab_head = reinterpret_cast<const int*>(st + L::s_head)[ctid];
       }
       mbar_arrive(&empty[s]);
+      if constexpr (kColSplit) {
+        // dQ[:, 64 wg, +64) = dS K[:, 64 wg, +64) over all 128 keys: A = dS read MN-major from both consumers'
+        // dS^T tiles (keys [16 ks, +16)), B = K's panel wg read MN-major. Issued and left running.
+        fence_proxy_async_smem();  // this thread's dS^T stores -> the wgmmas' reads
+        asm volatile("bar.sync %0, 256;\n" ::"n"(kBarConsumers) : "memory");  // both consumers' dS^T complete
+        const uint32_t ds_addr = smem_addr(smem + L::ds), b_addr = k_addr + wg * KT::kPanelElems * 2;
+        wgmma_fence();
+#pragma unroll
+        for (int ks = 0; ks < 8; ++ks)
+          WgmmaSS<T, 64, true, true>::run(dq_c, DsT::desc_mn(ds_addr + (ks / 4) * 64 * kRows * 2, ks % 4),
+                                          KT::desc_mn(b_addr, ks), ks > 0);
+        wgmma_commit();
+        dq_pending = true;
+        dq_tok = tab_tok;
+        dq_head = tab_head;
+        continue;
+      }
       group_sync(1 + wg);  // dS^T of the consumer's 64 keys complete
+      const int qrow = wq * 16 + g;
+      const int b = i & 1;
+      float* buf = sDq + b * kRows * L::kDqStride;
 
       // dQ_c = dS_c K_c: A = dS by transposed ldmatrix of dS^T (rows [16 wq, +16), keys [16 kk, +16)), B =
       // K's rows of these keys read MN-major, one 64-column panel at a time.
@@ -387,7 +460,6 @@ __global__ void __launch_bounds__(kThreads, 1) sparse_bwd_ws_kernel(SparseBwdPar
         const int mi = lane / 8;
         ldmatrix_x4_trans(a[kk], sDs + DsT::offset(16 * kk + (mi / 2) * 8 + lane % 8, 2 * wq + mi % 2));
       }
-      const int qrow = wq * 16 + g;
 #pragma unroll
       for (int panel = 0; panel < D / 64; ++panel) {
         float dq[32];
@@ -398,8 +470,6 @@ __global__ void __launch_bounds__(kThreads, 1) sparse_bwd_ws_kernel(SparseBwdPar
         wgmma_commit();
         wgmma_wait<0>();
         fence_regs(dq);
-        const int b = i & 1;
-        float* buf = sDq + b * kRows * L::kDqStride;
         if (panel == 0) {
           // Consumer 0 stores its partial into buffer b once the writer has written out tile i - 2 from it;
           // consumer 1 adds its own once consumer 0's is there.
@@ -430,7 +500,12 @@ __global__ void __launch_bounds__(kThreads, 1) sparse_bwd_ws_kernel(SparseBwdPar
       }
       // The writer's bulk reductions read the buffer through the async proxy: consumer 1's final values fenced.
       if (!kDet && wg == 1) fence_proxy_async_smem();
-      mbar_arrive(wg == 0 ? &dq_half[i & 1] : &dq_full[i & 1]);
+      mbar_arrive(wg == 0 ? &dq_half[b] : &dq_full[b]);
+    }
+    if constexpr (kColSplit) {
+      wgmma_wait<0>();
+      fence_regs(dq_c);
+      if (dq_pending) store_dq(i - 1);
     }
     fence_regs(dk_w);
     fence_regs(dv_w);
