@@ -62,6 +62,25 @@ def poison_allocator(nbytes=1 << 28, small_bytes=64 << 20):
     torch.cuda.synchronize()
 
 
+def assert_written(name, x):
+    """Every element of an output written: finite, and none of poison_allocator's bytes left (0x7F7F is a finite
+    bf16 and 0x7F7F7F7F a finite fp32: 3.39e38)."""
+    x = x.float()
+    assert torch.isfinite(x).all() and (x.abs() < 1e38).all(), f"{name}: poison left (unwritten output?)"
+
+
+def assert_same_forward(a, b, what, written=False):
+    """Two msa_fwd results that must not depend on `what`: the per-entry results bitwise (kl_rows too: the per-row
+    sums kl is the mean of), the index gradients (fp32 atomics) up to rounding. written: a's per-entry results are
+    also checked for poison (assert_written) first."""
+    for name, i in (("out", 0), ("kl", 1), ("indices", 2), ("lse", 3), ("lse_idx", 4), ("kl_rows", 7)):
+        if written:
+            assert_written(name, a[i])
+        assert torch.equal(a[i], b[i]), f"{name} depends on {what}"
+    for name, x, y in zip(("kl_dq_idx", "kl_dk_idx"), a[5:7], b[5:7]):
+        torch.testing.assert_close(x, y, rtol=1e-5, atol=1e-9, msg=f"{name} depends on {what}")
+
+
 def sm90_kernels_run():
     """Whether calls on the current GPU run this build's sm_90a kernels now (the op's own answer, device_config:
     a 90a build on a 9.x GPU without MSA_PORTABLE_KERNELS=1, read at each call)."""

@@ -10,7 +10,8 @@ import math
 import pytest
 import torch
 
-from helpers import cuda_kernel_names, make_packed, poison_allocator, sm90_kernels_run
+from helpers import (assert_same_forward, assert_written, cuda_kernel_names, make_packed, poison_allocator,
+                     sm90_kernels_run)
 
 pytestmark = pytest.mark.gpu
 ops = torch.ops.msa
@@ -25,12 +26,6 @@ def _hopper(monkeypatch):
 
 def _fwd_kernels(fn):
     return sorted({n for n in cuda_kernel_names(fn) if "sparse_fwd_kernel" in n})
-
-
-def _written(name, x):
-    """Every element written: finite, and no bf16 poison (0x7F7F is finite: 3.39e38)."""
-    x = x.float()
-    assert torch.isfinite(x).all() and (x.abs() < 1e38).all(), f"{name}: poison left (unwritten output?)"
 
 
 def _run(monkeypatch, fixed, args, op=ops.msa_fwd):
@@ -58,11 +53,7 @@ def test_fixed_gu_matches_general(monkeypatch, case, warmup):
     args = (q, k, v, qi, ki, cu, mx, 6, bs, 1 / math.sqrt(D), 1 / math.sqrt(Di), warmup, True, True)
     general = _run(monkeypatch, False, args)
     fixed = _run(monkeypatch, True, args)
-    for name, i in (("out", 0), ("kl", 1), ("indices", 2), ("lse", 3), ("lse_idx", 4), ("kl_rows", 7)):
-        _written(name, general[i])
-        assert torch.equal(general[i], fixed[i]), f"{name} differs between the Gu = 4 and the general kernels"
-    for name, a, b in zip(("kl_dq_idx", "kl_dk_idx"), general[5:7], fixed[5:7]):
-        torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-9, msg=f"{name} differs between the two kernels")
+    assert_same_forward(general, fixed, "the kernels (Gu = 4 against the general ones)", written=True)
     names = [_fwd_kernels(lambda: _run(monkeypatch, f, args)) for f in (False, True)]
     assert names[0] and names[1] and names[0] != names[1], names
 
@@ -77,7 +68,7 @@ def test_fixed_gu_without_index_matches_general(monkeypatch, case):
     general = _run(monkeypatch, False, sargs, ops.sparse_fwd)
     fixed = _run(monkeypatch, True, sargs, ops.sparse_fwd)
     for name, a, b in zip(("out", "lse"), general, fixed):
-        _written(name, a)
+        assert_written(name, a)
         assert torch.equal(a, b), f"{name} differs between the Gu = 4 and the general kernels"
     names = [_fwd_kernels(lambda: _run(monkeypatch, f, sargs, ops.sparse_fwd)) for f in (False, True)]
     assert names[0] and names[1] and names[0] != names[1], names

@@ -6,7 +6,8 @@ import torch
 
 import msa
 from attention_check import assert_close_style, assert_grads_close, assert_lse_close, low_precision, run_ref
-from helpers import HEADS, cuda_kernel_names, make_inputs, make_packed, poison_allocator, sm90_kernels_run
+from helpers import (HEADS, assert_same_forward, cuda_kernel_names, make_inputs, make_packed, poison_allocator,
+                     sm90_kernels_run)
 from msa import reference as ref
 
 pytestmark = [pytest.mark.gpu, pytest.mark.usefixtures("kernel_choice")]  # Hopper (wgmma) and portable
@@ -158,15 +159,6 @@ def test_hot_block_split(monkeypatch, per_item):
     _check_sparse_backward(q, k, v, idx, cu, mx, bs)
 
 
-def _assert_same_forward(a, b, what):
-    """msa_fwd's per-entry results bitwise (kl_rows too: the per-row sums kl is the mean of), the index
-    gradients (fp32 atomics) up to rounding."""
-    for name, i in (("out", 0), ("kl", 1), ("indices", 2), ("lse", 3), ("lse_idx", 4), ("kl_rows", 7)):
-        assert torch.equal(a[i], b[i]), f"{name} depends on {what}"
-    for name, x, y in zip(("kl_dq_idx", "kl_dk_idx"), a[5:7], b[5:7]):
-        torch.testing.assert_close(x, y, rtol=1e-5, atol=1e-9, msg=f"{name} depends on {what}")
-
-
 @pytest.mark.parametrize("mode", ["sparse", "warmup", "warmup_dense_kl"])
 def test_many_query_chunks(monkeypatch, mode, kernel_choice):
     """A small partial budget splits the queries into many chunks (as N = 128K does with the default):
@@ -189,7 +181,7 @@ def test_many_query_chunks(monkeypatch, mode, kernel_choice):
         monkeypatch.setenv("MSA_DENSE_KL_CHUNK", "1")  # one 64-row query tile per CTA
     else:
         monkeypatch.setenv("MSA_PARTIAL_BUDGET", str(300 * 1024))  # a few hundred tokens per chunk
-    _assert_same_forward(whole, ops.msa_fwd(*args), "the chunking")
+    assert_same_forward(whole, ops.msa_fwd(*args), "the chunking")
 
 
 @pytest.mark.parametrize("per_item", ["7", "128"])
@@ -203,7 +195,7 @@ def test_forward_item_size(monkeypatch, per_item):
     ref_run = torch.ops.msa.msa_fwd(*args)
     monkeypatch.setenv("MSA_FWD_UNITS_PER_ITEM", per_item)
     run = torch.ops.msa.msa_fwd(*args)
-    _assert_same_forward(ref_run, run, "the item size")
+    assert_same_forward(ref_run, run, "the item size")
 
 
 @pytest.mark.parametrize("per_item", ["7", None])
@@ -221,5 +213,5 @@ def test_item_launch_order(monkeypatch, per_item):
     _check_sparse_backward(q, k, v, ordered[2], cu, mx, 64)
     monkeypatch.setenv("MSA_ITEM_ORDER", "0")
     in_key_order = torch.ops.msa.msa_fwd(*args)
-    _assert_same_forward(ordered, in_key_order, "the launch order")
+    assert_same_forward(ordered, in_key_order, "the launch order")
     _check_sparse_backward(q, k, v, ordered[2], cu, mx, 64)
