@@ -248,6 +248,9 @@ struct SparseBwdParams {
   // sm_90a: the warp-specialized kernel (csrc/sm90/sparse_bwd/sparse_bwd_ws.cuh; the host sets it outside
   // deterministic mode unless MSA_BWD_WS=0, and in deterministic mode when MSA_BWD_WS=1); false: the general one.
   bool ws;
+  // The warp-specialized kernel gathers Q and dO as TMA boxes of a unit's Gu heads where Gu is 1, 2, 4 or 8 and TMA
+  // can describe the tensors (else, or false: 16-byte cp.async copies). The host sets it unless MSA_BWD_WS_TMA=0.
+  bool ws_tma;
 };
 
 // delta[h, t] = sum_d dout[t, h, d] * out[t, h, d] (the backward's preprocess).

@@ -1,8 +1,12 @@
-"""The warp-specialized sm_90a backward (csrc/sm90/sparse_bwd/sparse_bwd_ws.cuh; the default on Hopper,
-MSA_BWD_WS=1 forces it in deterministic mode too) against the general sm_90a one (MSA_BWD_WS=0; deterministic
-mode's default): dq, dk and dv of sparse_attention for the same indices and dout. The two kernels compute the
-transposed logits (K Q^T) and split dQ over the two consumers' keys, another fp32 summation order, so the
-gradients match to rounding, not bitwise."""
+"""The warp-specialized sm_90a backward (csrc/sm90/sparse_bwd/sparse_bwd_ws.cuh; the default on Hopper in
+both modes) against the general sm_90a one (MSA_BWD_WS=0): dq, dk and dv of sparse_attention for the same
+indices and dout. The two kernels compute the transposed logits (K Q^T) and sum dQ in another order (D = 128:
+each consumer's 64 columns over all 128 keys; D = 64: the two consumers' partials over their 64 keys), another
+fp32 summation order, so the gradients match to rounding, not bitwise. The warp-specialized kernel gathers Q and
+dO as TMA boxes where a unit's heads allow one (MSA_BWD_WS_TMA=0: 16-byte cp.async copies): both gathers are
+compared."""
+import re
+
 import pytest
 import torch
 
@@ -56,29 +60,53 @@ def _check(monkeypatch, args, deterministic=False):
 
 
 # (Hq, Hkv, Hi, Hki), D, block_size, dtype: Gu = 4 (the bench layout), 3 (63-row tiles), 1 with J = 4 (four
-# kv heads per item), 2 with J = 2, 1 with G = 1; each (dtype, D) instantiation, block_size 64 with both D.
+# kv heads per item), 2 with J = 2, 1 with G = 1, 8 at both D, 4 at D = 64; each (dtype, D) instantiation, block_size
+# 64 with both D.
 CASES = [((16, 2, 4, 1), 128, 128, torch.bfloat16),
          ((12, 4, 4, 1), 64, 128, torch.float16),
          ((8, 8, 2, 1), 128, 64, torch.float16),
          ((8, 4, 2, 1), 64, 64, torch.bfloat16),
-         ((4, 4, 4, 1), 128, 128, torch.bfloat16)]
+         ((4, 4, 4, 1), 128, 128, torch.bfloat16),
+         ((16, 2, 2, 1), 64, 128, torch.float16),
+         ((8, 1, 1, 1), 128, 128, torch.bfloat16),
+         ((8, 2, 2, 1), 64, 128, torch.bfloat16)]
 LENGTHS = [2100, 700, 1, 300, 129]
 
 
+def _gu(heads):
+    """Heads per unit of the backward's tiles (bwd_item's Gu: G / J)."""
+    hq, hkv, hi, _ = heads
+    return hq // hi // (hkv // hi if hkv > hi else 1)
+
+
+def _gather(monkeypatch, gather, heads, run):
+    """Sets the gather of Q and dO (TMA boxes of a unit's heads, or MSA_BWD_WS_TMA=0: 16-byte cp.async copies) and
+    checks that run() took it: the kernel's last template argument is kTma, true where Gu is 1, 2, 4 or 8 (the
+    test's tensors are contiguous, so the TMA descriptors encode)."""
+    monkeypatch.setenv("MSA_BWD_WS_TMA", "1" if gather == "tma" else "0")
+    ran = re.findall(r"sparse_bwd_ws_kernel<[^>]*, (true|false)>", " ".join(cuda_kernel_names(run)))
+    assert ran == [str(gather == "tma" and _gu(heads) in (1, 2, 4, 8)).lower()], ran
+
+
+@pytest.mark.parametrize("gather", ["tma", "cp_async"])
 @pytest.mark.parametrize("case", CASES)
-def test_ws_matches_general(monkeypatch, case):
+def test_ws_matches_general(monkeypatch, case, gather):
     heads, D, bs, dtype = case
     q, k, v, idx, cu, mx, dout = _inputs(LENGTHS, heads, D, bs, dtype, 6, seed=D + bs + heads[0])
-    _check(monkeypatch, (q, k, v, idx, cu, mx, bs, dout))
+    args = (q, k, v, idx, cu, mx, bs, dout)
+    _gather(monkeypatch, gather, heads, lambda: _grads(monkeypatch, True, *args))
+    _check(monkeypatch, args)
 
 
+@pytest.mark.parametrize("gather", ["tma", "cp_async"])
 @pytest.mark.parametrize("case", [CASES[0], CASES[3]])
-def test_ws_deterministic(monkeypatch, case):
+def test_ws_deterministic(monkeypatch, case, gather):
     """deterministic=True: the writer's exact hi / lo dQ sums and per-item dK / dV partials; the same
     values as the atomic path to rounding, and bitwise equal from run to run."""
     heads, D, bs, dtype = case
     q, k, v, idx, cu, mx, dout = _inputs(LENGTHS, heads, D, bs, dtype, 6, seed=7)
     args = (q, k, v, idx, cu, mx, bs, dout)
+    _gather(monkeypatch, gather, heads, lambda: _grads(monkeypatch, True, *args, deterministic=True))
     first = _check(monkeypatch, args, deterministic=True)
     again = _grads(monkeypatch, True, *args, deterministic=True)
     for name, a, b in zip(("dq", "dk", "dv"), first, again):
@@ -112,9 +140,8 @@ def test_ws_kernel_runs(monkeypatch):
 
 
 def test_default_dispatch(monkeypatch):
-    """Without MSA_BWD_WS, the Hopper backward is the warp-specialized kernel, and the general one in
-    deterministic mode (the warp-specialized deterministic writer is not measured against it); MSA_BWD_WS=1 takes
-    the warp-specialized one there too (test_ws_deterministic's subject)."""
+    """Without MSA_BWD_WS, the Hopper backward is the warp-specialized kernel in both modes (deterministic: its
+    exact hi / lo writer, test_ws_deterministic's subject); MSA_BWD_WS=0 takes the general one in both."""
     heads, D, bs, dtype = CASES[0]
     q, k, v, idx, cu, mx, dout = _inputs([700], heads, D, bs, dtype, 4, seed=5)
     monkeypatch.delenv("MSA_BWD_WS", raising=False)
@@ -128,7 +155,8 @@ def test_default_dispatch(monkeypatch):
         return " ".join(cuda_kernel_names(step))
 
     assert "sparse_bwd_ws_kernel" in names(False)
-    det = names(True)
-    assert "sparse_bwd_ws_kernel" not in det and "sparse_bwd_kernel" in det, det
-    monkeypatch.setenv("MSA_BWD_WS", "1")
     assert "sparse_bwd_ws_kernel" in names(True)
+    monkeypatch.setenv("MSA_BWD_WS", "0")
+    for deterministic in (False, True):
+        general = names(deterministic)
+        assert "sparse_bwd_ws_kernel" not in general and "sparse_bwd_kernel" in general, general

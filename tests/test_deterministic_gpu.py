@@ -11,7 +11,7 @@ import torch
 
 import msa
 from attention_check import assert_grads_close
-from helpers import HEADS, make_inputs, make_packed
+from helpers import HEADS, make_inputs, make_packed, sm90_kernels_run
 
 pytestmark = [pytest.mark.gpu, pytest.mark.usefixtures("kernel_choice")]
 
@@ -58,8 +58,17 @@ def test_msa_attention_deterministic(case, warmup, monkeypatch):
     _assert_bitwise(fn, xs, case, monkeypatch)
 
 
+@pytest.mark.parametrize("bwd", ["default", "general"])
 @pytest.mark.parametrize("heads", HEADS + [(8, 8, 2, 1)])
-def test_varlen_and_sparse_attention_deterministic(heads, monkeypatch):
+def test_varlen_and_sparse_attention_deterministic(heads, bwd, kernel_choice, monkeypatch):
+    """bwd = general: the general Hopper backward (MSA_BWD_WS=0; the default is the warp-specialized one), whose
+    deterministic writer is another code path."""
+    if bwd == "general":
+        if kernel_choice == "portable" or not sm90_kernels_run():
+            pytest.skip("MSA_BWD_WS chooses between the two sm_90a backward kernels")
+        monkeypatch.setenv("MSA_BWD_WS", "0")
+    else:
+        monkeypatch.delenv("MSA_BWD_WS", raising=False)
     q, k, v, qi, ki, cu, mx = make_packed([1000, 1, 129, 0, 2500], heads, 128, 64, dtype=torch.bfloat16,
                                           device="cuda", seed=sum(heads))
 

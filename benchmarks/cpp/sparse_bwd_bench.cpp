@@ -27,7 +27,7 @@ struct BwdSet {
 int main(int argc, char** argv) {
   Options opt;
   int64_t units = 0;  // 0: the op's choice, bwd_units_per_item(entries)
-  bool item_order = true, sink = false, ws = true;  // ws: as the op outside deterministic mode
+  bool item_order = true, sink = false, ws = true, ws_tma = true;  // ws, ws_tma: as the op outside deterministic mode
   std::string only;
   const std::vector<Knob> knobs = {
       {"--units-per-item", "U", "tokens per backward work item (default: the op's, 1024 up to 2^20 entries, else 2048; MSA_BWD_UNITS_PER_ITEM)",
@@ -38,6 +38,8 @@ int main(int argc, char** argv) {
        [&](const char*) { sink = true; }},
       {"--general", nullptr, "sm_90a: the general kernel, not the warp-specialized one (MSA_BWD_WS=0)",
        [&](const char*) { ws = false; }},
+      {"--ws-cp-async", nullptr, "sm_90a: the warp-specialized kernel gathers Q and dO by cp.async, not TMA (MSA_BWD_WS_TMA=0)",
+       [&](const char*) { ws_tma = false; }},
       {"--only", "delta|bwd|total", "time one row only", [&](const char* v) { only = v; }},
   };
   parse_options(argc, argv,
@@ -144,6 +146,7 @@ int main(int argc, char** argv) {
       p.scale_log2 = float(double(pb.softmax_scale) * 1.4426950408889634);
       p.small_smem = pb.small_smem_bwd;
       p.ws = ws;
+      p.ws_tma = ws_tma;
     }
     BENCH_CHECK(cudaStreamSynchronize(s));
     std::fprintf(stderr, "# sparse bwd N=%lld: %d set(s), up to %lld work items%s\n", (long long)n, n_sets,

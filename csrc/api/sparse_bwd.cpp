@@ -153,14 +153,15 @@ SparseGradsF32 sparse_backward_f32(const Tensor& dout_in, const Tensor& q_in, co
       p.dkv_part = ptr<float>(dkv_part);
     }
     p.total_tokens = int(T);
+    p.ws_tma = !env_is("MSA_BWD_WS_TMA", "0");  // (read by the warp-specialized backward only)
     p.num_seqs = int(S);
     p.block_size = int(block_size);
     p.max_blocks = int(ri.max_blocks);
     p.small_smem = small;  // the 99 KB configuration (the Hopper launcher ignores it)
-    // Hopper: the warp-specialized kernel (csrc/sm90/sparse_bwd/sparse_bwd_ws.cuh) unless MSA_BWD_WS=0 (s41: 9%
-    // faster than the general one at 32K, 12% at 8K; benchmarks/NOTES.md); deterministic mode keeps the general
-    // kernel unless MSA_BWD_WS=1 (the warp-specialized one's deterministic writer is not measured against it).
-    p.ws = deterministic ? env_is("MSA_BWD_WS", "1") : !env_is("MSA_BWD_WS", "0");
+    // Hopper: the warp-specialized kernel (csrc/sm90/sparse_bwd/sparse_bwd_ws.cuh) unless MSA_BWD_WS=0, in both
+    // modes (s41: 9% faster than the general one at 32K, 12% at 8K; deterministic, s46: 5.85 against 7.14 ms at 32K;
+    // benchmarks/NOTES.md).
+    p.ws = !env_is("MSA_BWD_WS", "0");
     p.hq = int(Hq);
     p.hkv = int(Hkv);
     p.hi = int(Hi);

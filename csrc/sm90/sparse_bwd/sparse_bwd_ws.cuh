@@ -6,10 +6,12 @@
 // selected it) with 3 warpgroups:
 //  - warpgroup 0 (setmaxnreg down to 40) has two jobs:
 //    - warps 0-2 (deterministic mode: 0-1), the gatherers: each tile's 64 rows (U = 64 / Gu units x Gu heads:
-//      Q, dO, lse, delta, and per row its token, head and last visible key) by cp.async into a ring of two
-//      stages; a stage is announced on its "full" mbarrier once its copies landed and were fenced to the
-//      async proxy (wgmma reads Q and dO), and reused once both consumers released it ("empty": right after
-//      their dV / dK GEMMs, before dQ);
+//      Q, dO, lse, delta, and per row its token, head and last visible key) into a ring of two stages, reused
+//      once both consumers released a stage ("empty": right after their dV / dK GEMMs, before dQ). Where Gu is
+//      1, 2, 4 or 8 (kTma), a unit's Q and dO rows are one TMA box per 64-column panel, issued by the thread of
+//      its first row and counted by bytes on the stage's "full" mbarrier; the 64 table threads store the rest and
+//      arrive without waiting for the data. Else by 16-byte cp.async: each gatherer waits for its copies, fences
+//      them to the async proxy (wgmma reads Q and dO) and arrives;
 //    - warp 3 (deterministic mode: 2-3), the dQ writer: per tile it adds the tile's fp32 dQ from shared memory
 //      (one of two buffers) to dq_accum (one bulk reduction per row; the deterministic mode: 16-byte reds of
 //      its hi / lo split), so no consumer waits for an atomic.
@@ -38,6 +40,7 @@
 #include "common/block_span.h"
 #include "common/det_sum.h"
 #include "common/mma_sm80.h"
+#include "common/tma_map.h"
 #include "common/wgmma_sm90.h"
 #include "params.h"
 #include "smxx/sparse_bwd/sparse_bwd_body.cuh"
@@ -102,8 +105,12 @@ struct Smem {  // byte offsets from the 1024-aligned base
 // general sm_90a kernel it ignores small_smem).
 inline bool applies(const SparseBwdParams& p) { return p.ws; }
 
-template <typename T, int D, bool kDet>
-__global__ void __launch_bounds__(kThreads, 1) sparse_bwd_ws_kernel(SparseBwdParams p) {
+// kTma: the TMA unit gather (a template parameter, so a profile names the path that ran); q_map / do_map: Q and dO
+// as (tokens, heads, D) in boxes of 64 columns x Gu heads x 1 token (unused without kTma).
+template <typename T, int D, bool kDet, bool kTma>
+__global__ void __launch_bounds__(kThreads, 1)
+    sparse_bwd_ws_kernel(SparseBwdParams p, const __grid_constant__ CUtensorMap q_map,
+                         const __grid_constant__ CUtensorMap do_map) {
   using L = Smem<T, D>;
   using KT = typename L::KT;
   using QT = typename L::QT;
@@ -140,7 +147,7 @@ __global__ void __launch_bounds__(kThreads, 1) sparse_bwd_ws_kernel(SparseBwdPar
 
   if (tid == 0) {
     for (int s = 0; s < kStages; ++s) {
-      mbar_init(&full[s], kGather);
+      mbar_init(&full[s], kTma ? kRows : kGather);  // TMA: the table threads (and the boxes' bytes)
       mbar_init(&empty[s], 256);
     }
     for (int b = 0; b < 2; ++b) {
@@ -154,8 +161,49 @@ __global__ void __launch_bounds__(kThreads, 1) sparse_bwd_ws_kernel(SparseBwdPar
 
   if (tid < 128) {
     setmaxnreg_dec<kProducerRegs>();
+    if (kTma && tid < kGather) {
+      // TMA gather: thread trow = tid < 64 stores row trow of each tile's table; the thread of a unit's first row
+      // issues its boxes of Q and dO (a token past the end for a missing unit: the boxes read zeros) and arrives
+      // with their bytes expected; no thread waits for the data (the consumers wait on the full mbarrier).
+      if (tid >= kRows) return;
+      const int trow = tid;
+      for (int i = 0; i < n_all; ++i) {
+        const int s = i % kStages;
+        const int j = i / n_tiles, t = i - j * n_tiles;
+        const int h0 = r * G + j * Gu;
+        const int u = trow / Gu, uu = u_begin + t * U + u;
+        const bool tok_ok = u < U && uu < u_end;
+        const int ttok = tok_ok ? p.tokens[uu] : -1;  // these loads before the stage is free
+        const int head = h0 + (trow - u * Gu);
+        const int64_t o = tok_ok ? int64_t(head) * p.total_tokens + ttok : 0;
+        const float lse_v = tok_ok ? __ldg(p.lse + o) : 0.f, delta_v = tok_ok ? __ldg(p.delta + o) : 0.f;
+        if (i >= kStages) mbar_wait(&empty[s], ((i / kStages) - 1) & 1);
+        unsigned char* st = smem + L::stage0 + s * L::stage_bytes;
+        const bool issuer = trow % Gu == 0 && u < U;
+        if (issuer) {
+          const int tcoord = tok_ok ? ttok : p.total_tokens;
+#pragma unroll
+          for (int panel = 0; panel < D / 64; ++panel) {
+            tma_load_3d(st + L::s_q + panel * QT::kPanelElems * 2 + trow * 128, &q_map, panel * 64, h0, tcoord,
+                        &full[s]);
+            tma_load_3d(st + L::s_do + panel * QT::kPanelElems * 2 + trow * 128, &do_map, panel * 64, h0, tcoord,
+                        &full[s]);
+          }
+        }
+        reinterpret_cast<int*>(st + L::s_tok)[trow] = ttok;
+        reinterpret_cast<int*>(st + L::s_head)[trow] = head;
+        reinterpret_cast<int*>(st + L::s_lim)[trow] = tok_ok ? min(blen - 1, ttok - kpos0) : -1;
+        reinterpret_cast<float*>(st + L::s_lse)[trow] = lse_v;
+        reinterpret_cast<float*>(st + L::s_delta)[trow] = delta_v;
+        // The arrival releases this thread's table stores; the issuer's counts its boxes' bytes first, so the
+        // phase cannot complete before they land.
+        if (issuer) mbar_arrive_expect_tx(&full[s], 2 * (D / 64) * Gu * 128);
+        else mbar_arrive(&full[s]);
+      }
+      return;
+    }
     if (tid < kGather) {
-      // Gatherers: tile i into stage i % 2. Tile i - 1's copies are waited for (then fenced and announced)
+      // Gatherers (cp.async): tile i into stage i % 2. Tile i - 1's copies are waited for (then fenced and announced)
       // before tile i's stage is awaited, so a stage is announced about one gather latency after its issue.
       for (int i = 0; i <= n_all; ++i) {
         if (i > 0) {
@@ -517,10 +565,23 @@ template <typename T, int D>
 cudaError_t launch(const SparseBwdParams& p, cudaStream_t stream) {
   if (p.max_items == 0) return cudaSuccess;
   constexpr int smem = Smem<T, D>::bytes + 1024;
-  auto kernel = p.dq_lo != nullptr ? sparse_bwd_ws_kernel<T, D, true> : sparse_bwd_ws_kernel<T, D, false>;
+  // The TMA gather where a unit's Gu heads make a box of 1, 2, 4 or 8 rows and TMA can describe Q and dO (16-byte
+  // aligned, strides multiples of 16 bytes); else the cp.async gather.
+  const int gu = p.hq / p.hi / smxx::bwd_kv_per_group(p);
+  CUtensorMap q_map{}, do_map{};
+  bool tma = p.ws_tma && (gu == 1 || gu == 2 || gu == 4 || gu == 8);
+  if (tma) {
+    tma = make_rows_map<T>(p.q, D, p.hq, p.total_tokens, p.q_stride_h, p.q_stride_t, 1, &q_map, gu) == cudaSuccess &&
+          make_rows_map<T>(p.dout, D, p.hq, p.total_tokens, p.do_stride_h, p.do_stride_t, 1, &do_map, gu) ==
+              cudaSuccess;
+    if (!tma) (void)cudaGetLastError();  // a failed driver entry-point lookup leaves the runtime's last error set
+  }
+  const bool det = p.dq_lo != nullptr;
+  auto kernel = det ? (tma ? sparse_bwd_ws_kernel<T, D, true, true> : sparse_bwd_ws_kernel<T, D, true, false>)
+                    : (tma ? sparse_bwd_ws_kernel<T, D, false, true> : sparse_bwd_ws_kernel<T, D, false, false>);
   cudaError_t err = cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, smem);
   if (err != cudaSuccess) return err;
-  kernel<<<unsigned(p.max_items), kThreads, smem, stream>>>(p);
+  kernel<<<unsigned(p.max_items), kThreads, smem, stream>>>(p, q_map, do_map);
   return cudaGetLastError();
 }
 

@@ -4,14 +4,15 @@
 // (smxx/sparse_fwd/sparse_fwd_body.cuh, its top comment has the math); other layouts run that one.
 //
 // A CTA takes one work item (a kv block of one index group and up to 512 of the units that selected it)
-// with 3 warpgroups:
+// with 1 + kConsumers (3) warpgroups:
 //  - warpgroup 0, the producer (setmaxnreg down to 40): gathers each tile's rows (16 units: Q of their 4
 //    heads, 64 rows; Q_idx; lse; lse_idx) by cp.async into a ring of kStages stages, each completing on
 //    its "full" mbarrier (cp.async.mbarrier.arrive.noinc, one arrival per producer thread), and reuses a
 //    stage once its consumer released it ("empty": one arrival per consumer thread).
-//  - warpgroups 1 and 2, the consumers (setmaxnreg up to 232): consumer c takes tiles c, c + 2, ... of
-//    the item, so the two run on their own (no CTA barrier after the prologue): one warpgroup's
-//    exponentials, KL terms and reds overlap the other's tensor-core work. Per tile, warp w of the group
+//  - warpgroups 1 .. 3, the consumers (setmaxnreg up to 152): consumer c takes tiles c, c + 3, ... of the
+//    item, so they run on their own (no CTA barrier after the prologue): one warpgroup's exponentials, KL
+//    terms and reds overlap the others' tensor-core work. (Three consumers, s46: the pass was bound by each
+//    consumer's per-tile chain at two consumer warps per scheduler, s28's ablation; two ran at 232 registers.) Per tile, warp w of the group
 //    holds rows [16 w, +16) (units 4 w .. 4 w + 3, head = row % 4):
 //      S = Q K^T        wgmma m64n128 RS (Q by ldmatrix from the stage, K by descriptor), issued first;
 //      S_idx = Q_idx K_idx^T (16 units x 128 keys, warp w keys [32 w, +32)) on mma.sync while the
@@ -26,7 +27,7 @@
 //      dq_idx += dsi K_idx (warp w: Di columns [32 w, +32), mma.sync) as 16-byte reds, and dsi to
 //                       dsi_part (a second named barrier: dsi complete).
 // K, V and K_idx of the block are loaded once by the consumers (cp.async, a proxy fence for the wgmma
-// reads of K and V, one barrier of the 256) while the producer reads the unit table and gathers the first
+// reads of K and V, one barrier of the consumers) while the producer reads the unit table and gathers the first
 // tiles. Measured at 32K (s16): 3.55 ms for the general sm_90a pass, 2.81 for this one as first built, 2.74
 // with P V under the KL terms, 2.68 with the prologue overlapped too. s29: every shared-memory address of the
 // consumers' loop from a per-lane base and one XOR per step (ncu: ~40% of their instructions were address
@@ -63,13 +64,17 @@ constexpr int kKeys = 128;             // keys of a block (block_size 64 uses th
 constexpr int kUnits = 16;             // units per tile: one consumer warpgroup's 64 rows
 constexpr int kRows = kUnits * kGu;    // 64
 constexpr int kDi = 128;               // index head dim in shared memory (Di = 64 zero-filled)
-constexpr int kStages = 4;             // the producer's ring: two tiles ahead per consumer
-constexpr int kThreads = 384;          // producer + two consumers
+constexpr int kStages = 4;             // the producer's ring: 4 / 3 tiles ahead per consumer
+constexpr int kConsumers = 3;          // consumer warpgroups: tile t goes to consumer t % kConsumers
+constexpr int kThreads = 128 * (1 + kConsumers);
 constexpr int kSiS = kKeys + 8;        // floats per S_idx row: the 8 units of a fragment in distinct banks
-constexpr int kProducerRegs = 40, kConsumerRegs = 232;
-// setmaxnreg moves registers within the CTA's pool from the launch (168 per thread at 384 threads, by
+constexpr int kProducerRegs = 40, kConsumerRegs = 152;
+// setmaxnreg moves registers within the CTA's pool from the launch (128 per thread at 512 threads, by
 // __launch_bounds__): a request past it would never be granted (the consumers would wait forever).
-static_assert(kProducerRegs * 128 + kConsumerRegs * 256 <= (65536 / kThreads & ~7) * kThreads, "register pool");
+static_assert(kProducerRegs * 128 + kConsumerRegs * 128 * kConsumers <= (65536 / kThreads & ~7) * kThreads,
+              "register pool");
+// Named barriers: 1 .. kConsumers = consumer warpgroup cw + 1 (group_sync); kBarConsumers = all consumers.
+constexpr int kBarConsumers = kConsumers + 1;
 constexpr float kNegInf = -__builtin_huge_valf();
 constexpr float kMinNormal = 1.17549435e-38f;  // see smxx/sparse_fwd/sparse_fwd_body.cuh: pm * log2 pm from here on
 
@@ -93,7 +98,7 @@ struct Smem {  // byte offsets from the 1024-aligned base
   static constexpr int c_dsi = c_si + kUnits * kSiS * 4;
   static constexpr int cons_bytes = c_dsi + kUnits * kKeys * 2;
   static constexpr int cons0 = stage0 + kStages * stage_bytes;
-  static constexpr int table = cons0 + 2 * cons_bytes;  // the item's units: local entry ids, tokens
+  static constexpr int table = cons0 + kConsumers * cons_bytes;  // the item's units: local entry ids, tokens
   static constexpr int bars = table + 2 * sm80::kFwdMaxItemUnits * 4;
   static constexpr int bytes = bars + 2 * kStages * 8;
   static_assert(stage0 % 1024 == 0 && stage_bytes % 1024 == 0 && s_qi % 1024 == 0 && cons_bytes % 256 == 0 &&
@@ -210,7 +215,7 @@ __global__ void __launch_bounds__(kThreads, 1) out_pass_ws_kernel(SparseFwdParam
     load_unit_table(p, f, sEntryAll, sTokAll, tid, 128);
     if (tid == 0) init_ring(full, empty, kStages);
   } else {
-    load_block<T, D, true>(p, f, sK, sV, sKi, tid - 128, 256);
+    load_block<T, D, true>(p, f, sK, sV, sKi, tid - 128, kThreads - 128);
   }
   __syncthreads();
 
@@ -240,13 +245,13 @@ __global__ void __launch_bounds__(kThreads, 1) out_pass_ws_kernel(SparseFwdParam
     return;
   }
 
-  // Consumers: K, V and K_idx landed (each thread's own copies, then the 256 threads), made visible to
+  // Consumers: K, V and K_idx landed (each thread's own copies, then all consumer threads), made visible to
   // wgmma (async proxy) by each writer's fence.
   setmaxnreg_inc<kConsumerRegs>();
   sm80::cp_async_wait<0>();
   fence_proxy_async_smem();
-  asm volatile("bar.sync 3, 256;\n" ::: "memory");
-  const int cw = tid / 128 - 1;  // consumer 0 or 1
+  asm volatile("bar.sync %0, %1;\n" ::"n"(kBarConsumers), "n"(kThreads - 128) : "memory");
+  const int cw = tid / 128 - 1;  // consumer 0 .. kConsumers - 1
   const int ctid = tid % 128, wq = ctid / 32, lane = tid % 32, g = lane / 4, tq = lane % 4;
   const int gi = g & (kGu - 1);  // the row's head in its unit
   float* sSi = reinterpret_cast<float*>(smem + L::cons0 + cw * L::cons_bytes + L::c_si);
@@ -279,7 +284,7 @@ __global__ void __launch_bounds__(kThreads, 1) out_pass_ws_kernel(SparseFwdParam
   // transposed, rows 16 kk + l8 + 8 b8, chunk 4 wq + 2 dp + l16 -> base ^ (dp << 5) + 2048 kk.
   const uint32_t dsi_frag = smem_addr(sDsi) + PTile::bytes(lane & 15, l16);
   const uint32_t kit_frag = smem0 + L::ki + KiT::bytes(l8 + 8 * b8, 4 * wq + l16);
-  for (int t = cw; t < n_tiles; t += 2) {
+  for (int t = cw; t < n_tiles; t += kConsumers) {
     const int s = t % kStages;
     mbar_wait(&full[s], (t / kStages) & 1);
     unsigned char* st = smem + L::stage0 + s * L::stage_bytes;
