@@ -206,6 +206,8 @@ namespace msa {
 // Sparse backward of the main branch (SPEC 3): dq, dk, dv accumulate in fp32 buffers (contiguous
 // (T, Hq, D) and (T, Hkv, D)); the reverse index gives, per key, the tokens that selected the block, and
 // its work list splits a key's tokens into items of at most units_per_item (one CTA each).
+enum WsTmaMode : int { kWsTmaOff = 0, kWsTmaOn = 1, kWsTmaAuto = 2 };
+
 struct SparseBwdParams {
   const void* q;
   const void* k;
@@ -248,9 +250,11 @@ struct SparseBwdParams {
   // sm_90a: the warp-specialized kernel (csrc/sm90/sparse_bwd/sparse_bwd_ws.cuh; the host sets it outside
   // deterministic mode unless MSA_BWD_WS=0, and in deterministic mode when MSA_BWD_WS=1); false: the general one.
   bool ws;
-  // The warp-specialized kernel gathers Q and dO as TMA boxes of a unit's Gu heads where Gu is 1, 2, 4 or 8 and TMA
-  // can describe the tensors (else, or false: 16-byte cp.async copies). The host sets it unless MSA_BWD_WS_TMA=0.
-  bool ws_tma;
+  // How the warp-specialized kernel gathers Q and dO: as TMA boxes of a unit's Gu heads, or by 16-byte cp.async
+  // copies. kWsTmaAuto (the host's default): TMA where Gu is 4 or 8 (at Gu = 1 its 64 boxes of 128 B per panel
+  // cost 40% of the kernel at 32K, at Gu = 2 it is even; s47, sparse_bwd_bench); kWsTmaOn (MSA_BWD_WS_TMA=1):
+  // TMA where Gu is 1, 2, 4 or 8; kWsTmaOff (MSA_BWD_WS_TMA=0): cp.async. TMA also needs tensors it can describe.
+  int ws_tma;
 };
 
 // delta[h, t] = sum_d dout[t, h, d] * out[t, h, d] (the backward's preprocess).

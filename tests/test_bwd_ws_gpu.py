@@ -3,8 +3,8 @@ both modes) against the general sm_90a one (MSA_BWD_WS=0): dq, dk and dv of spar
 indices and dout. The two kernels compute the transposed logits (K Q^T) and sum dQ in another order (D = 128:
 each consumer's 64 columns over all 128 keys; D = 64: the two consumers' partials over their 64 keys), another
 fp32 summation order, so the gradients match to rounding, not bitwise. The warp-specialized kernel gathers Q and
-dO as TMA boxes where a unit's heads allow one (MSA_BWD_WS_TMA=0: 16-byte cp.async copies): both gathers are
-compared."""
+dO as TMA boxes where a unit has 4 or 8 heads (MSA_BWD_WS_TMA=1: also 1 or 2; =0: 16-byte cp.async copies): all
+three settings are compared."""
 import re
 
 import pytest
@@ -80,15 +80,20 @@ def _gu(heads):
 
 
 def _gather(monkeypatch, gather, heads, run):
-    """Sets the gather of Q and dO (TMA boxes of a unit's heads, or MSA_BWD_WS_TMA=0: 16-byte cp.async copies) and
-    checks that run() took it: the kernel's last template argument is kTma, true where Gu is 1, 2, 4 or 8 (the
-    test's tensors are contiguous, so the TMA descriptors encode)."""
-    monkeypatch.setenv("MSA_BWD_WS_TMA", "1" if gather == "tma" else "0")
+    """Sets the gather of Q and dO (tma, MSA_BWD_WS_TMA=1: TMA boxes of a unit's heads where Gu is 1, 2, 4 or 8;
+    cp_async, MSA_BWD_WS_TMA=0: 16-byte cp.async copies; auto, unset: TMA where Gu is 4 or 8) and checks that run()
+    took it: the kernel's last template argument is kTma (the test's tensors are contiguous, so the TMA descriptors
+    encode)."""
+    if gather == "auto":
+        monkeypatch.delenv("MSA_BWD_WS_TMA", raising=False)
+    else:
+        monkeypatch.setenv("MSA_BWD_WS_TMA", "1" if gather == "tma" else "0")
+    tma_gu = {"tma": (1, 2, 4, 8), "auto": (4, 8), "cp_async": ()}[gather]
     ran = re.findall(r"sparse_bwd_ws_kernel<[^>]*, (true|false)>", " ".join(cuda_kernel_names(run)))
-    assert ran == [str(gather == "tma" and _gu(heads) in (1, 2, 4, 8)).lower()], ran
+    assert ran == [str(_gu(heads) in tma_gu).lower()], ran
 
 
-@pytest.mark.parametrize("gather", ["tma", "cp_async"])
+@pytest.mark.parametrize("gather", ["auto", "tma", "cp_async"])
 @pytest.mark.parametrize("case", CASES)
 def test_ws_matches_general(monkeypatch, case, gather):
     heads, D, bs, dtype = case

@@ -27,7 +27,8 @@ struct BwdSet {
 int main(int argc, char** argv) {
   Options opt;
   int64_t units = 0;  // 0: the op's choice, bwd_units_per_item(entries)
-  bool item_order = true, sink = false, ws = true, ws_tma = true;  // ws, ws_tma: as the op outside deterministic mode
+  bool item_order = true, sink = false, ws = true;  // ws, ws_tma: as the op outside deterministic mode
+  int ws_tma = msa::kWsTmaAuto;
   std::string only;
   const std::vector<Knob> knobs = {
       {"--units-per-item", "U", "tokens per backward work item (default: the op's, 1024 up to 2^20 entries, else 2048; MSA_BWD_UNITS_PER_ITEM)",
@@ -39,7 +40,9 @@ int main(int argc, char** argv) {
       {"--general", nullptr, "sm_90a: the general kernel, not the warp-specialized one (MSA_BWD_WS=0)",
        [&](const char*) { ws = false; }},
       {"--ws-cp-async", nullptr, "sm_90a: the warp-specialized kernel gathers Q and dO by cp.async, not TMA (MSA_BWD_WS_TMA=0)",
-       [&](const char*) { ws_tma = false; }},
+       [&](const char*) { ws_tma = msa::kWsTmaOff; }},
+      {"--ws-tma", nullptr, "sm_90a: the TMA gather at every Gu it supports (1, 2, 4, 8), not only 4 and 8 (MSA_BWD_WS_TMA=1)",
+       [&](const char*) { ws_tma = msa::kWsTmaOn; }},
       {"--only", "delta|bwd|total", "time one row only", [&](const char* v) { only = v; }},
   };
   parse_options(argc, argv,

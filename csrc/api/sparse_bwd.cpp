@@ -153,7 +153,9 @@ SparseGradsF32 sparse_backward_f32(const Tensor& dout_in, const Tensor& q_in, co
       p.dkv_part = ptr<float>(dkv_part);
     }
     p.total_tokens = int(T);
-    p.ws_tma = !env_is("MSA_BWD_WS_TMA", "0");  // (read by the warp-specialized backward only)
+    p.ws_tma = env_is("MSA_BWD_WS_TMA", "0")   ? kWsTmaOff  // (read by the warp-specialized backward only)
+               : env_is("MSA_BWD_WS_TMA", "1") ? kWsTmaOn
+                                               : kWsTmaAuto;
     p.num_seqs = int(S);
     p.block_size = int(block_size);
     p.max_blocks = int(ri.max_blocks);

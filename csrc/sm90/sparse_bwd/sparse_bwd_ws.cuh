@@ -565,11 +565,12 @@ template <typename T, int D>
 cudaError_t launch(const SparseBwdParams& p, cudaStream_t stream) {
   if (p.max_items == 0) return cudaSuccess;
   constexpr int smem = Smem<T, D>::bytes + 1024;
-  // The TMA gather where a unit's Gu heads make a box of 1, 2, 4 or 8 rows and TMA can describe Q and dO (16-byte
-  // aligned, strides multiples of 16 bytes); else the cp.async gather.
+  // The TMA gather where a unit's Gu heads make a box of 4 or 8 rows (kWsTmaOn: also 1 or 2) and TMA can describe Q
+  // and dO (16-byte aligned, strides multiples of 16 bytes); else the cp.async gather.
   const int gu = p.hq / p.hi / smxx::bwd_kv_per_group(p);
   CUtensorMap q_map{}, do_map{};
-  bool tma = p.ws_tma && (gu == 1 || gu == 2 || gu == 4 || gu == 8);
+  bool tma = p.ws_tma == kWsTmaOn ? (gu == 1 || gu == 2 || gu == 4 || gu == 8)
+                                  : p.ws_tma == kWsTmaAuto && (gu == 4 || gu == 8);
   if (tma) {
     tma = make_rows_map<T>(p.q, D, p.hq, p.total_tokens, p.q_stride_h, p.q_stride_t, 1, &q_map, gu) == cudaSuccess &&
           make_rows_map<T>(p.dout, D, p.hq, p.total_tokens, p.do_stride_h, p.do_stride_t, 1, &do_map, gu) ==
