@@ -247,8 +247,8 @@ struct SparseBwdParams {
   // configuration for GPUs with 99 KB of shared memory per block (sparse_smem_bytes(d, 2, 128, true)).
   // Same work items, accumulators and deterministic partials.
   bool small_smem;
-  // sm_90a: the warp-specialized kernel (csrc/sm90/sparse_bwd/sparse_bwd_ws.cuh; the host sets it outside
-  // deterministic mode unless MSA_BWD_WS=0, and in deterministic mode when MSA_BWD_WS=1); false: the general one.
+  // sm_90a: the warp-specialized kernel (csrc/sm90/sparse_bwd/sparse_bwd_ws.cuh; the host sets it in both modes
+  // unless MSA_BWD_WS=0); false: the general one.
   bool ws;
   // How the warp-specialized kernel gathers Q and dO: as TMA boxes of a unit's Gu heads, or by 16-byte cp.async
   // copies. kWsTmaAuto (the host's default): TMA where Gu is 4 or 8 (at Gu = 1 its 64 boxes of 128 B per panel

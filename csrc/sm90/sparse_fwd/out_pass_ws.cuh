@@ -11,9 +11,10 @@
 //    stage once its consumer released it ("empty": one arrival per consumer thread).
 //  - warpgroups 1 .. 3, the consumers (setmaxnreg up to 152): consumer c takes tiles c, c + 3, ... of the
 //    item, so they run on their own (no CTA barrier after the prologue): one warpgroup's exponentials, KL
-//    terms and reds overlap the others' tensor-core work. (Three consumers, s46: the pass was bound by each
-//    consumer's per-tile chain at two consumer warps per scheduler, s28's ablation; two ran at 232 registers.) Per tile, warp w of the group
-//    holds rows [16 w, +16) (units 4 w .. 4 w + 3, head = row % 4):
+//    terms and reds overlap the others' tensor-core work. (Three consumers since s47, 2.46 -> 2.28 ms at 32K:
+//    the pass was bound by each consumer's per-tile chain at two consumer warps per scheduler, s28's ablation;
+//    two ran at 232 registers.) Per tile, warp w of the group holds rows [16 w, +16) (units 4 w .. 4 w + 3,
+//    head = row % 4):
 //      S = Q K^T        wgmma m64n128 RS (Q by ldmatrix from the stage, K by descriptor), issued first;
 //      S_idx = Q_idx K_idx^T (16 units x 128 keys, warp w keys [32 w, +32)) on mma.sync while the
 //                       wgmma runs, into the group's S_idx tile (log2 domain);
