@@ -27,7 +27,7 @@ struct BwdSet {
 int main(int argc, char** argv) {
   Options opt;
   int64_t units = 0;  // 0: the op's choice, bwd_units_per_item(entries)
-  bool item_order = true, sink = false, ws = true;  // ws, ws_tma: as the op outside deterministic mode
+  bool item_order = true, sink = false, ws = true;  // ws, ws_tma: as the op's defaults
   int ws_tma = msa::kWsTmaAuto;
   std::string only;
   const std::vector<Knob> knobs = {

@@ -7,11 +7,12 @@
 //  - warpgroup 0 (setmaxnreg down to 40) has two jobs:
 //    - warps 0-2 (deterministic mode: 0-1), the gatherers: each tile's 64 rows (U = 64 / Gu units x Gu heads:
 //      Q, dO, lse, delta, and per row its token, head and last visible key) into a ring of two stages, reused
-//      once both consumers released a stage ("empty": right after their dV / dK GEMMs, before dQ). Where Gu is
-//      1, 2, 4 or 8 (kTma), a unit's Q and dO rows are one TMA box per 64-column panel, issued by the thread of
-//      its first row and counted by bytes on the stage's "full" mbarrier; the 64 table threads store the rest and
-//      arrive without waiting for the data. Else by 16-byte cp.async: each gatherer waits for its copies, fences
-//      them to the async proxy (wgmma reads Q and dO) and arrives;
+//      once both consumers released a stage ("empty": right after their dV / dK GEMMs, before dQ). With kTma
+//      (launch() below: Gu 4 or 8 by default, also 1 or 2 with MSA_BWD_WS_TMA=1), a unit's Q and dO rows are one
+//      TMA box per 64-column panel, issued by the thread of its first row and counted by bytes on the stage's
+//      "full" mbarrier; the 64 table threads store the rest and arrive without waiting for the data. Else by
+//      16-byte cp.async: each gatherer waits for its copies, fences them to the async proxy (wgmma reads Q and
+//      dO) and arrives;
 //    - warp 3 (deterministic mode: 2-3), the dQ writer: per tile it adds the tile's fp32 dQ from shared memory
 //      (one of two buffers) to dq_accum (one bulk reduction per row; the deterministic mode: 16-byte reds of
 //      its hi / lo split), so no consumer waits for an atomic.
