@@ -11,6 +11,7 @@ import argparse
 import datetime
 import os
 import platform
+import re
 import statistics
 import subprocess
 import sys
@@ -431,9 +432,17 @@ def main(argv=None):
     text = f"# msa benchmark\n\n{header(device, cmd, peak)}\n\n{table(rows, device)}\n"
     print(text)
     if args.save:
-        tag = "cpu" if device.type == "cpu" else torch.cuda.get_device_name(device).split()[-1].lower()
+        tag = "cpu" if device.type == "cpu" else gpu_tag(torch.cuda.get_device_name(device))
         save_result(text, args.save, tag)
     return 0
+
+
+def gpu_tag(name):
+    """The file-name tag of a GPU: its model ("NVIDIA H100 80GB HBM3" -> "h100", "NVIDIA H200" -> "h200"), the first
+    word that is letters then digits after the vendor, else the last word."""
+    words = [w.lower() for w in re.split(r"[\s-]+", name) if w and w.lower() != "nvidia"]
+    model = [w for w in words if re.fullmatch(r"[a-z]+\d+[a-z]*", w)]
+    return (model or words or ["gpu"])[0 if model else -1]
 
 
 def save_result(text, folder, tag):

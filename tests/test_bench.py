@@ -107,3 +107,13 @@ def test_cuda_bench_graph_columns(capsys):
                          ("dense fwd+bwd ms", "dense fwd+bwd, CUDA graph ms")):
         assert cells[graph] != "n/a" and float(cells[graph]) > 0
         assert float(cells[graph]) <= 1.5 * float(cells[eager]) + 0.05, (graph, cells[graph], cells[eager])
+
+
+@pytest.mark.parametrize(
+    "name, tag",
+    [("NVIDIA H100 80GB HBM3", "h100"), ("NVIDIA H200", "h200"), ("NVIDIA A100-SXM4-80GB", "a100"),
+     ("NVIDIA GeForce RTX 4090", "4090"), ("Tesla T4", "t4")],
+)
+def test_result_files_are_named_for_the_gpu_model(name, tag):
+    # s48 stored an H100 run as "...-hbm3-..." (the name's last word): the model names the file.
+    assert bench.gpu_tag(name) == tag
