@@ -19,10 +19,7 @@
 //  - warpgroups 1 and 2, the consumers (setmaxnreg up to 232): consumer c owns keys [64 c, +64) of the
 //    block for the whole item, dK and dV of them in registers (m64nD each). Per tile, in two halves of 32
 //    rows, transposed (keys as the MMA's M):
-//      S^T = K_c Q^T, dP^T = V_c dO^T   wgmma m64n32 SS (both operands K-major by descriptor); half 1's issued
-//                                       once half 0's first 16 rows are exponentiated, so it runs under the rest
-//                                       (s48: the consumers meet twice a tile, so both sat in p_ds with the tensor
-//                                       cores idle);
+//      S^T = K_c Q^T, dP^T = V_c dO^T   wgmma m64n32 SS (both operands K-major by descriptor);
 //      P^T = exp2(S^T c - lse), 0 past the row's last visible key; dS^T = P^T (dP^T - delta);
 //      dV += P^T dO, dK += dS^T Q       wgmma m64nD RS (P^T, dS^T from registers; dO, Q MN-major),
 //                                       left running while the next half's exponentials are computed;
@@ -392,13 +389,12 @@ __global__ void __launch_bounds__(kThreads, 1)
           WgmmaSS<T, 32>::run(dpacc, KT::desc(va, ks), QT::desc(do_addr + h * 32 * 128, ks), ks > 0);
         wgmma_commit();
       };
-      // P^T and dS^T of half h as A fragments (pa, da: k-steps kk0 .. kk1 - 1 of 16 rows) and dS^T into sDs. Element
+      // P^T and dS^T of half h as A fragments (pa, da: k-steps of 16 rows) and dS^T into sDs. Element
       // 4 jj + e of an accumulator: key kabs0 (e < 2) or kabs1, row 32 h + 8 jj + 2 tq + (e & 1). Branch
       // free (selects): the previous half's wgmmas may be running.
-      auto p_ds = [&](float (&sacc)[16], float (&dpacc)[16], uint32_t (&pa)[2][4], uint32_t (&da)[2][4], int h,
-                      int kk0 = 0, int kk1 = 2) {
+      auto p_ds = [&](float (&sacc)[16], float (&dpacc)[16], uint32_t (&pa)[2][4], uint32_t (&da)[2][4], int h) {
 #pragma unroll
-        for (int jj = 2 * kk0; jj < 2 * kk1; ++jj) {
+        for (int jj = 0; jj < 4; ++jj) {
           const int row = h * 32 + jj * 8 + 2 * tq;
           const float2 lse = *reinterpret_cast<const float2*>(sLse + row);
           const float2 dl = *reinterpret_cast<const float2*>(sDelta + row);
@@ -415,7 +411,7 @@ __global__ void __launch_bounds__(kThreads, 1)
           }
         }
 #pragma unroll
-        for (int kk = kk0; kk < kk1; ++kk) {
+        for (int kk = 0; kk < 2; ++kk) {
           sm80::a_frag<T>(sacc + 8 * kk, pa[kk]);
           sm80::a_frag<T>(dpacc + 8 * kk, da[kk]);
 #pragma unroll
@@ -464,12 +460,8 @@ __global__ void __launch_bounds__(kThreads, 1)
       wgmma_wait<0>();
       fence_regs(s0);
       fence_regs(dp0);
-      // Half 1's S^T, dP^T run under half 0's exponentials (the other consumer is at the same point of its tile: the
-      // barriers above keep them in step, so without this the tensor cores idle through both consumers' p_ds).
-      // Issued after the first k-step's rows: issued before all of them, ptxas spills 28-60 bytes (s48).
-      p_ds(s0, dp0, pa0, da0, 0, 0, 1);
+      p_ds(s0, dp0, pa0, da0, 0);
       issue_sdp(s1, dp1, 1);
-      p_ds(s0, dp0, pa0, da0, 0, 1, 2);
       issue_dvdk(pa0, da0, 0);
       wgmma_wait<1>();  // S^T, dP^T of half 1 (the older group); half 0's dV, dK may still run
       fence_regs(s1);
