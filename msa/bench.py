@@ -441,8 +441,8 @@ def gpu_tag(name):
     """The file-name tag of a GPU: its model ("NVIDIA H100 80GB HBM3" -> "h100", "NVIDIA H200" -> "h200"), the first
     word that is letters then digits after the vendor, else the last word."""
     words = [w.lower() for w in re.split(r"[\s-]+", name) if w and w.lower() != "nvidia"]
-    model = [w for w in words if re.fullmatch(r"[a-z]+\d+[a-z]*", w)]
-    return (model or words or ["gpu"])[0 if model else -1]
+    model = next((w for w in words if re.fullmatch(r"[a-z]+\d+[a-z]*", w)), None)
+    return model or (words[-1] if words else "gpu")
 
 
 def save_result(text, folder, tag):
