@@ -10,6 +10,8 @@
 # (profile.txt; MSA_AB_GREP=REGEX prints the matching kernels' times); MSA_AB_EXTRA=CMD runs CMD after it
 # (extra.txt). Logs (scripts/gpu_check.sh each) land in LOGDIR/a and LOGDIR/<variant name> and come back
 # packed as LOGDIR.tgz (only a few files return from a device call). scripts/ab_patch.sh: one variant.
+# MSA_AB_BUDGET_S=S: a variant is skipped (and said so) when the seconds since the start plus the longest side so
+# far would pass S, so that a device call's limit never cuts the packing of what did run.
 set -uo pipefail
 LOG=${1:?usage: scripts/ab_variants.sh LOGDIR VARIANT [VARIANT ...] [-- bench args]}
 shift
@@ -39,14 +41,23 @@ profile() {
 summary() { echo "$1: $(tr '\n' ' ' < "$LOG/$1/summary.txt" 2> /dev/null)"; }
 
 if [ -n "${MSA_AB_A_ARGS:-}" ]; then a_args=($MSA_AB_A_ARGS); else a_args=("$@"); fi
+start=$(date +%s)
 MSA_PYTEST_ARGS="${MSA_AB_A_TESTS:-tests/test_errors.py}" bash "$here/gpu_check.sh" "$LOG/a" "${a_args[@]}" > /dev/null 2>&1
 profile "$LOG/a"
 summary a
+longest=$(( $(date +%s) - start ))  # the longest side so far (s): a variant's estimate
 rc=0
 for v in "${variants[@]}"; do
   v_tests="${MSA_AB_B_TESTS:-tests -m gpu}"
   if [[ "$v" == *:* ]]; then v_tests="${v#*:}"; v="${v%%:*}"; fi
   name=$(ab_name "$v")
+  elapsed=$(( $(date +%s) - start ))
+  if [ -n "${MSA_AB_BUDGET_S:-}" ] && [ $(( elapsed + longest )) -gt "$MSA_AB_BUDGET_S" ]; then
+    echo "$name: skipped (budget: ${elapsed} s gone, the longest side took ${longest} s, MSA_AB_BUDGET_S=$MSA_AB_BUDGET_S)"
+    [ $rc -eq 0 ] && rc=3
+    continue
+  fi
+  t_side=$(date +%s)
   if ab_apply "$v" "$LOG/patch-$name.txt"; then
     MSA_COMMIT="$base-$name" MSA_PYTEST_ARGS="$v_tests" \
       bash "$here/gpu_check.sh" "$LOG/$name" "$@" > /dev/null 2>&1 || rc=1
@@ -56,6 +67,7 @@ for v in "${variants[@]}"; do
     rc=2
   fi
   ab_revert
+  d=$(( $(date +%s) - t_side )); [ $d -gt $longest ] && longest=$d
 done
 for d in "$LOG"/*/; do
   side=$(basename "$d")
