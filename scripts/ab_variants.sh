@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # A/B of kernel changes in one GPU call: the tree as it is (A) against each variant, one at a time:
-#   scripts/ab_variants.sh LOGDIR VARIANT [VARIANT ...] [-- bench args, e.g. --n 8192 32768]
+#   scripts/ab_variants.sh LOGDIR VARIANT|@FILE [VARIANT|@FILE ...] [-- bench args, e.g. --n 8192 32768]
 # A VARIANT is a patch, or several comma-separated ones applied in order (PATCH1,PATCH2), optionally followed by
 # :TESTS, that variant's pytest arguments in place of MSA_AB_B_TESTS ("x.patch:tests/test_warmup_gpu.py -m gpu").
 # A: build + the tests in MSA_AB_A_TESTS (default tests/test_errors.py) + benchmark (args: MSA_AB_A_ARGS if
@@ -16,7 +16,19 @@ set -uo pipefail
 LOG=${1:?usage: scripts/ab_variants.sh LOGDIR VARIANT [VARIANT ...] [-- bench args]}
 shift
 variants=()
-while [ $# -gt 0 ] && [ "$1" != "--" ]; do variants+=("$1"); shift; done
+# @FILE: the variants listed in FILE, one per line (blank lines and lines starting with # skipped), so that a queue
+# written in one session runs as written in the next.
+while [ $# -gt 0 ] && [ "$1" != "--" ]; do
+  if [[ "$1" == @* ]]; then
+    [ -f "${1#@}" ] || { echo "no variant file ${1#@}"; exit 2; }
+    while IFS= read -r line || [ -n "$line" ]; do
+      [[ -z "${line// /}" || "$line" == \#* ]] || variants+=("$line")
+    done < "${1#@}"
+  else
+    variants+=("$1")
+  fi
+  shift
+done
 [ $# -gt 0 ] && shift  # the --
 [ ${#variants[@]} -gt 0 ] || { echo "no patch given"; exit 2; }
 here=$(cd "$(dirname "$0")" && pwd)
