@@ -8,7 +8,8 @@ barriers and the shared-memory stores fall, whether ptxas spilled inside a loop)
 
 FUNCTION is a .sass file or a folder and a regex naming one of its files. Landmarks: HGMMA (shape, accumulator
 register, A from registers or descriptors), WARPGROUP.ARRIVE / DEPBAR, BAR, SYNCS (mbarrier waits and arrivals),
-MUFU, shared-memory stores and loads, local memory (spills), bulk / TMA copies, branches backwards (loops).
+MUFU, HMMA (mma.sync), SHFL, shared-memory stores and loads, global loads, stores and reductions, local memory
+(spills), bulk / TMA copies, branches backwards (loops).
 Consecutive landmarks of the same kind are counted as one line ("8x HGMMA.64x64x16 R184 desc").
 --from starts at the first instruction matching REGEX (e.g. 'TRYWAIT' for a loop's top)."""
 import argparse
@@ -17,7 +18,7 @@ import re
 import sys
 
 LANDMARK = re.compile(r"^(HGMMA|WARPGROUP|BAR|SYNCS|MUFU|STS|LDS|LDSM|STL|LDL|UBLKRED|UBLKCP|UTMALDG|UTMASTG|BRA|"
-                      r"MEMBAR|FENCE|REDG|ATOMG)\b")
+                      r"MEMBAR|FENCE|REDG|RED|ATOMG|HMMA|SHFL|LDG|STG|LDGSTS)\b")
 
 
 def body_of(path, regex):
