@@ -21,8 +21,8 @@ exec "$(dirname "$0")/ablate.sh" "${1:?usage: scripts/ablate_out_ws.sh OUTDIR}" 
   "no_exp|$F|s/^    if (full_tile) exp_tile(std::false_type{}); else exp_tile(std::true_type{});/    (void)full_tile;/" \
   "no_head_sum|$F|s/^    for (int b = 1; b < kGu; b <<= 1) {\$/    for (int b = 1; b < 1; b <<= 1) {/" \
   "no_pv|$F|s/^        WgmmaRS<T, 64, true>::run/        if (false) WgmmaRS<T, 64, true>::run/" \
-  "no_out_store|$F|s/^        if (u < nu)\$/        if (false)/" \
+  "no_out_store|$F|s/^        if (u < nu) {\$/        if (false) {/" \
   "no_kl_terms|$F|s/^    for (int n = 0; n < kKeys \/ 8; n += kGu) {\$/    for (int n = 0; n < 0; n += kGu) {/" \
   "no_dsi_store|$F|s/^      for (int i = ctid; i < nu \* (kKeys \/ 8); i += 128) {\$/      for (int i = ctid; i < 0; i += 128) {/" \
   "no_dq|$F|s/^      if (wq \* 32 < p.di) {\$/      if (false) {/" \
-  "no_dq_reds|$F|s/else sm80::atomic_add4(p.dqi_accum/else if (false) sm80::atomic_add4(p.dqi_accum/"
+  "no_dq_reds|$F|s/^            for (int n = 0; n < 4; ++n) sm80::atomic_add4(dst + n \* 8, x\[n\]);/            for (int n = 0; n < 4; ++n) if (false) sm80::atomic_add4(dst + n * 8, x[n]);/"
