@@ -17,4 +17,4 @@ exec "$(dirname "$0")/ablate.sh" "${1:?usage: scripts/ablate_out_pass.sh OUTDIR}
   "no_kl_terms|$F|s/^              if ((n \& (Gu - 1)) == 0) {\$/              if (false) {/" \
   "no_dsi_dq|$F|s/^      if (p.dsi_part != nullptr) {\$/      if (false) {/" \
   "no_dq_atomics|$F|s/^              else atomic_add4(p.dqi_accum + o + n \* 8, x);/              else if (false) atomic_add4(p.dqi_accum + o + n * 8, x);/" \
-  "no_idx_logits|$F|s/if (index \&\& j == 0) {  \/\/ CTA-uniform/if (false) {  \/\/ CTA-uniform/"
+  "no_idx_logits|$F|s/if (index_tile(ub) \&\& j == 0) {  \/\/ CTA-uniform/if (false) {  \/\/ CTA-uniform/"
