@@ -31,7 +31,7 @@ def body_of(path, regex):
         return f.read().splitlines()
 
 
-def label(line, index, offsets):
+def label(line, index):
     """A landmark's kind (the key runs are merged by) and its text, or None."""
     text = re.sub(r"^@!?U?P\w+\s+", "", line.split(";")[0].strip())  # predicate and encoding dropped
     m = LANDMARK.match(text)
@@ -45,7 +45,7 @@ def label(line, index, offsets):
         return (op, regs[0] if regs else "", a), f"{op} {regs[0] if regs else ''} A:{a}"
     if kind == "BRA":
         target = re.search(r"0x([0-9a-f]+)", text)
-        if not target or int(target.group(1), 16) >= offsets[index]:
+        if not target or int(target.group(1), 16) >= 16 * index:  # instructions are 16 bytes
             return None  # forward branches are noise here
         return ("BRA",), "BRA back to " + target.group(0)
     if kind in ("BAR", "SYNCS", "WARPGROUP", "MEMBAR", "FENCE"):
@@ -61,29 +61,24 @@ def main():
     ap.add_argument("--lines", type=int, default=80, help="print at most this many landmark lines")
     a = ap.parse_args()
     lines = body_of(a.function, a.regex)
-    # cuobjdump numbers instructions by address in a trailing comment that sass_functions.py drops; count them.
+    # cuobjdump numbers instructions by address in a trailing comment that sass_functions.py drops: label() counts
+    # them (16 bytes each) to tell a backward branch.
     instrs = [l for l in lines if l.strip() and not l.strip().startswith(".") and ";" in l]
-    offsets = [16 * i for i in range(len(instrs))]
     begin = 0
     if a.start:
         begin = next((i for i, l in enumerate(instrs) if re.search(a.start, l)), None)
         if begin is None:
             sys.exit(f"sass_order.py: no instruction matches {a.start!r}")
-    out, prev, count, first = [], None, 0, 0
+    out = []  # runs of one kind: [key, first instruction, count, text]
     for i in range(begin, len(instrs)):
-        got = label(instrs[i], i, offsets)
+        got = label(instrs[i], i)
         if got is None:
             continue
-        key, text = got
-        if key == prev:
-            count += 1
-            continue
-        if prev is not None:
-            out.append((first, count, prev_text))
-        prev, prev_text, count, first = key, text, 1, i
-    if prev is not None:
-        out.append((first, count, prev_text))
-    for first, count, text in out[:a.lines]:
+        if out and out[-1][0] == got[0]:
+            out[-1][2] += 1
+        else:
+            out.append([got[0], i, 1, got[1]])
+    for _, first, count, text in out[:a.lines]:
         print(f"{first:6d}  {str(count) + 'x ' if count > 1 else '   '}{text}")
     if len(out) > a.lines:
         print(f"... {len(out) - a.lines} more landmark lines (--lines)")
