@@ -1,4 +1,4 @@
-"""msa: MiniMax Sparse Attention for PyTorch training (SPEC.md section 6)."""
+"""msa: MiniMax Sparse Attention for PyTorch training (docs/SPEC.md section 6)."""
 from ._ops import has_cuda_kernel
 from .interface import msa_attention, msa_attention_varlen, select_blocks, sparse_attention, validate_cu_seqlens
 from . import distributed  # noqa: E402,F401  (msa.distributed: context parallelism)

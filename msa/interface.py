@@ -1,4 +1,4 @@
-"""The public API (SPEC.md section 6): argument checks with clear errors, defaults, layouts.
+"""The public API (docs/SPEC.md section 6): argument checks with clear errors, defaults, layouts.
 
 Batched tensors (B, N, H, D) are the equal-length case of the packed layout (T = B*N, H, D): they are
 viewed as packed with cu_seqlens = [0, N, 2N, ...] and the ops see one layout only.
@@ -11,7 +11,9 @@ last len_q positions, causal aligned bottom-right as in flash-attn. The ops then
 from __future__ import annotations
 
 import math
+import numbers
 import re
+import sys
 
 import torch
 
@@ -39,12 +41,14 @@ def _check_tensor(name, x, rank, layout):
 
 
 def _check_common(named, rank, layout):
-    """Rank, last-dim contiguity, one device, one dtype out of the supported ones. Under torch.autocast on
-    the tensors' device (CUDA or CPU) the ops cast every floating input to the autocast dtype (msa/_ops.py), so there
-    any floating dtype, mixed, is accepted, as torch's attention accepts it."""
+    """Rank, last-dim contiguity, one device (CPU or CUDA), one dtype out of the supported ones. Under
+    torch.autocast on the tensors' device (CUDA or CPU) the ops cast every floating input to the autocast dtype
+    (msa/_ops.py), so there any floating dtype, mixed, is accepted, as torch's attention accepts it."""
     for name, x in named:
         _check_tensor(name, x, rank, layout)
     name0, x0 = named[0]
+    if x0.device.type not in ("cpu", "cuda"):
+        _fail(name0, "a CPU or CUDA tensor", x0.device)
     for name, x in named[1:]:
         if x.device != x0.device:
             _fail(name, f"device {x0.device} (the device of {name0})", x.device)
@@ -61,11 +65,30 @@ def _check_common(named, rank, layout):
             _fail(name, f"dtype {x0.dtype} (the dtype of {name0})", x.dtype, TypeError)
 
 
+def _int(name, value, expected):
+    """value as a Python int: an int, or another integral number (a NumPy integer); not a bool."""
+    if isinstance(value, int) and not isinstance(value, bool):
+        return value
+    if isinstance(value, numbers.Integral) and not isinstance(value, bool):
+        return int(value)
+    _fail(name, expected, repr(value), TypeError)
+
+
+def _flag(name, value):
+    """A bool option (a NumPy bool too): a string or a tensor here is a mistake, not a truth value."""
+    if isinstance(value, bool):
+        return value
+    np = sys.modules.get("numpy")  # a NumPy bool can only come from a loaded NumPy
+    if np is not None and isinstance(value, np.bool_):
+        return bool(value)
+    _fail(name, "a bool", repr(value), TypeError)
+
+
 def _check_option(name, value, allowed):
-    if isinstance(value, bool) or not isinstance(value, int):
-        _fail(name, f"an int in {allowed}", repr(value), TypeError)
+    value = _int(name, value, f"an int in {allowed}")
     if value not in allowed:
         _fail(name, f"one of {tuple(allowed)}", value)
+    return value
 
 
 def _check_heads(hq, hkv, hi, hki, hi_name="q_idx"):
@@ -89,7 +112,7 @@ def _check_dim(name, d):
 def _scale(name, value, d):
     if value is None:
         return 1.0 / math.sqrt(d)
-    if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value):
+    if isinstance(value, bool) or not isinstance(value, numbers.Real) or not math.isfinite(value):
         _fail(name, "a finite float or None", repr(value), TypeError)
     return float(value)
 
@@ -150,18 +173,27 @@ def _check_msa_inputs(q, k, v, q_idx, k_idx, rank, topk, block_size):
     if k_idx.shape[-1] != Di:
         _fail("k_idx", f"head dim Di={Di} (that of q_idx)", k_idx.shape[-1])
     _check_heads(q.shape[-2], k.shape[-2], q_idx.shape[-2], k_idx.shape[-2])
-    _check_option("block_size", block_size, BLOCK_SIZES)
-    _check_option("topk", topk, range(1, MAX_TOPK + 1))
+    block_size = _check_option("block_size", block_size, BLOCK_SIZES)
+    return _check_option("topk", topk, range(1, MAX_TOPK + 1)), block_size
 
 
 def _check_varlen(cu_seqlens, max_seqlen, x, total=None, side=""):
+    """cu_seqlens' type, dtype, shape and device and max_seqlen >= 1 (returned as an int); on CUDA the values
+    too, through the compiled module, where total (the tensors' T) is given."""
     _check_cu_seqlens(cu_seqlens, x.device, "cu_seqlens" + side)
-    if isinstance(max_seqlen, bool) or not isinstance(max_seqlen, int):
-        _fail("max_seqlen" + side, "an int", repr(max_seqlen), TypeError)
+    max_seqlen = _int("max_seqlen" + side, max_seqlen, "an int")
     if max_seqlen < 1:
         _fail("max_seqlen" + side, "an int >= 1", max_seqlen)
     if total is not None and cu_seqlens.is_cuda and not torch.compiler.is_compiling():
         _check_values_cuda(cu_seqlens, max_seqlen, total)
+    return max_seqlen
+
+
+def _check_batched(max_seqlen, name0):
+    """The batched layout takes N from the tensors: a max_seqlen without cu_seqlens is a mistake."""
+    if max_seqlen is not None:
+        _fail("max_seqlen", f"None in the batched layout (N is {name0}.shape[1]; packed tensors take cu_seqlens)",
+              repr(max_seqlen), TypeError)
 
 
 _VALUE_ERROR = re.compile(r"(cu_seqlens|max_seqlen)(_k)?: expected")
@@ -224,7 +256,7 @@ def _key_layout(q, k, cu_seqlens, cu_seqlens_k, max_seqlen_k, names=("q", "k")):
     else:
         if max_seqlen_k is None:
             _fail("max_seqlen_k", "an int with cu_seqlens_k", "None", TypeError)
-        _check_varlen(cu_seqlens_k, max_seqlen_k, k, side="_k")
+        max_seqlen_k = _check_varlen(cu_seqlens_k, max_seqlen_k, k, side="_k")
         # Equal offsets in another tensor: the ops find that themselves (csrc/api/cu_seqlens.cpp takes the square
         # path), so nothing is read back here.
         layout = () if cu_seqlens_k is cu_seqlens and k.shape[0] == q.shape[0] else (cu_seqlens_k, max_seqlen_k)
@@ -238,8 +270,8 @@ def _msa(q, k, v, q_idx, k_idx, cu_seqlens, max_seqlen, topk, block_size, softma
     iscale = _scale("index_scale", index_scale, q_idx.shape[-1])
     # The KL's index gradient is computed with the KL itself when autograd will ask for it (SPEC 4).
     index_grad = torch.is_grad_enabled() and (q_idx.requires_grad or k_idx.requires_grad)
-    args = (q, k, v, q_idx, k_idx, cu_seqlens, max_seqlen, topk, block_size, scale, iscale, bool(warmup),
-            bool(return_indices), index_grad, _deterministic(deterministic), *key_layout)
+    args = (q, k, v, q_idx, k_idx, cu_seqlens, max_seqlen, topk, block_size, scale, iscale, _flag("warmup", warmup),
+            _flag("return_indices", return_indices), index_grad, _deterministic(deterministic), *key_layout)
     if eager_autograd_applies((q, k, v, q_idx, k_idx)):
         return _value_errors(MsaFunction.apply, *args)
     return _values_checked(ops.msa_fwd, *args)
@@ -266,7 +298,7 @@ def msa_attention(q, k, v, q_idx, k_idx, *, topk=16, block_size=128, softmax_sca
         kl: fp32 0-dim tensor, the exact KL(P || Pidx) averaged over B*N*Hi rows, differentiable in
         q_idx, k_idx only (the teacher P is detached).
     """
-    _check_msa_inputs(q, k, v, q_idx, k_idx, 4, topk, block_size)
+    topk, block_size = _check_msa_inputs(q, k, v, q_idx, k_idx, 4, topk, block_size)
     B, N = q.shape[:2]
     layout = _key_layout(q, k, None, None, None)
     flat = [_flat(x) for x in (q, k, v, q_idx, k_idx)]
@@ -294,8 +326,8 @@ def msa_attention_varlen(q, k, v, q_idx, k_idx, cu_seqlens, max_seqlen, *, cu_se
     sequences, len_k >= len_q in each, whose queries are its last len_q positions (causal aligned
     bottom-right); dk, dv, dk_idx cover all T_k rows. None: the keys have the queries' layout.
     """
-    _check_msa_inputs(q, k, v, q_idx, k_idx, 3, topk, block_size)
-    _check_varlen(cu_seqlens, max_seqlen, q, q.shape[0])
+    topk, block_size = _check_msa_inputs(q, k, v, q_idx, k_idx, 3, topk, block_size)
+    max_seqlen = _check_varlen(cu_seqlens, max_seqlen, q, q.shape[0])
     layout = _key_layout(q, k, cu_seqlens, cu_seqlens_k, max_seqlen_k)
     out, kl, indices = _msa(q, k, v, q_idx, k_idx, cu_seqlens, max_seqlen, topk, block_size, softmax_scale,
                             index_scale, warmup, return_indices, deterministic, layout)[:3]
@@ -321,14 +353,15 @@ def select_blocks(q_idx, k_idx, *, topk=16, block_size=128, index_scale=None, cu
         _fail("k_idx", f"head dim Di={Di} (that of q_idx)", k_idx.shape[-1])
     if q_idx.shape[-2] % k_idx.shape[-2]:
         _fail("k_idx", f"an index-key head count dividing Hi={q_idx.shape[-2]}", k_idx.shape[-2])
-    _check_option("block_size", block_size, BLOCK_SIZES)
-    _check_option("topk", topk, range(1, MAX_TOPK + 1))
+    block_size = _check_option("block_size", block_size, BLOCK_SIZES)
+    topk = _check_option("topk", topk, range(1, MAX_TOPK + 1))
     _require_kernel("select_blocks", q_idx)
     iscale = _scale("index_scale", index_scale, Di)
     if rank == 3:
-        _check_varlen(cu_seqlens, max_seqlen, q_idx, q_idx.shape[0])
+        max_seqlen = _check_varlen(cu_seqlens, max_seqlen, q_idx, q_idx.shape[0])
         key = _key_layout(q_idx, k_idx, cu_seqlens, cu_seqlens_k, max_seqlen_k, ("q_idx", "k_idx"))
         return _values_checked(ops.select_blocks, q_idx, k_idx, cu_seqlens, max_seqlen, topk, block_size, iscale, *key)
+    _check_batched(max_seqlen, "q_idx")
     B, N, Hi = q_idx.shape[:3]
     key = _key_layout(q_idx, k_idx, None, cu_seqlens_k, max_seqlen_k, ("q_idx", "k_idx"))
     idx = ops.select_blocks(_flat(q_idx), _flat(k_idx), None, N, topk, block_size, iscale, *key)
@@ -369,16 +402,17 @@ def sparse_attention(q, k, v, indices, *, block_size=128, softmax_scale=None, re
     if tok != tuple(lead):
         _fail("indices", f"token dims {tuple(lead)} (those of q)", f"shape {tuple(indices.shape)}")
     _check_heads(q.shape[-2], k.shape[-2], hi, None, "indices")
-    _check_option("block_size", block_size, BLOCK_SIZES)
+    block_size = _check_option("block_size", block_size, BLOCK_SIZES)
     _require_kernel("sparse_fwd", q)
     scale = _scale("softmax_scale", softmax_scale, D)
     det = _deterministic(deterministic)
     if rank == 3:
-        _check_varlen(cu_seqlens, max_seqlen, q, q.shape[0])
+        max_seqlen = _check_varlen(cu_seqlens, max_seqlen, q, q.shape[0])
         key = _key_layout(q, k, cu_seqlens, cu_seqlens_k, max_seqlen_k)
         out, lse = _values_checked(ops.sparse_fwd, q, k, v, indices.contiguous(), cu_seqlens, max_seqlen, block_size,
                                    scale, det, *key)
         return (out, lse) if return_lse else out
+    _check_batched(max_seqlen, "q")
     B, N = lead
     key = _key_layout(q, k, None, cu_seqlens_k, max_seqlen_k)
     flat = [_flat(x) for x in (q, k, v)]
@@ -399,8 +433,9 @@ def validate_cu_seqlens(cu_seqlens, max_seqlen, total_tokens):
     """
     if not isinstance(cu_seqlens, torch.Tensor):
         _fail("cu_seqlens", "an int32 tensor", type(cu_seqlens).__name__, TypeError)
-    _check_varlen(cu_seqlens, max_seqlen, cu_seqlens)
-    if isinstance(total_tokens, bool) or not isinstance(total_tokens, int) or total_tokens < 0:
+    max_seqlen = _check_varlen(cu_seqlens, max_seqlen, cu_seqlens)
+    total_tokens = _int("total_tokens", total_tokens, "an int >= 0")
+    if total_tokens < 0:
         _fail("total_tokens", "an int >= 0", repr(total_tokens), TypeError)
     if cu_seqlens.is_cuda:
         _check_values_cuda(cu_seqlens, max_seqlen, total_tokens)

@@ -1,6 +1,6 @@
 """Index-quality metrics: how much of the main attention a block selection retrieves.
 
-Layouts and heads are msa's (SPEC.md section 1):
+Layouts and heads are msa's (docs/SPEC.md section 1):
 
 - batched: q (B, N, Hq, D), k (B, N, Hkv, D), indices int32 (B, Hi, N, topk);
 - packed: q (T, Hq, D), k (T, Hkv, D), indices int32 (Hi, T, topk), with `cu_seqlens` int32 (S+1,).

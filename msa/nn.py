@@ -124,7 +124,8 @@ class MSAAttention(nn.Module):
 
     forward(x, cu_seqlens=None, max_seqlen=None, positions=None) -> (y, kl)
         x (B, N, hidden), or packed (T, hidden) with cu_seqlens int32 (S+1,) and max_seqlen;
-        positions (rotary positions) default to each token's place in its sequence.
+        positions (rotary positions: (N,), (1, N) or (B, N); packed (T,)) default to each token's place in its
+        sequence.
         kl is the layer's fp32 KL term (0-dim); it is also kept in `self.msa_kl` for `kl_loss(model)`.
     Set `layer.warmup = True` (or use `msa.nn.warmup(model)`) for the dense warmup mode (SPEC 5).
     """
@@ -204,6 +205,9 @@ class MSAAttention(nn.Module):
         elif positions is None:
             positions = (positions_from_cu_seqlens(cu_seqlens, x.shape[0]) if packed
                          else torch.arange(x.shape[1], device=x.device))
+        elif (self.rotary is not None or self.index_rotary is not None) and not _positions_fit(positions, x, packed):
+            raise ValueError(f"MSAAttention: positions: expected shape {'(T,)' if packed else '(N,), (1, N) or (B, N)'} for x "
+                             f"of shape {tuple(x.shape)}, got {tuple(positions.shape) if isinstance(positions, torch.Tensor) else type(positions).__name__}")
         rope = self.rotary(positions) if self.rotary is not None else None
         irope = self.index_rotary(positions) if self.index_rotary is not None else None
         xd = x.detach()  # SPEC 4: the KL trains the index projections, not the trunk
@@ -226,6 +230,15 @@ class MSAAttention(nn.Module):
             out, kl = msa_attention(q, k, v, qi, ki, **kw)
         self.msa_kl = kl
         return self.o_proj(out.flatten(-2).to(dtype)), kl
+
+
+def _positions_fit(positions, x, packed) -> bool:
+    """Rotary positions of x's tokens: (T,) packed; (N,) or (1, N) shared by the batch, or (B, N), batched."""
+    if not isinstance(positions, torch.Tensor):
+        return False
+    if packed:
+        return tuple(positions.shape) == (x.shape[0],)
+    return tuple(positions.shape) in ((x.shape[1],), (1, x.shape[1]), (x.shape[0], x.shape[1]))
 
 
 # Predicates of other modules that run msa (registered by msa.integrations: a MiniMax-M3 sparse
@@ -258,7 +271,8 @@ def kl_loss(model: nn.Module, reduction: str = "sum") -> torch.Tensor:
         raise ValueError(f"kl_loss: reduction: expected 'sum' or 'mean', got {reduction!r}")
     terms = [m.msa_kl for m in _msa_modules(model) if getattr(m, "msa_kl", None) is not None]
     if not terms:
-        raise RuntimeError("kl_loss: no msa layer of this model has run a forward (no KL to collect)")
+        raise RuntimeError("kl_loss: no msa layer of this model holds a KL: none has run a full-sequence forward since "
+                           "the model was built (decode steps with a KV cache keep none)")
     dtype = torch.float32  # at least fp32; a float64 model (the CPU path) keeps float64
     for t in terms:
         dtype = torch.promote_types(dtype, t.dtype)

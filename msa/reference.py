@@ -1,4 +1,4 @@
-"""The exact semantics of MSA (SPEC.md sections 2-5) in chunked PyTorch.
+"""The exact semantics of MSA (docs/SPEC.md sections 2-5) in chunked PyTorch.
 
 This is the CPU path of the public API and the oracle the CUDA kernels are tested against. Every
 function works on the packed (thd) layout: tensors are (T, H, D) and `cu_seqlens` (S+1,) splits them

@@ -167,6 +167,50 @@ def test_select_blocks_and_sparse_attention_errors():
     expect(ValueError, "indices", lambda: msa.sparse_attention(kw["q"], kw["k"], kw["v"], idx[:, :3]))  # Hq % Hi
 
 
+@pytest.mark.parametrize("opt,value", [("warmup", "no"), ("warmup", 1), ("warmup", None), ("return_indices", "yes"),
+                                       ("return_indices", torch.tensor(True))])
+def test_flags_are_bools(opt, value):
+    """warmup / return_indices take a bool: a string (truthy whatever it says) or an int is a mistake."""
+    msg = expect(TypeError, opt, lambda: call(good(), topk=2, block_size=64, **{opt: value}))
+    assert "expected a bool" in msg
+
+
+def test_numpy_scalars_are_accepted():
+    """NumPy integers / floats / bools (a config read by NumPy) act as the Python numbers they hold."""
+    np = pytest.importorskip("numpy")
+    kw = good()
+    out, kl, idx = call(kw, topk=2, block_size=64, softmax_scale=0.125, return_indices=True)
+    out2, kl2, idx2 = call(kw, topk=np.int64(2), block_size=np.int32(64), softmax_scale=np.float32(0.125),
+                           return_indices=np.bool_(True))
+    assert idx2.shape == idx.shape and torch.equal(idx2, idx)
+    torch.testing.assert_close(out2, out, rtol=0, atol=0)
+    torch.testing.assert_close(kl2, kl, rtol=0, atol=0)
+    q, k, v, qi, ki, cu, mx = make_packed([100, 100], HEADS, 64, 64, dtype=torch.bfloat16)
+    ref = msa.msa_attention_varlen(q, k, v, qi, ki, cu, mx, topk=2, block_size=64)[0]
+    got = msa.msa_attention_varlen(q, k, v, qi, ki, cu, np.int64(mx), topk=np.int16(2), block_size=64)[0]
+    torch.testing.assert_close(got, ref, rtol=0, atol=0)
+    msa.validate_cu_seqlens(cu, np.int64(mx), np.int64(q.shape[0]))
+    expect(TypeError, "max_seqlen", lambda: msa.msa_attention_varlen(q, k, v, qi, ki, cu, np.float64(mx)))
+
+
+def test_max_seqlen_in_batched_layout():
+    """The batched layout takes N from the tensors: max_seqlen without cu_seqlens is refused, not ignored."""
+    kw = good()
+    expect(TypeError, "max_seqlen", lambda: msa.select_blocks(kw["q_idx"], kw["k_idx"], topk=2, block_size=64,
+                                                              max_seqlen=10))
+    idx = msa.select_blocks(kw["q_idx"], kw["k_idx"], topk=2, block_size=64)
+    expect(TypeError, "max_seqlen", lambda: msa.sparse_attention(kw["q"], kw["k"], kw["v"], idx, block_size=64,
+                                                                 max_seqlen=130))
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_meta_tensors(dtype):
+    """Tensors of another device than CPU / CUDA: the device is named, whatever the dtype."""
+    kw = {n: x.to("meta") for n, x in good(dtype=dtype).items()}
+    msg = expect(ValueError, "q", lambda: call(kw))
+    assert "CPU or CUDA" in msg
+
+
 @pytest.mark.gpu
 def test_cuda_bad_inputs_raise_before_launch():
     kw = good("cuda")

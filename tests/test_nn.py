@@ -336,6 +336,24 @@ def test_explicit_positions():
     assert (r["y"] - y_default).abs().amax() > 1e-3
 
 
+def test_positions_shapes():
+    """positions of shape (N,), (1, N) and (B, N) give one result when they hold the same positions; any other
+    shape (a length that is not N, a packed shape for batched x) is a ValueError naming positions, not a
+    broadcasting error from inside the rotary."""
+    layer = make_layer(cfg_of(HEADS[0]))
+    x = randn((2, 140, HID), 12)
+    pos = torch.arange(140) * 2
+    y = layer(x, positions=pos)[0]
+    for p in (pos[None], pos.expand(2, 140)):
+        torch.testing.assert_close(layer(x, positions=p)[0], y, rtol=0, atol=0)
+    for bad in (pos[:70], pos.expand(3, 140), pos.expand(2, 140)[..., None], pos.tolist()):
+        with pytest.raises(ValueError, match="positions"):
+            layer(x, positions=bad)
+    xp, cu = x.reshape(280, HID), torch.tensor([0, 140, 280], dtype=torch.int32)
+    with pytest.raises(ValueError, match="positions"):
+        layer(xp, cu_seqlens=cu, max_seqlen=140, positions=pos)
+
+
 @pytest.mark.parametrize("kw, name", [
     (dict(hidden=0), "hidden"),
     (dict(num_heads=True), "num_heads"),
@@ -556,7 +574,7 @@ def test_warmup_context_switches_the_computation():
 
 def test_kl_loss():
     model = Model(cfg_of(HEADS[1]), layers=3)
-    with pytest.raises(RuntimeError, match="kl_loss"):
+    with pytest.raises(RuntimeError, match="kl_loss: no msa layer of this model holds a KL"):
         mnn.kl_loss(model)
     with pytest.raises(RuntimeError, match="kl_loss"):
         mnn.kl_loss(nn.Linear(3, 3))
