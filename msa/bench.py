@@ -291,7 +291,7 @@ def run(args, peak_tflops=None):
                     progress(f"[{step}/{steps}] N={N}: msa and dense fwd+bwd, CUDA graph replays")
                     row["msa_fwdbwd_graph"] = timer.graphed(msa_fwd_bwd, sets)
                     row["dense_fwdbwd_graph"] = timer.graphed(dense_fwd_bwd, sets)
-                if on_gpu:  # the CPU path is deterministic as it is: its two timings would differ by noise only
+                    # (Not on the CPU: its path is deterministic as it is, and two timings would differ by noise.)
                     progress(f"[{step}/{steps}] N={N}: msa fwd+bwd, deterministic=True")
                     row["msa_fwdbwd_det"] = timer(msa_fwd_bwd_det, sets)
                     row["det_cost"] = row["msa_fwdbwd_det"] / row["msa_fwdbwd"] - 1

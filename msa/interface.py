@@ -74,14 +74,16 @@ def _int(name, value, expected):
     _fail(name, expected, repr(value), TypeError)
 
 
-def _flag(name, value):
-    """A bool option (a NumPy bool too): a string or a tensor here is a mistake, not a truth value."""
+def _flag(name, value, expected="a bool"):
+    """A bool option (a NumPy bool too): a string or a tensor here is a mistake, not a truth value.
+    NumPy scalars (here and in _int, _scale) are taken in eager mode; torch.compile traces them as arrays,
+    so compiled code passes Python numbers."""
     if isinstance(value, bool):
         return value
     np = sys.modules.get("numpy")  # a NumPy bool can only come from a loaded NumPy
     if np is not None and isinstance(value, np.bool_):
         return bool(value)
-    _fail(name, "a bool", repr(value), TypeError)
+    _fail(name, expected, repr(value), TypeError)
 
 
 def _check_option(name, value, allowed):
@@ -117,22 +119,20 @@ def _scale(name, value, d):
     return float(value)
 
 
-def _require_kernel(op, x):
+def _require_kernel(op, x, name="q"):
     if x.device.type == "cuda" and not has_cuda_kernel(op):
         raise NotImplementedError(
             f"msa: this build has no CUDA kernel for msa::{op} (built without CUDA, or the kernel is not "
             f"written yet: see the support matrix in README.md). Tensors on the CPU use the reference path.")
     if x.device.type not in ("cpu", "cuda"):
-        _fail("q", "a CPU or CUDA tensor", x.device)
+        _fail(name, "a CPU or CUDA tensor", x.device)
 
 
 def _deterministic(value):
     """deterministic=None follows torch.use_deterministic_algorithms."""
     if value is None:
         return torch.are_deterministic_algorithms_enabled()
-    if not isinstance(value, bool):
-        _fail("deterministic", "a bool or None", repr(value), TypeError)
-    return value
+    return _flag("deterministic", value, "a bool or None")
 
 
 def _flat(x):
@@ -204,7 +204,7 @@ def _check_values_cuda(cu_seqlens, max_seqlen, total):
     remembers them per tensor version, so the ops that follow read nothing back. A check in the compiled
     module can only raise RuntimeError (it is built on PyTorch's stable ABI); here the ones about the
     values become the ValueError of SPEC 7. (Under torch.compile the ops' own RuntimeError is raised.)"""
-    _require_kernel("validate_cu_seqlens", cu_seqlens)
+    _require_kernel("validate_cu_seqlens", cu_seqlens, "cu_seqlens")
     _value_errors(ops.validate_cu_seqlens, cu_seqlens, total, max_seqlen)
 
 
@@ -403,6 +403,7 @@ def sparse_attention(q, k, v, indices, *, block_size=128, softmax_scale=None, re
         _fail("indices", f"token dims {tuple(lead)} (those of q)", f"shape {tuple(indices.shape)}")
     _check_heads(q.shape[-2], k.shape[-2], hi, None, "indices")
     block_size = _check_option("block_size", block_size, BLOCK_SIZES)
+    return_lse = _flag("return_lse", return_lse)
     _require_kernel("sparse_fwd", q)
     scale = _scale("softmax_scale", softmax_scale, D)
     det = _deterministic(deterministic)
@@ -436,9 +437,9 @@ def validate_cu_seqlens(cu_seqlens, max_seqlen, total_tokens):
     max_seqlen = _check_varlen(cu_seqlens, max_seqlen, cu_seqlens)
     total_tokens = _int("total_tokens", total_tokens, "an int >= 0")
     if total_tokens < 0:
-        _fail("total_tokens", "an int >= 0", repr(total_tokens), TypeError)
+        _fail("total_tokens", "an int >= 0", total_tokens)
     if cu_seqlens.is_cuda:
         _check_values_cuda(cu_seqlens, max_seqlen, total_tokens)
     else:
-        _require_kernel("validate_cu_seqlens", cu_seqlens)
+        _require_kernel("validate_cu_seqlens", cu_seqlens, "cu_seqlens")
         ops.validate_cu_seqlens(cu_seqlens, total_tokens, max_seqlen)

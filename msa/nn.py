@@ -206,8 +206,9 @@ class MSAAttention(nn.Module):
             positions = (positions_from_cu_seqlens(cu_seqlens, x.shape[0]) if packed
                          else torch.arange(x.shape[1], device=x.device))
         elif (self.rotary is not None or self.index_rotary is not None) and not _positions_fit(positions, x, packed):
-            raise ValueError(f"MSAAttention: positions: expected shape {'(T,)' if packed else '(N,), (1, N) or (B, N)'} for x "
-                             f"of shape {tuple(x.shape)}, got {tuple(positions.shape) if isinstance(positions, torch.Tensor) else type(positions).__name__}")
+            want = "(T,)" if packed else "(N,), (1, N) or (B, N)"
+            got = tuple(positions.shape) if isinstance(positions, torch.Tensor) else type(positions).__name__
+            raise ValueError(f"MSAAttention: positions: expected shape {want} for x of shape {tuple(x.shape)}, got {got}")
         rope = self.rotary(positions) if self.rotary is not None else None
         irope = self.index_rotary(positions) if self.index_rotary is not None else None
         xd = x.detach()  # SPEC 4: the KL trains the index projections, not the trunk

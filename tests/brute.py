@@ -1,4 +1,4 @@
-"""An independent float64 brute force of SPEC.md 2-5: plain loops per query and per head, in numpy.
+"""An independent float64 brute force of docs/SPEC.md sections 2-5: plain loops per query and per head, in numpy.
 
 Shares no code with msa.reference. Inputs are packed (T, H, D) numpy float64 arrays. `cu_k` (None: `cu`)
 splits the key-side arrays where the queries are a suffix of the keys: query i of a sequence with nq

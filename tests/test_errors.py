@@ -193,6 +193,23 @@ def test_numpy_scalars_are_accepted():
     expect(TypeError, "max_seqlen", lambda: msa.msa_attention_varlen(q, k, v, qi, ki, cu, np.float64(mx)))
 
 
+def test_other_flags_and_totals():
+    """deterministic and return_lse are bools too (a NumPy bool is one); validate_cu_seqlens names cu_seqlens for a
+    tensor of another device and a negative total_tokens is a ValueError."""
+    np = pytest.importorskip("numpy")
+    kw = good()
+    expect(TypeError, "deterministic", lambda: call(kw, topk=2, block_size=64, deterministic="yes"))
+    out = call(kw, topk=2, block_size=64, deterministic=np.bool_(True))[0]
+    torch.testing.assert_close(out, call(kw, topk=2, block_size=64, deterministic=True)[0], rtol=0, atol=0)
+    idx = msa.select_blocks(kw["q_idx"], kw["k_idx"], topk=2, block_size=64)
+    expect(TypeError, "return_lse", lambda: msa.sparse_attention(kw["q"], kw["k"], kw["v"], idx, block_size=64,
+                                                                 return_lse="no"))
+    cu = torch.tensor([0, 100, 200], dtype=torch.int32)
+    expect(ValueError, "cu_seqlens", lambda: msa.validate_cu_seqlens(cu.to("meta"), 100, 200))
+    expect(ValueError, "total_tokens", lambda: msa.validate_cu_seqlens(cu, 100, -1))
+    expect(TypeError, "total_tokens", lambda: msa.validate_cu_seqlens(cu, 100, 200.0))
+
+
 def test_max_seqlen_in_batched_layout():
     """The batched layout takes N from the tensors: max_seqlen without cu_seqlens is refused, not ignored."""
     kw = good()
