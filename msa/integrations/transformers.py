@@ -1,4 +1,4 @@
-"""msa for Hugging Face transformers (the optional extra `msa[hf]`).
+"""msa for Hugging Face transformers (the optional extra `msa-attention[hf]`).
 
 `import msa.integrations.transformers` registers the attention implementation `"msa"`:
 
