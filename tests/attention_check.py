@@ -80,24 +80,32 @@ def assert_lse_close(name, got, exact, rtol=1e-4):
 
 
 def reference_forward(q, k, v, qi, ki, idx, cu, bs, scale, iscale, cu_k=None):
-    """Exact (out, lse, kl, lse_idx) and the same-precision out and lse over selection `idx` (None: the
+    """Exact (out, lse, kl, lse_idx, kl_rows) and the same-precision out and lse over selection `idx` (None: the
     dense causal set of warmup). cu_k: the keys' layout (queries a suffix of the keys), None: cu's."""
-    sparse_fwd, index_kl = partial(ref.sparse_fwd, cu_seqlens_k=cu_k), partial(ref.index_kl, cu_seqlens_k=cu_k)
+    sparse_fwd = partial(ref.sparse_fwd, cu_seqlens_k=cu_k)
+    index_kl_rows = partial(ref.index_kl_rows, cu_seqlens_k=cu_k)
     exact_out, exact_lse = run_ref(sparse_fwd, q, k, v, idx, cu, bs, scale)
-    exact_kl, exact_lse_idx = run_ref(index_kl, q, k, exact_lse, qi, ki, idx, cu, bs, scale, iscale)
+    exact_rows, exact_lse_idx = run_ref(index_kl_rows, q, k, exact_lse, qi, ki, idx, cu, bs, scale, iscale)
+    exact_kl = exact_rows.sum() / exact_rows.numel()
     with low_precision():
         lowp_out, lowp_lse = run_ref(sparse_fwd, q, k, v, idx, cu, bs, scale, dtype=q.dtype)
-    return (exact_out, exact_lse, exact_kl, exact_lse_idx), (lowp_out, lowp_lse)
+    return (exact_out, exact_lse, exact_kl, exact_lse_idx, exact_rows), (lowp_out, lowp_lse)
 
 
-def assert_forward_close(out, kl, lse, lse_idx, exact, lowp_out):
-    """out by the STYLE rule, lse and lse_idx to fp32 accumulation error, kl to 1e-3 relative."""
-    exact_out, exact_lse, exact_kl, exact_lse_idx = exact
+def assert_forward_close(out, kl, lse, lse_idx, exact, lowp_out, kl_rows=None):
+    """out by the STYLE rule, lse and lse_idx to fp32 accumulation error, kl to 1e-3 relative; kl_rows (msa_fwd's
+    output 7, (Hi, T)), where given, row by row to 1e-3 relative (a few wrong rows move the mean kl too little)."""
+    exact_out, exact_lse, exact_kl, exact_lse_idx, exact_rows = exact
     assert_close_style("out", out, exact_out, lowp_out, out.dtype)
     assert_lse_close("lse", lse, exact_lse)
     assert_lse_close("lse_idx", lse_idx, exact_lse_idx)
     assert kl.dtype == torch.float32 and kl.dim() == 0
     assert abs(kl.item() - exact_kl.item()) <= 1e-3 * abs(exact_kl.item()) + 1e-5, (kl.item(), exact_kl.item())
+    if kl_rows is not None:
+        assert kl_rows.shape == exact_rows.shape, (kl_rows.shape, exact_rows.shape)
+        err = (kl_rows.double() - exact_rows).abs()
+        bad = err > 1e-3 * exact_rows.abs() + 1e-5
+        assert not bad.any(), f"kl_rows: {int(bad.sum())} rows off, max error {err.max().item():.3g}"
 
 
 def assert_grads_close(grads, dout, dkl, q, k, v, qi, ki, idx, cu, bs, scale, iscale, cu_k=None):

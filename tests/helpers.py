@@ -2,6 +2,7 @@
 import os
 import shutil
 
+import numpy as np
 import torch
 
 # (Hq, Hkv, Hi, Hki) head classes of the foundation issue.
@@ -64,7 +65,12 @@ def poison_allocator(nbytes=1 << 28, small_bytes=64 << 20):
 
 def assert_written(name, x):
     """Every element of an output written: finite, and none of poison_allocator's bytes left (0x7F7F is a finite
-    bf16 and 0x7F7F7F7F a finite fp32: 3.39e38)."""
+    bf16 and 0x7F7F7F7F a finite fp32: 3.39e38; in an integer output the pattern itself: 2139062143 as int32, no
+    valid block index)."""
+    if not x.is_floating_point():
+        poison = int.from_bytes(b"\x7f" * x.element_size(), "little", signed=True)
+        assert (x != poison).all(), f"{name}: poison left (unwritten output?)"
+        return
     x = x.float()
     assert torch.isfinite(x).all() and (x.abs() < 1e38).all(), f"{name}: poison left (unwritten output?)"
 
@@ -79,6 +85,16 @@ def assert_same_forward(a, b, what, written=False):
         assert torch.equal(a[i], b[i]), f"{name} depends on {what}"
     for name, x, y in zip(("kl_dq_idx", "kl_dk_idx"), a[5:7], b[5:7]):
         torch.testing.assert_close(x, y, rtol=1e-5, atol=1e-9, msg=f"{name} depends on {what}")
+
+
+def assert_rounded_once(name, got, exact, dtype):
+    """A half-precision result computed in fp32 and rounded once (the CPU path): within one unit of `dtype`'s
+    rounding of the fp64 value (eps |exact| plus 1e-3 eps max |exact| for values near zero)."""
+    got, exact = np.asarray(got, dtype=np.float64), np.asarray(exact, dtype=np.float64)
+    eps = torch.finfo(dtype).eps
+    err = np.abs(got - exact)
+    bound = eps * np.abs(exact) + 1e-3 * eps * (np.abs(exact).max() if exact.size else 0.0)
+    assert (err <= bound).all(), f"{name}: {int((err > bound).sum())} values beyond one unit, max error {err.max():.3g}"
 
 
 def sm90_kernels_run():

@@ -36,8 +36,9 @@ def test_opcheck_msa_bwd(grad):
 @pytest.mark.parametrize("warmup", [False, True])
 def test_forward_index_grad_matches_backward(warmup):
     """kl_dq_idx / kl_dk_idx of the forward equal the backward's recomputation for d_kl = 1 (softmax and index
-    scales differ, so an argument swapped on either side shows)."""
-    q, k, v, qi, ki, cu, mx = _packed(dtype=torch.float64, requires_grad=False)
+    scales differ, so an argument swapped on either side shows), and a finite difference of kl."""
+    # 300 tokens: 5 blocks of 64, of which topk = 2 selects fewer than are visible (warmup differs from sparse)
+    q, k, v, qi, ki, cu, mx = _packed(dtype=torch.float64, requires_grad=False, lengths=(300, 130))
     out, kl, idx, lse, lse_idx, g_q, g_k, _ = ops.msa_fwd(q, k, v, qi, ki, cu, mx, 2, 64, 0.125, 0.09, warmup, False,
                                                         True)
     none = torch.empty(0, dtype=torch.float64)
@@ -45,6 +46,18 @@ def test_forward_index_grad_matches_backward(warmup):
                                      lse_idx, idx, none, none, cu, mx, 64, 0.125, 0.09, warmup)
     torch.testing.assert_close(g_q, dq_idx)
     torch.testing.assert_close(g_k, dk_idx)
+    # Both sides above run the same reference code: the values themselves against a central difference of kl
+    # along one random direction of (q_idx, k_idx) (float64; the step leaves the selection as it is).
+    g = torch.Generator().manual_seed(5)
+    eq, ek = (torch.randn(x.shape, generator=g, dtype=torch.float64) for x in (qi, ki))
+    h = 1e-6
+
+    def kl_at(sign):
+        return ops.msa_fwd(q, k, v, qi + sign * h * eq, ki + sign * h * ek, cu, mx, 2, 64, 0.125, 0.09, warmup, False,
+                           False)[1].item()
+    fd = (kl_at(1) - kl_at(-1)) / (2 * h)
+    want = (g_q * eq).sum().item() + (g_k * ek).sum().item()
+    assert abs(fd - want) <= 1e-5 * abs(want) + 1e-9, (fd, want)
 
 
 def test_opcheck_select_sparse_reverse():

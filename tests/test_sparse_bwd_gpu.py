@@ -35,6 +35,8 @@ def _check_grads(q, k, v, qi, ki, cu, mx, topk, bs, seed):
 CASES = [  # (B, N, D, Di, block_size, topk)
     (2, 1, 64, 64, 128, 16), (2, 100, 128, 64, 64, 3), (1, 129, 128, 128, 64, 16), (1, 300, 64, 64, 64, 32),
     (2, 700, 128, 128, 128, 3), (2, 2048, 128, 128, 128, 16), (1, 8192, 128, 128, 128, 16),
+    # topk = 32 with more blocks visible than slots
+    (1, 4500, 128, 128, 128, 32), (1, 2500, 64, 64, 64, 32),
 ]
 
 
@@ -56,16 +58,43 @@ def test_msa_bwd_varlen(heads):
     _check_grads(q, k, v, qi, ki, cu, mx, 5, 128, seed=sum(heads))
 
 
-def test_backward_parts_skip():
-    """Only out's gradient, only kl's gradient: the other inputs get none, the given ones match."""
+# The varlen layout (empty and one-token sequences among long ones) at the other head dims, block size and fp16;
+# (16, 2, 4, 1) takes the warp-specialized kernels, (8, 2, 4, 1) the general ones.
+VARLEN_SHAPES = [(64, 128, 64, torch.float16), (128, 128, 64, torch.bfloat16), (64, 64, 128, torch.float16)]
+
+
+@pytest.mark.parametrize("heads", [(16, 2, 4, 1), (8, 2, 4, 1)])
+@pytest.mark.parametrize("D, Di, bs, dtype", VARLEN_SHAPES)
+def test_msa_bwd_varlen_shapes(heads, D, Di, bs, dtype):
+    q, k, v, qi, ki, cu, mx = make_packed([1000, 1, 129, 0, 2500], heads, D, Di, dtype=dtype, device="cuda",
+                                          seed=D + Di + bs)
+    _check_grads(q, k, v, qi, ki, cu, mx, 5, bs, seed=D + Di + bs)
+
+
+@pytest.mark.parametrize("deterministic", [True, False])
+def test_backward_parts_skip(deterministic):
+    """Only out's gradient, only kl's gradient: the other inputs get none, and the given ones equal those of the
+    whole loss (kl gives q, k, v no gradient and out gives q_idx, k_idx none): bitwise in deterministic mode, within
+    one bf16 rounding of the fp32 sums otherwise (their atomics add in another order per run)."""
     q, k, v, qi, ki = [t.requires_grad_(True) for t in
                        make_inputs(1, 500, (8, 2, 4, 1), 64, 64, dtype=torch.bfloat16, device="cuda", seed=9)]
-    out, kl = msa.msa_attention(q, k, v, qi, ki, topk=3, block_size=64)
-    g = torch.autograd.grad(out.float().square().sum(), (q, k, v, qi, ki), allow_unused=True)
-    assert all(x is not None for x in g[:3]) and g[3] is None and g[4] is None
-    out, kl = msa.msa_attention(q, k, v, qi, ki, topk=3, block_size=64)
-    g = torch.autograd.grad(kl, (q, k, v, qi, ki), allow_unused=True)
-    assert all(x is None for x in g[:3]) and g[3].abs().sum() > 0 and g[4].abs().sum() > 0
+    w = torch.randn(1, 500, 8, 64, device="cuda")
+    x = (q, k, v, qi, ki)
+
+    def grads(use_out, use_kl):
+        out, kl = msa.msa_attention(*x, topk=3, block_size=64, deterministic=deterministic)
+        terms = ([(out.float() * w).sum()] if use_out else []) + ([kl] if use_kl else [])
+        return torch.autograd.grad(sum(terms), x, allow_unused=True)
+
+    full = grads(True, True)
+    g_out, g_kl = grads(True, False), grads(False, True)
+    assert g_out[3] is None and g_out[4] is None and all(g is None for g in g_kl[:3])
+    for name, got, want in zip(("dq", "dk", "dv", "dq_idx", "dk_idx"), g_out[:3] + g_kl[3:], full):
+        assert got.abs().sum() > 0, name
+        if deterministic:
+            assert torch.equal(got, want), f"{name}: differs from the whole loss's"
+        else:
+            torch.testing.assert_close(got, want, rtol=2 ** -7, atol=1e-6 * want.abs().max().item(), msg=name)
     with torch.no_grad():  # no index gradient is computed without autograd
         assert torch.ops.msa.msa_fwd(q.reshape(500, 8, 64), k.reshape(500, 2, 64), v.reshape(500, 2, 64),
                                      qi.reshape(500, 4, 64), ki.reshape(500, 1, 64),

@@ -18,14 +18,14 @@ ops = torch.ops.msa
 def _fwd_case(q, k, v, qi, ki, cu, mx, topk, bs):
     scale, iscale = 1 / math.sqrt(q.shape[-1]), 1 / math.sqrt(qi.shape[-1])
     poison_allocator()
-    out, kl, idx, lse, lse_idx = ops.msa_fwd(q, k, v, qi, ki, cu, mx, topk, bs, scale, iscale, False, True,
-                                             False)[:5]
+    res = ops.msa_fwd(q, k, v, qi, ki, cu, mx, topk, bs, scale, iscale, False, True, False)
+    out, kl, idx, lse, lse_idx, kl_rows = *res[:5], res[7]
     # The oracle attends to the kernel's own selection, checked here against SPEC 2 too: msa_fwd selects with
     # the kSel top-k (the kept blocks' sums) where it applies, which msa.select_blocks (test_index_topk_gpu)
     # does not run.
     assert_valid_topk(idx, qi, ki, cu, topk, bs, iscale)
     exact, (lowp_out, _) = reference_forward(q, k, v, qi, ki, idx, cu, bs, scale, iscale)
-    assert_forward_close(out, kl, lse, lse_idx, exact, lowp_out)
+    assert_forward_close(out, kl, lse, lse_idx, exact, lowp_out, kl_rows)
     again = ops.msa_fwd(q, k, v, qi, ki, cu, mx, topk, bs, scale, iscale, False, True, False)[:5]
     for name, a, b in zip(("out", "kl", "indices", "lse", "lse_idx"), (out, kl, idx, lse, lse_idx), again):
         assert torch.equal(a, b), f"{name} differs between two runs"
@@ -35,6 +35,8 @@ CASES = [  # (B, N, D, Di, block_size, topk): every class of the foundation list
     (2, 1, 64, 64, 128, 16), (2, 100, 128, 64, 64, 3), (1, 128, 64, 128, 128, 1), (2, 129, 128, 128, 64, 16),
     (1, 300, 64, 64, 64, 32), (2, 700, 128, 128, 128, 3), (2, 2048, 128, 128, 128, 16),
     (1, 2048, 64, 64, 64, 16), (1, 8192, 128, 128, 128, 16),
+    # topk = 32 with more blocks visible than slots: every slot of the per-slot stats and combines in use
+    (1, 4500, 128, 128, 128, 32), (1, 2500, 64, 64, 64, 32),
 ]
 
 
@@ -54,6 +56,19 @@ def test_msa_fwd_varlen(heads):
     q, k, v, qi, ki, cu, mx = make_packed([1000, 1, 129, 0, 2500], heads, 128, 64, dtype=torch.bfloat16,
                                           device="cuda", seed=sum(heads))
     _fwd_case(q, k, v, qi, ki, cu, mx, 5, 128)
+
+
+# The varlen layout (empty and one-token sequences among long ones) at the other head dims, block size and fp16;
+# (16, 2, 4, 1) takes the warp-specialized kernels, (8, 2, 4, 1) the general ones.
+VARLEN_SHAPES = [(64, 128, 64, torch.float16), (128, 128, 64, torch.bfloat16), (64, 64, 128, torch.float16)]
+
+
+@pytest.mark.parametrize("heads", [(16, 2, 4, 1), (8, 2, 4, 1)])
+@pytest.mark.parametrize("D, Di, bs, dtype", VARLEN_SHAPES)
+def test_msa_fwd_varlen_shapes(heads, D, Di, bs, dtype):
+    q, k, v, qi, ki, cu, mx = make_packed([1000, 1, 129, 0, 2500], heads, D, Di, dtype=dtype, device="cuda",
+                                          seed=D + Di + bs)
+    _fwd_case(q, k, v, qi, ki, cu, mx, 5, bs)
 
 
 def test_msa_attention_api_matches_op():
