@@ -9,6 +9,12 @@ import torch
 HEADS = [(4, 4, 4, 1), (8, 2, 4, 1), (8, 4, 2, 1), (16, 2, 4, 2)]
 
 
+# Varlen tests: an empty and a one-token sequence among long ones; the other head dims, block size and fp16 (D, Di,
+# block_size, dtype), beside each test file's default shape.
+VARLEN_LENGTHS = [1000, 1, 129, 0, 2500]
+VARLEN_SHAPES = [(64, 128, 64, torch.float16), (128, 128, 64, torch.bfloat16), (64, 64, 128, torch.float16)]
+
+
 def make_inputs(B, N, heads, D, Di, dtype=torch.float64, device="cpu", seed=0, requires_grad=False):
     """Fresh random normal (q, k, v, q_idx, k_idx) in the batched layout."""
     g = torch.Generator(device="cpu").manual_seed(seed)

@@ -6,8 +6,8 @@ import torch
 
 import msa
 from attention_check import assert_close_style, assert_grads_close, assert_lse_close, low_precision, run_ref
-from helpers import (HEADS, assert_same_forward, cuda_kernel_names, make_inputs, make_packed, poison_allocator,
-                     sm90_kernels_run)
+from helpers import (HEADS, VARLEN_LENGTHS, VARLEN_SHAPES, assert_same_forward, cuda_kernel_names, make_inputs,
+                     make_packed, poison_allocator, sm90_kernels_run)
 from msa import reference as ref
 
 pytestmark = [pytest.mark.gpu, pytest.mark.usefixtures("kernel_choice")]  # Hopper (wgmma) and portable
@@ -53,22 +53,16 @@ def test_msa_bwd_batched(case, dtype):
 
 @pytest.mark.parametrize("heads", HEADS + [(16, 2, 4, 1), (12, 4, 4, 1), (8, 8, 2, 1)])
 def test_msa_bwd_varlen(heads):
-    q, k, v, qi, ki, cu, mx = make_packed([1000, 1, 129, 0, 2500], heads, 128, 64, dtype=torch.bfloat16,
+    q, k, v, qi, ki, cu, mx = make_packed(VARLEN_LENGTHS, heads, 128, 64, dtype=torch.bfloat16,
                                           device="cuda", seed=sum(heads))
     _check_grads(q, k, v, qi, ki, cu, mx, 5, 128, seed=sum(heads))
 
 
-# The varlen layout (empty and one-token sequences among long ones) at the other head dims, block size and fp16;
-# (16, 2, 4, 1) takes the warp-specialized kernels, (8, 2, 4, 1) the general ones.
-VARLEN_SHAPES = [(64, 128, 64, torch.float16), (128, 128, 64, torch.bfloat16), (64, 64, 128, torch.float16)]
-
-
-@pytest.mark.parametrize("heads", [(16, 2, 4, 1), (8, 2, 4, 1)])
+@pytest.mark.parametrize("heads", [(16, 2, 4, 1), (8, 2, 4, 1)])  # warp-specialized kernels, general ones
 @pytest.mark.parametrize("D, Di, bs, dtype", VARLEN_SHAPES)
 def test_msa_bwd_varlen_shapes(heads, D, Di, bs, dtype):
-    q, k, v, qi, ki, cu, mx = make_packed([1000, 1, 129, 0, 2500], heads, D, Di, dtype=dtype, device="cuda",
-                                          seed=D + Di + bs)
-    _check_grads(q, k, v, qi, ki, cu, mx, 5, bs, seed=D + Di + bs)
+    x = make_packed(VARLEN_LENGTHS, heads, D, Di, dtype=dtype, device="cuda", seed=D + Di + bs)
+    _check_grads(*x, 5, bs, seed=D + Di + bs)
 
 
 @pytest.mark.parametrize("deterministic", [True, False])

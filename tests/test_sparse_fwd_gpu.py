@@ -7,7 +7,7 @@ import torch
 import msa
 from attention_check import (assert_close_style, assert_forward_close, assert_lse_close, low_precision,
                              reference_forward, run_ref)
-from helpers import HEADS, make_inputs, make_packed, poison_allocator
+from helpers import HEADS, VARLEN_LENGTHS, VARLEN_SHAPES, make_inputs, make_packed, poison_allocator
 from msa import reference as ref
 from topk_check import assert_valid_topk
 
@@ -53,22 +53,16 @@ def test_msa_fwd_batched(case, dtype):
 
 @pytest.mark.parametrize("heads", HEADS + [(16, 2, 4, 1), (12, 4, 4, 1), (8, 8, 2, 1)])
 def test_msa_fwd_varlen(heads):
-    q, k, v, qi, ki, cu, mx = make_packed([1000, 1, 129, 0, 2500], heads, 128, 64, dtype=torch.bfloat16,
+    q, k, v, qi, ki, cu, mx = make_packed(VARLEN_LENGTHS, heads, 128, 64, dtype=torch.bfloat16,
                                           device="cuda", seed=sum(heads))
     _fwd_case(q, k, v, qi, ki, cu, mx, 5, 128)
 
 
-# The varlen layout (empty and one-token sequences among long ones) at the other head dims, block size and fp16;
-# (16, 2, 4, 1) takes the warp-specialized kernels, (8, 2, 4, 1) the general ones.
-VARLEN_SHAPES = [(64, 128, 64, torch.float16), (128, 128, 64, torch.bfloat16), (64, 64, 128, torch.float16)]
-
-
-@pytest.mark.parametrize("heads", [(16, 2, 4, 1), (8, 2, 4, 1)])
+@pytest.mark.parametrize("heads", [(16, 2, 4, 1), (8, 2, 4, 1)])  # warp-specialized kernels, general ones
 @pytest.mark.parametrize("D, Di, bs, dtype", VARLEN_SHAPES)
 def test_msa_fwd_varlen_shapes(heads, D, Di, bs, dtype):
-    q, k, v, qi, ki, cu, mx = make_packed([1000, 1, 129, 0, 2500], heads, D, Di, dtype=dtype, device="cuda",
-                                          seed=D + Di + bs)
-    _fwd_case(q, k, v, qi, ki, cu, mx, 5, bs)
+    x = make_packed(VARLEN_LENGTHS, heads, D, Di, dtype=dtype, device="cuda", seed=D + Di + bs)
+    _fwd_case(*x, 5, bs)
 
 
 def test_msa_attention_api_matches_op():
