@@ -182,8 +182,8 @@ def _check_varlen(cu_seqlens, max_seqlen, x, total=None, side=""):
     too, through the compiled module, where total (the tensors' T) is given."""
     _check_cu_seqlens(cu_seqlens, x.device, "cu_seqlens" + side)
     max_seqlen = _int("max_seqlen" + side, max_seqlen, "an int")
-    if max_seqlen < 1:
-        _fail("max_seqlen" + side, "an int >= 1", max_seqlen)
+    if max_seqlen < 1 or max_seqlen >= 2 ** 31:  # the kernels take it as an int (offsets are int32 anyway)
+        _fail("max_seqlen" + side, "an int in [1, 2^31)", max_seqlen)
     if total is not None and cu_seqlens.is_cuda and not torch.compiler.is_compiling():
         _check_values_cuda(cu_seqlens, max_seqlen, total)
     return max_seqlen

@@ -149,6 +149,9 @@ def test_max_seqlen_type_and_range():
     q, k, v, qi, ki, cu, mx = make_packed([100, 100], HEADS, 64, 64, dtype=torch.bfloat16)
     expect(TypeError, "max_seqlen", lambda: msa.msa_attention_varlen(q, k, v, qi, ki, cu, 100.0))
     expect(ValueError, "max_seqlen", lambda: msa.msa_attention_varlen(q, k, v, qi, ki, cu, 0))
+    expect(ValueError, "max_seqlen", lambda: msa.msa_attention_varlen(q, k, v, qi, ki, cu, 2 ** 31))
+    expect(ValueError, "max_seqlen_k", lambda: msa.msa_attention_varlen(q, k, v, qi, ki, cu, mx, cu_seqlens_k=cu,
+                                                                        max_seqlen_k=2 ** 32 + 100))
 
 
 def test_empty_input():

@@ -109,6 +109,8 @@ std::vector<int32_t> check_cu_seqlens(const Tensor& cu, int64_t total_tokens, in
             total_tokens, ", got ", v.back());
   MSA_CHECK(max_seqlen >= longest, "max_seqlen", side, ": expected >= the longest sequence (", longest, "), got ",
             max_seqlen);
+  // The kernels take it as an int (sequences are int32 offsets, so no valid bound needs more).
+  MSA_CHECK(max_seqlen < (int64_t(1) << 31), "max_seqlen", side, ": expected < 2^31, got ", max_seqlen);
   return v;
 }
 

@@ -77,7 +77,9 @@ SparseForward dense_kl_cuda(const Tensor& q_in, const Tensor& k_in, const Tensor
   p.num_tiles = int(Tk / 128 + S);
   // Query tiles per CTA: ~32 chunks per key tile's column, at least 4 (the dK_idx flush is per CTA).
   const int64_t n_qt = (std::min<int64_t>(max_seqlen, T) + 63) / 64;
-  p.chunk_tiles = int(env_positive("MSA_DENSE_KL_CHUNK", std::max<int64_t>(4, n_qt / 32)));
+  // (MSA_DENSE_KL_CHUNK beyond n_qt is one chunk, as n_qt is.)
+  p.chunk_tiles = int(std::min<int64_t>(env_positive("MSA_DENSE_KL_CHUNK", std::max<int64_t>(4, n_qt / 32)),
+                                        std::max<int64_t>(n_qt, 1)));
   p.max_chunks = int((n_qt + p.chunk_tiles - 1) / p.chunk_tiles);
   MSA_CHECK(int64_t(p.num_tiles) * p.max_chunks < (int64_t(1) << 31) && Hki <= 65535,
             "q: too many query tiles for the dense KL grid, T = ", T, ", T_k = ", Tk);

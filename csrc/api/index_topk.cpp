@@ -30,7 +30,14 @@ IndexTopkParams index_params(const Tensor& q, const Tensor& k, const SeqMap& seq
   p.num_heads = int(q.size(1));
   p.num_key_heads = int(k.size(1));
   p.num_seqs = int(seqs.num_seqs);
-  p.max_seqlen = int(std::max<int64_t>(max_seqlen, 1));
+  // No sequence is longer than T: a looser bound would only add CTAs that find no token.
+  p.max_seqlen = int(std::clamp<int64_t>(max_seqlen, 1, std::max<int64_t>(q.size(0), 1)));
+  // The top-k kernels' grid is (query tiles of max_seqlen) x (sequences) in one 32-bit dimension; the smallest
+  // tile any of them takes holds 64 / (Hi / Hki) tokens (at least 1).
+  const int64_t tile_min = std::max<int64_t>(64 / (q.size(1) / std::max<int64_t>(k.size(1), 1)), 1);
+  MSA_CHECK((p.max_seqlen + tile_min - 1) / tile_min * seqs.num_seqs < (int64_t(1) << 31),
+            "max_seqlen: the index top-k grid of ", seqs.num_seqs, " sequences x ", p.max_seqlen,
+            " tokens exceeds 2^31 CTAs; pass max_seqlen = the longest sequence");
   p.scale = float(index_scale);
   return p;
 }

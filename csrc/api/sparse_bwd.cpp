@@ -26,7 +26,9 @@ namespace {
 // csrc/common/workspace.h): a key selected by more tokens (a hot block, an attention sink) is split over
 // several CTAs. MSA_BWD_UNITS_PER_ITEM overrides it (tests force splits with small values).
 int64_t bwd_units_per_item(const Tensor& indices) {
-  return env_positive("MSA_BWD_UNITS_PER_ITEM", msa::bwd_units_per_item(indices.numel()));
+  // Capped at 2^20 tokens per item: the kernels add units_per_item to 32-bit unit offsets.
+  return std::min<int64_t>(env_positive("MSA_BWD_UNITS_PER_ITEM", msa::bwd_units_per_item(indices.numel())),
+                           int64_t(1) << 20);
 }
 }  // namespace
 
