@@ -36,8 +36,8 @@ IndexTopkParams index_params(const Tensor& q, const Tensor& k, const SeqMap& seq
   // tile any of them takes holds 64 / (Hi / Hki) tokens (at least 1).
   const int64_t tile_min = std::max<int64_t>(64 / (q.size(1) / std::max<int64_t>(k.size(1), 1)), 1);
   MSA_CHECK((p.max_seqlen + tile_min - 1) / tile_min * seqs.num_seqs < (int64_t(1) << 31),
-            "max_seqlen: the index top-k grid of ", seqs.num_seqs, " sequences x ", p.max_seqlen,
-            " tokens exceeds 2^31 CTAs; pass max_seqlen = the longest sequence");
+            "max_seqlen: expected a bound whose index top-k grid (", seqs.num_seqs, " sequences x tiles of up to ",
+            tile_min, " tokens) stays under 2^31 CTAs, e.g. the longest sequence, got ", p.max_seqlen);
   p.scale = float(index_scale);
   return p;
 }
