@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import torch
 
+from . import _op_checks as chk
 from . import reference as ref
 
 try:
@@ -86,6 +87,15 @@ def _seqs_k(cu_q, cu_seqlens_k, total_k: int, max_seqlen_k) -> torch.Tensor | No
     return cu_k
 
 
+def _check_msa(q, k, v, q_idx, k_idx):
+    """msa_fwd / msa_bwd's five inputs: the main and index branches' shapes and dtypes, and their head groups."""
+    chk.qkv(q, k, v)
+    if q_idx.dtype != q.dtype:
+        chk._fail("q_idx", f"dtype {q.dtype} (that of q)", q_idx.dtype)
+    chk.index_qk(q_idx, k_idx, q.shape[0], k.shape[0])
+    chk.groups(q.shape[1], k.shape[1], q_idx.shape[1])
+
+
 # ----------------------------------------------------------------------------------------------
 # CPU kernels
 # ----------------------------------------------------------------------------------------------
@@ -105,6 +115,8 @@ def _no_autocast(fn):
 @_no_autocast
 def _select_blocks_cpu(q_idx, k_idx, cu_seqlens, max_seqlen, topk, block_size, index_scale, cu_seqlens_k=None,
                        max_seqlen_k=None):
+    chk.index_qk(q_idx, k_idx, q_idx.shape[0], k_idx.shape[0])
+    chk.options(topk, block_size)
     cu = _seqs(cu_seqlens, q_idx.shape[0], max_seqlen)
     cu_k = _seqs_k(cu, cu_seqlens_k, k_idx.shape[0], max_seqlen_k)
     return ref.select_blocks(q_idx, k_idx, cu, topk, block_size, index_scale, cu_k)
@@ -114,6 +126,9 @@ def _select_blocks_cpu(q_idx, k_idx, cu_seqlens, max_seqlen, topk, block_size, i
 @_no_autocast
 def _sparse_fwd_cpu(q, k, v, indices, cu_seqlens, max_seqlen, block_size, softmax_scale, deterministic=False,
                     cu_seqlens_k=None, max_seqlen_k=None):
+    chk.qkv(q, k, v)
+    chk.indices(indices, q.shape[0], q.shape[1], k.shape[1])
+    chk.options(1, block_size)
     cu = _seqs(cu_seqlens, q.shape[0], max_seqlen)
     cu_k = _seqs_k(cu, cu_seqlens_k, k.shape[0], max_seqlen_k)
     return ref.sparse_fwd(q, k, v, indices, cu, block_size, softmax_scale, cu_k)
@@ -123,6 +138,12 @@ def _sparse_fwd_cpu(q, k, v, indices, cu_seqlens, max_seqlen, block_size, softma
 @_no_autocast
 def _sparse_bwd_cpu(dout, q, k, v, out, lse, indices, cu_seqlens, max_seqlen, block_size, softmax_scale,
                     deterministic=False, cu_seqlens_k=None, max_seqlen_k=None):
+    chk.qkv(q, k, v)
+    chk.like("dout", dout, q)
+    chk.like("out", out, q)
+    chk.lse("lse", lse, q.shape[1], q.shape[0], q.dtype)
+    chk.indices(indices, q.shape[0], q.shape[1], k.shape[1])
+    chk.options(1, block_size)
     cu = _seqs(cu_seqlens, q.shape[0], max_seqlen)
     cu_k = _seqs_k(cu, cu_seqlens_k, k.shape[0], max_seqlen_k)
     return ref.sparse_bwd(dout, q, k, v, lse, indices, cu, block_size, softmax_scale, cu_k)
@@ -132,6 +153,8 @@ def _sparse_bwd_cpu(dout, q, k, v, out, lse, indices, cu_seqlens, max_seqlen, bl
 @_no_autocast
 def _msa_fwd_cpu(q, k, v, q_idx, k_idx, cu_seqlens, max_seqlen, topk, block_size, softmax_scale, index_scale,
                  warmup, return_indices, index_grad, deterministic=False, cu_seqlens_k=None, max_seqlen_k=None):
+    _check_msa(q, k, v, q_idx, k_idx)
+    chk.options(topk, block_size)
     cu = _seqs(cu_seqlens, q.shape[0], max_seqlen)
     cu_k = _seqs_k(cu, cu_seqlens_k, k.shape[0], max_seqlen_k)
     out, kl, indices, lse, lse_idx, kl_rows = ref.msa_fwd(q, k, v, q_idx, k_idx, cu, topk, block_size, softmax_scale,
@@ -151,6 +174,21 @@ def _msa_fwd_cpu(q, k, v, q_idx, k_idx, cu_seqlens, max_seqlen, topk, block_size
 def _msa_bwd_cpu(dout, dkl, q, k, v, out, lse, q_idx, k_idx, lse_idx, indices, kl_dq_idx, kl_dk_idx, cu_seqlens,
                  max_seqlen, block_size, softmax_scale, index_scale, warmup, deterministic=False, cu_seqlens_k=None,
                  max_seqlen_k=None):
+    _check_msa(q, k, v, q_idx, k_idx)
+    chk.options(1, block_size)
+    T, Hq, Hi = q.shape[0], q.shape[1], q_idx.shape[1]
+    if dout is not None:
+        chk.like("dout", dout, q)
+        chk.like("out", out, q)
+        chk.lse("lse", lse, Hq, T, q.dtype)
+    if not warmup:
+        chk.indices(indices, T, Hq, k.shape[1])
+    if dkl is not None:
+        chk.d_kl(dkl)
+        dkl = dkl.reshape(())
+        if not (kl_dq_idx.shape == q_idx.shape and kl_dk_idx.shape == k_idx.shape):  # recomputed below
+            chk.lse("lse", lse, Hq, T, q.dtype)
+            chk.lse("lse_idx", lse_idx, Hi, T, q.dtype)
     cu = _seqs(cu_seqlens, q.shape[0], max_seqlen)
     cu_k = _seqs_k(cu, cu_seqlens_k, k.shape[0], max_seqlen_k)
     attend = None if warmup else indices
@@ -172,6 +210,8 @@ def _msa_bwd_cpu(dout, dkl, q, k, v, out, lse, q_idx, k_idx, lse_idx, indices, k
 @torch.library.register_kernel("msa::reverse_index", "cpu")
 @_no_autocast
 def _reverse_index_cpu(indices, cu_seqlens, max_seqlen, block_size):
+    chk.indices(indices, indices.shape[1] if indices.dim() == 3 else -1, None, None)
+    chk.options(1, block_size)
     cu = _seqs(cu_seqlens, indices.shape[1], max_seqlen)
     return ref.reverse_index(indices, cu, block_size)
 
@@ -335,6 +375,7 @@ def _dense_bwd_positive(dout, q, k, v, out, lse, softmax_scale, cu_seqlens, max_
 @torch.library.register_fake("msa::select_blocks")
 def _select_blocks_fake(q_idx, k_idx, cu_seqlens, max_seqlen, topk, block_size, index_scale, cu_seqlens_k=None,
                         max_seqlen_k=None):
+    chk.one_device(q_idx, k_idx, cu_seqlens, cu_seqlens_k)
     return q_idx.new_empty(q_idx.shape[1], q_idx.shape[0], topk, dtype=torch.int32)
 
 
@@ -345,18 +386,21 @@ def _lse_like(x, heads):
 @torch.library.register_fake("msa::sparse_fwd")
 def _sparse_fwd_fake(q, k, v, indices, cu_seqlens, max_seqlen, block_size, softmax_scale, deterministic=False,
                      cu_seqlens_k=None, max_seqlen_k=None):
+    chk.one_device(q, k, v, indices, cu_seqlens, cu_seqlens_k)
     return torch.empty_like(q), _lse_like(q, q.shape[1])
 
 
 @torch.library.register_fake("msa::sparse_bwd")
 def _sparse_bwd_fake(dout, q, k, v, out, lse, indices, cu_seqlens, max_seqlen, block_size, softmax_scale,
                      deterministic=False, cu_seqlens_k=None, max_seqlen_k=None):
+    chk.one_device(dout, q, k, v, out, lse, indices, cu_seqlens, cu_seqlens_k)
     return torch.empty_like(q), torch.empty_like(k), torch.empty_like(v)
 
 
 @torch.library.register_fake("msa::msa_fwd")
 def _msa_fwd_fake(q, k, v, q_idx, k_idx, cu_seqlens, max_seqlen, topk, block_size, softmax_scale, index_scale,
                   warmup, return_indices, index_grad, deterministic=False, cu_seqlens_k=None, max_seqlen_k=None):
+    chk.one_device(q, k, v, q_idx, k_idx, cu_seqlens, cu_seqlens_k)
     T, Hi = q_idx.shape[0], q_idx.shape[1]
     slots = 0 if (warmup and not return_indices) else topk
     acc = ref.acc_dtype(q.dtype)
@@ -370,11 +414,13 @@ def _msa_fwd_fake(q, k, v, q_idx, k_idx, cu_seqlens, max_seqlen, topk, block_siz
 def _msa_bwd_fake(dout, dkl, q, k, v, out, lse, q_idx, k_idx, lse_idx, indices, kl_dq_idx, kl_dk_idx, cu_seqlens,
                   max_seqlen, block_size, softmax_scale, index_scale, warmup, deterministic=False, cu_seqlens_k=None,
                   max_seqlen_k=None):
+    chk.one_device(dout, q, k, v, out, lse, q_idx, k_idx, lse_idx, indices, cu_seqlens, cu_seqlens_k)
     return tuple(torch.empty_like(x) for x in (q, k, v, q_idx, k_idx))
 
 
 @torch.library.register_fake("msa::reverse_index")
 def _reverse_index_fake(indices, cu_seqlens, max_seqlen, block_size):
+    chk.one_device(indices, cu_seqlens)
     Hi, T, k = indices.shape
     S = T // max_seqlen if cu_seqlens is None else cu_seqlens.shape[0] - 1
     return (indices.new_empty(Hi * (T // block_size + S) + 1), indices.new_empty(Hi * T * k),
@@ -393,6 +439,8 @@ def _work_list_fake(indices, cu_seqlens, max_seqlen, block_size, units_per_item)
 
 @torch.library.register_fake("msa::validate_cu_seqlens")
 def _validate_cu_seqlens_fake(cu_seqlens, total_tokens, max_seqlen):
+    if cu_seqlens.device.type == "meta":  # a real call's meta tensor: nothing to read, nothing validated
+        chk._fail("cu_seqlens", "a CPU or CUDA tensor", cu_seqlens.device)
     return None
 
 

@@ -1,0 +1,98 @@
+"""Argument checks of the ops' CPU and fake kernels (msa/_ops.py) for direct `torch.ops.msa.*` calls.
+
+The public API (msa/interface.py) checks everything first; these mirror the structural rules the CUDA host code
+enforces (csrc/api: check_qkv_cuda, check_group_heads, the indices / lse / d_kl checks), so that an op called
+directly refuses on the CPU what it refuses on CUDA, with a message naming the argument, instead of a broadcast
+into a wrong answer. The CPU path keeps its extras: fp32 / fp64 inputs and any head dim or block size (gradcheck
+runs at tiny shapes). cu_seqlens and max_seqlen are checked by msa._ops._seqs.
+"""
+from __future__ import annotations
+
+import torch
+
+from . import reference as ref
+
+MAX_TOPK = 32
+
+
+def _fail(name, expected, got):
+    raise ValueError(f"{name}: expected {expected}, got {got}")
+
+
+def _shape(x):
+    return f"shape {tuple(x.shape)}"
+
+
+def one_device(*tensors):
+    """Every tensor argument on one device (a fake kernel runs for a mix with a meta tensor, so it checks too)."""
+    xs = [x for x in tensors if isinstance(x, torch.Tensor)]
+    for x in xs[1:]:
+        if x.device != xs[0].device:
+            _fail("tensors", f"one device ({xs[0].device})", f"{x.device} among them")
+
+
+def qkv(q, k, v):
+    """q (T, Hq, D), k and v (T_k, Hkv, D) of q's floating dtype, Hkv dividing Hq."""
+    for name, x in (("q", q), ("k", k), ("v", v)):
+        if x.dim() != 3:
+            _fail(name, "a (T, H, D) tensor", _shape(x))
+        if not x.is_floating_point() or x.dtype != q.dtype:
+            _fail(name, f"dtype {q.dtype} (that of q; floating point)", x.dtype)
+    if v.shape != k.shape:
+        _fail("v", f"the shape of k {tuple(k.shape)}", _shape(v))
+    if k.shape[2] != q.shape[2]:
+        _fail("k", f"head dim D = {q.shape[2]} (that of q)", k.shape[2])
+    if k.shape[1] < 1 or q.shape[1] < 1 or q.shape[1] % k.shape[1]:
+        _fail("k", f"a head count dividing Hq = {q.shape[1]}", k.shape[1])
+
+
+def index_qk(q_idx, k_idx, T, Tk):
+    """q_idx (T, Hi, Di), k_idx (T_k, Hki, Di) of one floating dtype, Hki dividing Hi."""
+    for name, x, rows in (("q_idx", q_idx, T), ("k_idx", k_idx, Tk)):
+        if x.dim() != 3 or x.shape[0] != rows:
+            _fail(name, f"a ({rows}, H, Di) tensor", _shape(x))
+        if not x.is_floating_point() or x.dtype != q_idx.dtype:
+            _fail(name, f"dtype {q_idx.dtype} (that of q_idx; floating point)", x.dtype)
+    if k_idx.shape[2] != q_idx.shape[2]:
+        _fail("k_idx", f"head dim Di = {q_idx.shape[2]} (that of q_idx)", k_idx.shape[2])
+    if k_idx.shape[1] < 1 or q_idx.shape[1] < 1 or q_idx.shape[1] % k_idx.shape[1]:
+        _fail("k_idx", f"a head count dividing Hi = {q_idx.shape[1]}", k_idx.shape[1])
+
+
+def groups(hq, hkv, hi, name="q_idx"):
+    """SPEC 1: Hi divides Hq, and one of Hi, Hkv divides the other."""
+    if hi < 1 or hq % hi or (hi % hkv and hkv % hi):
+        _fail(name, f"Hi dividing Hq = {hq}, with Hi and Hkv = {hkv} such that one divides the other", f"Hi = {hi}")
+
+
+def options(topk, block_size):
+    if not 1 <= topk <= MAX_TOPK:
+        _fail("topk", f"1..{MAX_TOPK}", topk)
+    if block_size < 1:
+        _fail("block_size", "a positive int", block_size)
+
+
+def indices(idx, T, hq=None, hkv=None, name="indices"):
+    """int32 (Hi, T, topk) with 1 <= topk <= 32 and, given (Hq, Hkv), Hi an index-group count of them."""
+    if idx.dtype != torch.int32 or idx.dim() != 3 or idx.shape[1] != T or not 1 <= idx.shape[2] <= MAX_TOPK:
+        _fail(name, f"int32 (Hi, {'T' if T < 0 else T}, 1..{MAX_TOPK})", f"{idx.dtype} {_shape(idx)}")
+    if hq is not None:
+        groups(hq, hkv, idx.shape[0], name)
+
+
+def like(name, x, want):
+    """x of want's shape and dtype (dout and out beside q)."""
+    if x.shape != want.shape or x.dtype != want.dtype:
+        _fail(name, f"{want.dtype} {tuple(want.shape)}", f"{x.dtype} {_shape(x)}")
+
+
+def lse(name, x, heads, T, dtype):
+    """An lse (heads, T) in the accumulation dtype of the inputs."""
+    acc = ref.acc_dtype(dtype)
+    if x.dtype != acc or tuple(x.shape) != (heads, T):
+        _fail(name, f"{acc} ({heads}, {T})", f"{x.dtype} {_shape(x)}")
+
+
+def d_kl(x):
+    if x.numel() != 1 or not x.is_floating_point():
+        _fail("d_kl", "one floating-point value", f"{x.dtype} {_shape(x)}")
