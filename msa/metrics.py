@@ -45,6 +45,7 @@ positions are handled on the host.
 from __future__ import annotations
 
 import math
+import numbers
 
 import torch
 
@@ -61,7 +62,8 @@ def _fail(name, expected, got, exc=ValueError):
 
 
 def _is_int(x):
-    return isinstance(x, int) and not isinstance(x, bool)
+    """An int or another integral number (a NumPy integer), not a bool (as msa.interface takes them)."""
+    return isinstance(x, numbers.Integral) and not isinstance(x, bool)
 
 
 def _check_tensor(name, x, rank, layout):
@@ -111,7 +113,7 @@ def _check_inputs(q, k, indices, block_size, softmax_scale, skip_trivial, chunk_
     if block_size < 1:
         _fail("block_size", "a positive int", block_size)
     if softmax_scale is not None:
-        if isinstance(softmax_scale, bool) or not isinstance(softmax_scale, (int, float)):
+        if isinstance(softmax_scale, bool) or not isinstance(softmax_scale, numbers.Real):
             _fail("softmax_scale", "a float or None", repr(softmax_scale), TypeError)
         if not math.isfinite(softmax_scale):
             _fail("softmax_scale", "a finite float", softmax_scale)
@@ -260,7 +262,7 @@ def recall(q, k, indices, *, block_size=128, softmax_scale=None, rows=None, cu_s
     """
     packed = cu_seqlens is not None
     if not packed and max_seqlen is not None:
-        _fail("max_seqlen", "None without cu_seqlens (batched layout)", repr(max_seqlen))
+        _fail("max_seqlen", "None without cu_seqlens (batched layout)", repr(max_seqlen), TypeError)
     lead = _check_inputs(q, k, indices, block_size, softmax_scale, skip_trivial, chunk_rows, packed)
     topk = indices.shape[-1]
     if packed:

@@ -180,6 +180,20 @@ def test_low_precision_inputs():
     assert float(cast["score_recall"]) == float(plain["score_recall"])
 
 
+def test_numpy_scalars_act_as_python_numbers():
+    """NumPy integers and floats (a config read by NumPy) give what the Python numbers give, as in msa.interface."""
+    np = pytest.importorskip("numpy")
+    q, k, _, q_idx, k_idx, cu, max_seqlen = make_packed([300, 517], HEADS[0], D, D, seed=6)
+    idx = msa.select_blocks(q_idx, k_idx, topk=TOPK, block_size=BS, cu_seqlens=cu, max_seqlen=max_seqlen)
+    want = metrics.recall(q, k, idx, block_size=BS, cu_seqlens=cu, max_seqlen=max_seqlen, rows=40,
+                          softmax_scale=0.125, chunk_rows=64)
+    got = metrics.recall(q, k, idx, block_size=np.int64(BS), cu_seqlens=cu, max_seqlen=np.int32(max_seqlen),
+                         rows=np.int64(40), softmax_scale=np.float32(0.125), chunk_rows=np.int16(64))
+    assert got.keys() == want.keys()
+    for key in want:
+        assert torch.equal(torch.as_tensor(got[key]), torch.as_tensor(want[key])), key
+
+
 # ----------------------------------------------------------------------------------------------
 # Packed layout
 # ----------------------------------------------------------------------------------------------
@@ -317,7 +331,7 @@ def _bad_cases():
         ("rows", ValueError, dict(good, rows=torch.tensor([[1]]))),
         ("rows", TypeError, dict(good, rows=torch.tensor([1.0]))),
         ("rows", TypeError, dict(good, rows=1.5)),
-        ("max_seqlen", ValueError, dict(good, max_seqlen=130)),
+        ("max_seqlen", TypeError, dict(good, max_seqlen=130)),  # as msa.select_blocks
         ("cu_seqlens", TypeError, dict(pgood, cu_seqlens=cu.long())),
         ("cu_seqlens", TypeError, dict(pgood, cu_seqlens=[0, 60, 130])),
         ("cu_seqlens", ValueError, dict(pgood, cu_seqlens=torch.tensor([0, 60, 129], dtype=torch.int32))),
