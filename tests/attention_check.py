@@ -94,7 +94,9 @@ def reference_forward(q, k, v, qi, ki, idx, cu, bs, scale, iscale, cu_k=None):
 
 def assert_forward_close(out, kl, lse, lse_idx, exact, lowp_out, kl_rows=None):
     """out by the STYLE rule, lse and lse_idx to fp32 accumulation error, kl to 1e-3 relative; kl_rows (msa_fwd's
-    output 7, (Hi, T)), where given, row by row to 1e-3 relative (a few wrong rows move the mean kl too little)."""
+    output 7, (Hi, T)), where given, row by row (a few wrong rows move the mean kl too little): a row's KL moves with
+    its heads' lse, which holds to ~1e-4 (1 + |lse|) ~ 1e-3 here, so 3e-3 (1 + |row|) (measured on the H100, s50:
+    up to 2.6e-3 in the layouts with Hkv > Hi or 3 heads per group, on both kernel paths)."""
     exact_out, exact_lse, exact_kl, exact_lse_idx, exact_rows = exact
     assert_close_style("out", out, exact_out, lowp_out, out.dtype)
     assert_lse_close("lse", lse, exact_lse)
@@ -104,8 +106,9 @@ def assert_forward_close(out, kl, lse, lse_idx, exact, lowp_out, kl_rows=None):
     if kl_rows is not None:
         assert kl_rows.shape == exact_rows.shape, (kl_rows.shape, exact_rows.shape)
         err = (kl_rows.double() - exact_rows).abs()
-        bad = err > 1e-3 * exact_rows.abs() + 1e-5
-        assert not bad.any(), f"kl_rows: {int(bad.sum())} rows off, max error {err.max().item():.3g}"
+        ratio = err / (1 + exact_rows.abs())
+        assert (ratio <= 3e-3).all(), f"kl_rows: {int((ratio > 3e-3).sum())} rows off, max err / (1 + |row|) " \
+                                      f"{ratio.max().item():.3g}"
 
 
 def assert_grads_close(grads, dout, dkl, q, k, v, qi, ki, idx, cu, bs, scale, iscale, cu_k=None):
