@@ -1,12 +1,15 @@
-"""Argument checks of the ops' CPU and fake kernels (msa/_ops.py) for direct `torch.ops.msa.*` calls.
+"""Argument checks: the pieces the public API (msa/interface.py) and msa.metrics share with the ops' CPU and fake
+kernels (msa/_ops.py), and the kernels' own checks for direct `torch.ops.msa.*` calls.
 
-The public API (msa/interface.py) checks everything first; these mirror the structural rules the CUDA host code
+The public API checks everything first; the kernels' checks mirror the structural rules the CUDA host code
 enforces (csrc/api: check_qkv_cuda, check_group_heads, the indices / lse / d_kl checks), so that an op called
 directly refuses on the CPU what it refuses on CUDA, with a message naming the argument, instead of a broadcast
 into a wrong answer. The CPU path keeps its extras: fp32 / fp64 inputs and any head dim or block size (gradcheck
 runs at tiny shapes). cu_seqlens and max_seqlen are checked by msa._ops._seqs.
 """
 from __future__ import annotations
+
+import numbers
 
 import torch
 
@@ -15,8 +18,28 @@ from . import reference as ref
 MAX_TOPK = 32
 
 
-def _fail(name, expected, got):
-    raise ValueError(f"{name}: expected {expected}, got {got}")
+def _fail(name, expected, got, exc=ValueError):
+    raise exc(f"{name}: expected {expected}, got {got}")
+
+
+def is_int(x):
+    """An int or another integral number (a NumPy integer), not a bool."""
+    return isinstance(x, numbers.Integral) and not isinstance(x, bool)
+
+
+def check_heads(hq, hkv, hi, hki, hi_name="q_idx"):
+    """SPEC 1's head rules: Hkv divides Hq; given Hi, Hi divides Hq, Hki (given) divides Hi, and one of Hi, Hkv
+    divides the other."""
+    if hkv < 1 or hq % hkv:
+        _fail("k", f"a kv head count dividing Hq={hq}", hkv)
+    if hi is None:
+        return
+    if hi < 1 or hq % hi:
+        _fail(hi_name, f"an index head count dividing Hq={hq}", hi)
+    if hki is not None and (hki < 1 or hi % hki):
+        _fail("k_idx", f"an index-key head count dividing Hi={hi}", hki)
+    if hi % hkv and hkv % hi:
+        _fail(hi_name, f"Hi and Hkv={hkv} such that one divides the other", f"Hi={hi}")
 
 
 def _shape(x):
@@ -42,8 +65,9 @@ def qkv(q, k, v):
         _fail("v", f"the shape of k {tuple(k.shape)}", _shape(v))
     if k.shape[2] != q.shape[2]:
         _fail("k", f"head dim D = {q.shape[2]} (that of q)", k.shape[2])
-    if k.shape[1] < 1 or q.shape[1] < 1 or q.shape[1] % k.shape[1]:
-        _fail("k", f"a head count dividing Hq = {q.shape[1]}", k.shape[1])
+    if q.shape[1] < 1:
+        _fail("q", "at least one head", _shape(q))
+    check_heads(q.shape[1], k.shape[1], None, None)
 
 
 def index_qk(q_idx, k_idx, T, Tk):
@@ -59,25 +83,24 @@ def index_qk(q_idx, k_idx, T, Tk):
         _fail("k_idx", f"a head count dividing Hi = {q_idx.shape[1]}", k_idx.shape[1])
 
 
-def groups(hq, hkv, hi, name="q_idx"):
-    """SPEC 1: Hi divides Hq, and one of Hi, Hkv divides the other."""
-    if hi < 1 or hq % hi or (hi % hkv and hkv % hi):
-        _fail(name, f"Hi dividing Hq = {hq}, with Hi and Hkv = {hkv} such that one divides the other", f"Hi = {hi}")
+def topk(k):
+    if not 1 <= k <= MAX_TOPK:
+        _fail("topk", f"1..{MAX_TOPK}", k)
 
 
-def options(topk, block_size):
-    if not 1 <= topk <= MAX_TOPK:
-        _fail("topk", f"1..{MAX_TOPK}", topk)
-    if block_size < 1:
-        _fail("block_size", "a positive int", block_size)
+def block_size(bs):
+    if bs < 1:
+        _fail("block_size", "a positive int", bs)
 
 
-def indices(idx, T, hq=None, hkv=None, name="indices"):
-    """int32 (Hi, T, topk) with 1 <= topk <= 32 and, given (Hq, Hkv), Hi an index-group count of them."""
-    if idx.dtype != torch.int32 or idx.dim() != 3 or idx.shape[1] != T or not 1 <= idx.shape[2] <= MAX_TOPK:
-        _fail(name, f"int32 (Hi, {'T' if T < 0 else T}, 1..{MAX_TOPK})", f"{idx.dtype} {_shape(idx)}")
+def indices(idx, T=None, hq=None, hkv=None, name="indices"):
+    """int32 (Hi, T, topk) with 1 <= topk <= 32 (T: any where None) and, given (Hq, Hkv), Hi an index-group count
+    of them."""
+    if (idx.dtype != torch.int32 or idx.dim() != 3 or (T is not None and idx.shape[1] != T)
+            or not 1 <= idx.shape[2] <= MAX_TOPK):
+        _fail(name, f"int32 (Hi, {'T' if T is None else T}, 1..{MAX_TOPK})", f"{idx.dtype} {_shape(idx)}")
     if hq is not None:
-        groups(hq, hkv, idx.shape[0], name)
+        check_heads(hq, hkv, idx.shape[0], None, name)
 
 
 def like(name, x, want):

@@ -93,7 +93,7 @@ def _check_msa(q, k, v, q_idx, k_idx):
     if q_idx.dtype != q.dtype:
         chk._fail("q_idx", f"dtype {q.dtype} (that of q)", q_idx.dtype)
     chk.index_qk(q_idx, k_idx, q.shape[0], k.shape[0])
-    chk.groups(q.shape[1], k.shape[1], q_idx.shape[1])
+    chk.check_heads(q.shape[1], k.shape[1], q_idx.shape[1], None)
 
 
 # ----------------------------------------------------------------------------------------------
@@ -116,7 +116,8 @@ def _no_autocast(fn):
 def _select_blocks_cpu(q_idx, k_idx, cu_seqlens, max_seqlen, topk, block_size, index_scale, cu_seqlens_k=None,
                        max_seqlen_k=None):
     chk.index_qk(q_idx, k_idx, q_idx.shape[0], k_idx.shape[0])
-    chk.options(topk, block_size)
+    chk.topk(topk)
+    chk.block_size(block_size)
     cu = _seqs(cu_seqlens, q_idx.shape[0], max_seqlen)
     cu_k = _seqs_k(cu, cu_seqlens_k, k_idx.shape[0], max_seqlen_k)
     return ref.select_blocks(q_idx, k_idx, cu, topk, block_size, index_scale, cu_k)
@@ -128,7 +129,7 @@ def _sparse_fwd_cpu(q, k, v, indices, cu_seqlens, max_seqlen, block_size, softma
                     cu_seqlens_k=None, max_seqlen_k=None):
     chk.qkv(q, k, v)
     chk.indices(indices, q.shape[0], q.shape[1], k.shape[1])
-    chk.options(1, block_size)
+    chk.block_size(block_size)
     cu = _seqs(cu_seqlens, q.shape[0], max_seqlen)
     cu_k = _seqs_k(cu, cu_seqlens_k, k.shape[0], max_seqlen_k)
     return ref.sparse_fwd(q, k, v, indices, cu, block_size, softmax_scale, cu_k)
@@ -143,7 +144,7 @@ def _sparse_bwd_cpu(dout, q, k, v, out, lse, indices, cu_seqlens, max_seqlen, bl
     chk.like("out", out, q)
     chk.lse("lse", lse, q.shape[1], q.shape[0], q.dtype)
     chk.indices(indices, q.shape[0], q.shape[1], k.shape[1])
-    chk.options(1, block_size)
+    chk.block_size(block_size)
     cu = _seqs(cu_seqlens, q.shape[0], max_seqlen)
     cu_k = _seqs_k(cu, cu_seqlens_k, k.shape[0], max_seqlen_k)
     return ref.sparse_bwd(dout, q, k, v, lse, indices, cu, block_size, softmax_scale, cu_k)
@@ -154,7 +155,8 @@ def _sparse_bwd_cpu(dout, q, k, v, out, lse, indices, cu_seqlens, max_seqlen, bl
 def _msa_fwd_cpu(q, k, v, q_idx, k_idx, cu_seqlens, max_seqlen, topk, block_size, softmax_scale, index_scale,
                  warmup, return_indices, index_grad, deterministic=False, cu_seqlens_k=None, max_seqlen_k=None):
     _check_msa(q, k, v, q_idx, k_idx)
-    chk.options(topk, block_size)
+    chk.topk(topk)
+    chk.block_size(block_size)
     cu = _seqs(cu_seqlens, q.shape[0], max_seqlen)
     cu_k = _seqs_k(cu, cu_seqlens_k, k.shape[0], max_seqlen_k)
     out, kl, indices, lse, lse_idx, kl_rows = ref.msa_fwd(q, k, v, q_idx, k_idx, cu, topk, block_size, softmax_scale,
@@ -175,20 +177,22 @@ def _msa_bwd_cpu(dout, dkl, q, k, v, out, lse, q_idx, k_idx, lse_idx, indices, k
                  max_seqlen, block_size, softmax_scale, index_scale, warmup, deterministic=False, cu_seqlens_k=None,
                  max_seqlen_k=None):
     _check_msa(q, k, v, q_idx, k_idx)
-    chk.options(1, block_size)
+    chk.block_size(block_size)
     T, Hq, Hi = q.shape[0], q.shape[1], q_idx.shape[1]
+    # The index gradients: the forward's (for d_kl = 1) scaled where it computed them, else recomputed here.
+    recompute = dkl is not None and not (kl_dq_idx.shape == q_idx.shape and kl_dk_idx.shape == k_idx.shape)
     if dout is not None:
         chk.like("dout", dout, q)
         chk.like("out", out, q)
+    if dout is not None or recompute:
         chk.lse("lse", lse, Hq, T, q.dtype)
+    if recompute:
+        chk.lse("lse_idx", lse_idx, Hi, T, q.dtype)
     if not warmup:
         chk.indices(indices, T, Hq, k.shape[1])
     if dkl is not None:
         chk.d_kl(dkl)
         dkl = dkl.reshape(())
-        if not (kl_dq_idx.shape == q_idx.shape and kl_dk_idx.shape == k_idx.shape):  # recomputed below
-            chk.lse("lse", lse, Hq, T, q.dtype)
-            chk.lse("lse_idx", lse_idx, Hi, T, q.dtype)
     cu = _seqs(cu_seqlens, q.shape[0], max_seqlen)
     cu_k = _seqs_k(cu, cu_seqlens_k, k.shape[0], max_seqlen_k)
     attend = None if warmup else indices
@@ -198,7 +202,7 @@ def _msa_bwd_cpu(dout, dkl, q, k, v, out, lse, q_idx, k_idx, lse_idx, indices, k
         dq, dk, dv = ref.sparse_bwd(dout, q, k, v, lse, attend, cu, block_size, softmax_scale, cu_k)
     if dkl is None:
         dq_idx, dk_idx = torch.zeros_like(q_idx), torch.zeros_like(k_idx)
-    elif kl_dq_idx.shape == q_idx.shape and kl_dk_idx.shape == k_idx.shape:
+    elif not recompute:
         s = dkl.to(kl_dq_idx.dtype)
         dq_idx, dk_idx = (kl_dq_idx * s).to(q_idx.dtype), (kl_dk_idx * s).to(k_idx.dtype)
     else:
@@ -210,8 +214,8 @@ def _msa_bwd_cpu(dout, dkl, q, k, v, out, lse, q_idx, k_idx, lse_idx, indices, k
 @torch.library.register_kernel("msa::reverse_index", "cpu")
 @_no_autocast
 def _reverse_index_cpu(indices, cu_seqlens, max_seqlen, block_size):
-    chk.indices(indices, indices.shape[1] if indices.dim() == 3 else -1, None, None)
-    chk.options(1, block_size)
+    chk.indices(indices)
+    chk.block_size(block_size)
     cu = _seqs(cu_seqlens, indices.shape[1], max_seqlen)
     return ref.reverse_index(indices, cu, block_size)
 

@@ -17,18 +17,14 @@ import sys
 
 import torch
 
+from ._op_checks import MAX_TOPK, _fail, check_heads as _check_heads, is_int
 from ._ops import MsaFunction, eager_autograd_applies, has_cuda_kernel, ops
 
 HEAD_DIMS = (64, 128)
 BLOCK_SIZES = (64, 128)
-MAX_TOPK = 32
 GPU_DTYPES = (torch.bfloat16, torch.float16)
 # The CPU path also takes fp32/fp64 (debugging, gradcheck); the CUDA kernels take bf16/fp16.
 CPU_DTYPES = GPU_DTYPES + (torch.float32, torch.float64)
-
-
-def _fail(name, expected, got, exc=ValueError):
-    raise exc(f"{name}: expected {expected}, got {got}")
 
 
 def _check_tensor(name, x, rank, layout):
@@ -66,10 +62,11 @@ def _check_common(named, rank, layout):
 
 
 def _int(name, value, expected):
-    """value as a Python int: an int, or another integral number (a NumPy integer); not a bool."""
+    """value as a Python int: an int, or another integral number (a NumPy integer); not a bool. An int comes back
+    as it is (under torch.compile it may be a SymInt, which int() would specialise)."""
     if isinstance(value, int) and not isinstance(value, bool):
         return value
-    if isinstance(value, numbers.Integral) and not isinstance(value, bool):
+    if is_int(value):
         return int(value)
     _fail(name, expected, repr(value), TypeError)
 
@@ -91,19 +88,6 @@ def _check_option(name, value, allowed):
     if value not in allowed:
         _fail(name, f"one of {tuple(allowed)}", value)
     return value
-
-
-def _check_heads(hq, hkv, hi, hki, hi_name="q_idx"):
-    if hq % hkv:
-        _fail("k", f"a kv head count dividing Hq={hq}", hkv)
-    if hi is None:
-        return
-    if hq % hi:
-        _fail(hi_name, f"an index head count dividing Hq={hq}", hi)
-    if hki is not None and hi % hki:
-        _fail("k_idx", f"an index-key head count dividing Hi={hi}", hki)
-    if hi % hkv and hkv % hi:
-        _fail(hi_name, f"Hi and Hkv={hkv} such that one divides the other", f"Hi={hi}")
 
 
 def _check_dim(name, d):

@@ -49,21 +49,13 @@ import numbers
 
 import torch
 
-from .interface import _check_cu_seqlens
+from ._op_checks import _fail, is_int as _is_int
+from .interface import _check_batched, _check_cu_seqlens
 
 __all__ = ["recall", "block_recall", "score_recall", "select_rows"]
 
 _FLOAT_DTYPES = (torch.bfloat16, torch.float16, torch.float32, torch.float64)
 _CHUNK_BYTES = 256 << 20  # budget of one logits chunk
-
-
-def _fail(name, expected, got, exc=ValueError):
-    raise exc(f"{name}: expected {expected}, got {got}")
-
-
-def _is_int(x):
-    """An int or another integral number (a NumPy integer), not a bool (as msa.interface takes them)."""
-    return isinstance(x, numbers.Integral) and not isinstance(x, bool)
 
 
 def _check_tensor(name, x, rank, layout):
@@ -261,8 +253,8 @@ def recall(q, k, indices, *, block_size=128, softmax_scale=None, rows=None, cu_s
     used; NaN when no row is used) and rows= an int64 0-dim tensor, the number of rows used.
     """
     packed = cu_seqlens is not None
-    if not packed and max_seqlen is not None:
-        _fail("max_seqlen", "None without cu_seqlens (batched layout)", repr(max_seqlen), TypeError)
+    if not packed:
+        _check_batched(max_seqlen, "q")
     lead = _check_inputs(q, k, indices, block_size, softmax_scale, skip_trivial, chunk_rows, packed)
     topk = indices.shape[-1]
     if packed:
