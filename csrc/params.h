@@ -32,7 +32,8 @@ struct ReverseIndexParams {
   // positions in rows/keys are then local to the chunk.
   int token_begin;
   int token_end;
-  // rows hold entry ids e = (r * T + t) * topk + slot instead of tokens (token and slot follow).
+  // rows hold the chunk's entry ids e = (r * chunk + t - token_begin) * topk + slot (chunk = token_end -
+  // token_begin) instead of tokens (token and slot follow): int32 per chunk, whatever the sequence's length.
   bool emit_entries;
   // Dense (warmup, SPEC 5): no indices; slot b selects block b for every b up to the token's own.
   bool dense;
@@ -85,7 +86,8 @@ namespace msa {
 // The reverse index of one query chunk as the sparse kernels read it (see ReverseIndexParams).
 struct SparseWork {
   const int32_t* offsets;        // (num_keys + 1) CSR over keys r * max_blocks + global block
-  const int32_t* entries;        // entry ids e = (r * T + t) * topk + slot, grouped by key, ascending
+  const int32_t* entries;        // the chunk's entry ids (r * chunk + t - chunk_begin) * topk + slot, grouped by
+                                 // key, ascending
   const int32_t* item_offsets;   // (num_keys + 1) first item of each key
   const int2* items;             // (key, first unit) of each item: no search in the kernels
   // CTA -> item (nullable: CTA i runs item i): large items first, so a launch ends on small ones.
@@ -170,12 +172,12 @@ struct IndexDkParams {
   // in dki_part[i] (128 x Di fp32) instead of adding it; item_reduce then adds the items in order.
   float* dki_part;
   float scale;              // index_scale / rows
-  int total_tokens;
   int num_seqs;
   int topk;
   int block_size;
   int hi, hki, di;
-  int chunk_tokens;         // bounds the grid (entries of the chunk)
+  int chunk_begin;          // work.entries are local to the chunk [chunk_begin, chunk_begin + chunk_tokens)
+  int chunk_tokens;         // and bound the grid
 };
 
 // Combines the per-entry results of one chunk: lse (Hq, T) and lse_idx (Hi, T) from the stats;

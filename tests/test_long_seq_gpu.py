@@ -157,16 +157,20 @@ def _dense_attended(indices, t, r, cu, block_size):
     return torch.where(ok, tok, t[:, None]), ok  # masked entries point at the row's own token
 
 
-@pytest.mark.parametrize("dtype", [torch.bfloat16])
-def test_warmup_long_sequence_sampled_rows(dtype, monkeypatch):
+@pytest.mark.parametrize("N,det", [(131072, False), (524288, True)])
+def test_warmup_long_sequence_sampled_rows(N, det, monkeypatch):
     """Warmup at N = 131072 (the dense main branch and the dense KL pass over ~1000 key tiles): out, lse,
     dq, dq_idx, the KL row terms and lse_idx of sampled rows, and dk_idx of the last kv block, against the
     exact per-row computation over the full causal set (on both kernel paths: the Hopper dense KL kernel,
-    and the sparse kernels' dense mode)."""
+    and the sparse kernels' dense mode). Deterministic at N = 524288: the sparse kernels' dense mode on both
+    paths, with Hi * T * ceil(N / 128) = 2^33 (row, slot) entries, which int32 entry ids over the whole
+    call could not count (they are per query chunk)."""
     import row_oracle
+    dtype = torch.bfloat16
     monkeypatch.setattr(row_oracle, "attended", _dense_attended)
-    monkeypatch.setattr(row_oracle, "CHUNK", 32)  # rows of 131072 keys each: (32, L, D) float64 = 4.3 GB
-    N = T = 131072
+    # rows of N keys each: (CHUNK, N, D) float64 = 4.3 GB
+    monkeypatch.setattr(row_oracle, "CHUNK", 32 * 131072 // N)
+    T = N
     Hi = HEADS[2]  # index groups: the KL rows are T * Hi
     x = _inputs(T, dtype, seed=7)
     cu = torch.tensor([0, T], dtype=torch.int32, device="cuda")
@@ -174,10 +178,10 @@ def test_warmup_long_sequence_sampled_rows(dtype, monkeypatch):
     dkl = torch.tensor(1.0, device="cuda")
     ops = torch.ops.msa
     out, kl, idx, lse, lse_idx, g_q, g_k, kl_rows = ops.msa_fwd(
-        x["q"], x["k"], x["v"], x["q_idx"], x["k_idx"], None, N, TOPK, BS, scale, iscale, True, False, True)
+        x["q"], x["k"], x["v"], x["q_idx"], x["k_idx"], None, N, TOPK, BS, scale, iscale, True, False, True, det)
     dq, dk, dv, dq_idx, dk_idx = ops.msa_bwd(
         x["dout"], dkl, x["q"], x["k"], x["v"], out, lse, x["q_idx"], x["k_idx"], lse_idx, idx, g_q, g_k, None, N,
-        BS, scale, iscale, True)
+        BS, scale, iscale, True, det)
     kl_coef = dkl.item() / (T * Hi)
     g = torch.Generator(device="cpu").manual_seed(3)
     tokens = torch.unique(torch.cat([torch.arange(T - 8, T), torch.randint(0, T, (8,), generator=g)])).cuda()

@@ -171,8 +171,9 @@ SparseForward sparse_forward_cuda(const Tensor& q_in, const Tensor& k_in, const 
   const int64_t entries = Hi * chunk * topk;
   const int64_t max_blocks = Tk / block_size + S;  // key blocks
   const int64_t num_keys = Hi * max_blocks;
-  MSA_CHECK(Hi * T * topk < (int64_t(1) << 31) && num_keys < (int64_t(1) << 30),
-                    "q: too many tokens for the int32 reverse index, T = ", T, ", T_k = ", Tk);
+  // Entry ids are local to a chunk (ReverseIndexParams::emit_entries): int32 per chunk, any sequence length.
+  MSA_CHECK(entries < (int64_t(1) << 31) && num_keys < (int64_t(1) << 30),
+            "q: too many tokens for the int32 reverse index, T = ", T, ", T_k = ", Tk);
 
   // The slots' (max, sum) of the main heads and then of the index head: one buffer, zeroed per chunk by one
   // memset (slots that select nothing are never written: they stay (0, 0), "no keys").
@@ -286,7 +287,6 @@ SparseForward sparse_forward_cuda(const Tensor& q_in, const Tensor& k_in, const 
     dp.dki_accum = ptr<float>(res.kl_dk_idx);
     dp.dki_part = det ? ptr<float>(dki_part) : nullptr;
     dp.scale = index_grad_scale;
-    dp.total_tokens = int(T);
     dp.num_seqs = int(S);
     dp.topk = int(topk);
     dp.block_size = int(block_size);
@@ -360,6 +360,7 @@ SparseForward sparse_forward_cuda(const Tensor& q_in, const Tensor& k_in, const 
     });
     hp.mark("passes+combines");
     if (grad) {
+      dp.chunk_begin = int(t0);
       dp.chunk_tokens = int(tc);
       dp.work.max_items = fp.work.max_items;
       auto index_dk = [&](bool bf16) {

@@ -33,10 +33,9 @@ __device__ __forceinline__ bool fwd_item(const SparseFwdParams& p, FwdItem& f) {
 __device__ __forceinline__ void load_unit_table(const SparseFwdParams& p, const FwdItem& f, int* sEntry, int* sTok,
                                                 int i0, int step) {
   for (int i = i0; i < f.n_units; i += step) {
-    const int e = p.work.entries[f.u_begin + i];
-    const int t = (e / p.topk) % p.total_tokens;
-    sEntry[i] = (f.r * p.chunk_tokens + (t - p.chunk_begin)) * p.topk + e % p.topk;
-    sTok[i] = t;
+    const int e = p.work.entries[f.u_begin + i];  // chunk-local (ReverseIndexParams::emit_entries)
+    sEntry[i] = e;
+    sTok[i] = p.chunk_begin + (e / p.topk) % p.chunk_tokens;
   }
 }
 

@@ -49,7 +49,7 @@ constexpr int dk_smem_bytes() { return Mma::kStages * kDkTileBytes + Mma::kAlign
 // issue() only starts the GEMM, so the next tile's copies go out between issue and wait (else before issue).
 template <class Mma, typename T, bool kDet>
 __global__ void __launch_bounds__(kDkThreads, kDet ? Mma::kDetBlocks : 2)
-    index_dk_kernel(IndexDkParams p, FastDiv by_topk, FastDiv by_tokens) {
+    index_dk_kernel(IndexDkParams p, FastDiv by_topk, FastDiv by_chunk) {
   using Tile = typename Mma::Tile;
   constexpr int kDkStages = Mma::kStages;
   // The ring in dynamic shared memory, Mma::kAlign-byte aligned: stage b's dsi tile, then its q_idx tile.
@@ -114,7 +114,7 @@ __global__ void __launch_bounds__(kDkThreads, kDet ? Mma::kDetBlocks : 2)
         const int u = unit(i);
         const int ue = u_begin + t * kDkUnits + u;
         const bool ok = ue < u_end;
-        const int64_t tok = ok ? fast_mod(fast_div(entry(i, ue), by_topk), by_tokens) : 0;
+        const int64_t tok = ok ? p.chunk_begin + fast_mod(fast_div(entry(i, ue), by_topk), by_chunk) : 0;
         cp_async_16(&sDs[b][Tile::offset(u, c)], DS + (ok ? int64_t(ue) * kDkKeys + c * 8 : 0), ok);
         const bool qok = ok && c < di_chunks;
         cp_async_16(sQi(b) + Tile::offset(u, c),
@@ -186,7 +186,7 @@ cudaError_t launch_index_dk_with(const IndexDkParams& p, bool bf16, cudaStream_t
   cudaError_t err = cudaGetDevice(&device);
   if (err == cudaSuccess) err = cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, device);
   if (err != cudaSuccess) return err;
-  const FastDiv by_topk = make_fast_div(p.topk), by_tokens = make_fast_div(std::max(p.total_tokens, 1));
+  const FastDiv by_topk = make_fast_div(p.topk), by_chunk = make_fast_div(std::max(p.chunk_tokens, 1));
   const bool det = p.dki_part != nullptr;
   const int64_t entries = int64_t(p.hi) * p.chunk_tokens * p.topk;
   const int64_t grid = det ? int64_t(p.work.max_items) : std::min<int64_t>(2 * sms, (entries + 255) / 256);
@@ -196,7 +196,7 @@ cudaError_t launch_index_dk_with(const IndexDkParams& p, bool bf16, cudaStream_t
   constexpr int smem = dk_smem_bytes<Mma>();
   err = cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, smem);
   if (err != cudaSuccess) return err;
-  kernel<<<unsigned(grid), kDkThreads, smem, stream>>>(p, by_topk, by_tokens);
+  kernel<<<unsigned(grid), kDkThreads, smem, stream>>>(p, by_topk, by_chunk);
   return cudaGetLastError();
 }
 

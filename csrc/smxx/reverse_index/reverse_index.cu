@@ -47,7 +47,7 @@ __global__ void reverse_index_keys_kernel(ReverseIndexParams p) {
     bool valid = b >= 0 && b <= local_block;
     for (int j = 0; j < slot && valid && !p.dense; ++j) valid = p.indices[e - slot + j] != b;
     p.keys_in[i] = valid ? r * p.max_blocks + p.block_offsets[lo] + b : sentinel;
-    p.rows_in[i] = p.emit_entries ? int32_t(e) : t;
+    p.rows_in[i] = p.emit_entries ? int32_t(i) : t;  // i: the chunk-local entry id
   }
 }
 
