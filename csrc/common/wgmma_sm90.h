@@ -275,12 +275,14 @@ struct WgmmaSS;
     } \
   };
 // (0, 0), N = 32: the sparse backward's S = Q K^T and dP = dO V^T over 32 keys; N = 64: the dense KL pass's
-// S^T = K Q^T (A = 64 keys of K, B = 64 queries of Q). (1, 1), N = 128: index dk's dK_idx = dsi^T Q_idx
+// S^T = K Q^T (A = 64 keys of K, B = 64 queries of Q); N = 128: the general stats pass's S = Q K^T. (1, 1), N = 128:
+// index dk's dK_idx = dsi^T Q_idx
 // (sm90/index_dk/mainloop.cuh); N = 64: the warp-specialized backward's dQ = dS K (A = dS^T tiles, B = K).
 #define MSA_WGMMA_SS_ALL(TYPE, PTXTYPE) \
   MSA_WGMMA_SS(TYPE, PTXTYPE, 32, 0, 0, MSA_WGMMA_D_16, MSA_WGMMA_ACC_16, "%16", "%17", "%18") \
   MSA_WGMMA_SS(TYPE, PTXTYPE, 64, 0, 0, MSA_WGMMA_D_32, MSA_WGMMA_ACC_32, "%32", "%33", "%34") \
   MSA_WGMMA_SS(TYPE, PTXTYPE, 64, 1, 1, MSA_WGMMA_D_32, MSA_WGMMA_ACC_32, "%32", "%33", "%34") \
+  MSA_WGMMA_SS(TYPE, PTXTYPE, 128, 0, 0, MSA_WGMMA_D_64, MSA_WGMMA_ACC_64, "%64", "%65", "%66") \
   MSA_WGMMA_SS(TYPE, PTXTYPE, 128, 1, 1, MSA_WGMMA_D_64, MSA_WGMMA_ACC_64, "%64", "%65", "%66")
 MSA_WGMMA_SS_ALL(__nv_bfloat16, "bf16")
 MSA_WGMMA_SS_ALL(__half, "f16")

@@ -17,6 +17,8 @@ struct FwdMma {
   static constexpr int kKeys = 128, kMaxDi = 128;  // SparseFwdShape's (the body checks)
   template <int kCols>
   using KTile = SwizzledTile<kCols>;  // K, V (D columns) and K_idx (Di) tiles
+  template <int D, bool kOut>
+  using QTile = SwizzledTile<D>;  // the gathered Q rows of either pass (read by ldmatrix)
   __device__ __forceinline__ static void fence_operands() {}
 
   // Index logits: warp w takes the stage's keys [16 kwi, +16) (kwi = w % kKeyGroups: part kwi) and the
@@ -45,7 +47,7 @@ struct FwdMma {
   }
 
   // Main logits: rows [16 rg, +16) of Q against keys [kb, kb + 8 kN8) of K.
-  template <typename T, int D, int kN8, bool kBatch>
+  template <typename T, int D, int kN8, bool kBatch, bool kOut>
   __device__ __forceinline__ static void main_logits(float (&c)[kN8][4], const T* sQ, const T* sK, int rg, int kb,
                                                      int lane) {
     using Tile = SwizzledTile<D>;

@@ -19,6 +19,10 @@ struct FwdMma {
   static constexpr int kKeys = 128, kMaxDi = 128;  // SparseFwdShape's (the body checks)
   template <int kCols>
   using KTile = KMajorSw128<kKeys, kCols>;  // K, V (D columns) and K_idx (Di) tiles
+  // The gathered Q rows: the stats pass's are wgmma's A operand from shared memory (128 rows, 128-byte swizzle, each
+  // warpgroup's 64 from row 64 wg), the output pass's go to registers by ldmatrix (P V needs the registers).
+  template <int D, bool kOut>
+  using QTile = std::conditional_t<kOut, sm80::SwizzledTile<D>, KMajorSw128<kKeys, D>>;
   // Tiles written by cp.async (generic proxy) are read by wgmma (async proxy).
   __device__ __forceinline__ static void fence_operands() { fence_proxy_async_smem(); }
 
@@ -72,8 +76,10 @@ struct FwdMma {
   }
 
   // Main logits: warp w's 16 rows are rg * 16 (as in the mma.sync path; the accumulator layout is c's) x
-  // all 128 keys. Q goes to registers in two halves of D / 2, or (kBatch) all of D in one batch of wgmmas.
-  template <typename T, int D, int kN8, bool kBatch>
+  // all 128 keys. The output pass: Q goes to registers in two halves of D / 2, or (kBatch) all of D in one batch
+  // of wgmmas. The stats pass (!kOut): Q read from shared memory by descriptor (QTile), all of D in one batch
+  // (s48: in halves from registers, each half's wait was ~3.5% of its stall samples, ncu at 32K).
+  template <typename T, int D, int kN8, bool kBatch, bool kOut>
   __device__ __forceinline__ static void main_logits(float (&c)[kN8][4], const T* sQ, const T* sK, int rg, int kb,
                                                      int lane) {
     static_assert(kN8 * 8 == kKeys, "a wgmma warp holds all keys");
@@ -81,18 +87,29 @@ struct FwdMma {
     using KT = KTile<D>;
     float cw[4 * kN8];
     const uint32_t k_addr = sm80::smem_addr(sK);
-    // A fragment of Q, k-step ks (16 columns) of the warp's 16 rows.
-    auto load_q = [&](uint32_t(&a)[4], int ks) {
-      sm80::ldmatrix_x4(a, sQ + Tile::offset(rg * 16 + lane % 16, ks * 2 + lane / 16));
-    };
-    if constexpr (kBatch) {
-      wgmma_rs_ksteps<T, kKeys, D / 16>(cw, load_q, [&](int ks) { return KT::desc(k_addr, ks); }, false);
-    } else {
+    if constexpr (!kOut) {
+      using QT = QTile<D, kOut>;
+      const uint32_t q_addr = sm80::smem_addr(sQ) + (rg / 4) * 64 * 128;  // row 64 wg of each 128-byte panel
+      wgmma_fence();
 #pragma unroll
-      for (int half = 0; half < D / 64; ++half) {
-        wgmma_rs_k64<T, kKeys>(
-            cw, [&](uint32_t(&a)[4], int k4) { load_q(a, half * 4 + k4); },
-            [&](int k4) { return KT::desc(k_addr, half * 4 + k4); }, half > 0);
+      for (int ks = 0; ks < D / 16; ++ks)
+        WgmmaSS<T, kKeys>::run(cw, QT::desc(q_addr, ks), KT::desc(k_addr, ks), ks > 0);
+      wgmma_commit();
+      wgmma_wait<0>();
+    } else {
+      // A fragment of Q, k-step ks (16 columns) of the warp's 16 rows.
+      auto load_q = [&](uint32_t(&a)[4], int ks) {
+        sm80::ldmatrix_x4(a, sQ + Tile::offset(rg * 16 + lane % 16, ks * 2 + lane / 16));
+      };
+      if constexpr (kBatch) {
+        wgmma_rs_ksteps<T, kKeys, D / 16>(cw, load_q, [&](int ks) { return KT::desc(k_addr, ks); }, false);
+      } else {
+#pragma unroll
+        for (int half = 0; half < D / 64; ++half) {
+          wgmma_rs_k64<T, kKeys>(
+              cw, [&](uint32_t(&a)[4], int k4) { load_q(a, half * 4 + k4); },
+              [&](int k4) { return KT::desc(k_addr, half * 4 + k4); }, half > 0);
+        }
       }
     }
 #pragma unroll

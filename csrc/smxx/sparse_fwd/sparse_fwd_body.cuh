@@ -149,6 +149,7 @@ __global__ void __launch_bounds__(SparseFwdShape::threads<kOut, Mma::kWgmma, kRo
   constexpr int kStage = L::kStage;  // keys resident at a time: 128 (the block), or 64 (kSplit)
   static_assert(kStage == Sh::kKeys || (kSplit && 2 * kStage == Sh::kKeys), "a block is one stage or two halves");
   using Tile = SwizzledTile<D>;
+  using QTile = typename Mma::template QTile<D, kOut>;  // the gathered Q rows (Hopper stats pass: wgmma's layout)
   using PTile = SwizzledTile<kStage>;  // P and dsi tiles: rows x the stage's keys
   constexpr int kThreadsT = Sh::template threads<kOut, kWgmma, kRows>();
   constexpr int kWarpsT = kThreadsT / 32;
@@ -294,7 +295,7 @@ __global__ void __launch_bounds__(SparseFwdShape::threads<kOut, Mma::kWgmma, kRo
       for (int row = tid / kChunks; row < R; row += kThreadsT / kChunks) {
         const int u = row_unit(row);
         const bool ok = u < nu;
-        cp_async_16(sQ + Tile::offset(row, c), qh + int64_t(ok ? sTokAll[ub + u] : 0) * p.q_stride_t, ok);
+        cp_async_16(sQ + QTile::offset(row, c), qh + int64_t(ok ? sTokAll[ub + u] : 0) * p.q_stride_t, ok);
       }
     } else {
       for (int row = tid / kChunks; row < R; row += kThreadsT / kChunks) {
@@ -302,7 +303,7 @@ __global__ void __launch_bounds__(SparseFwdShape::threads<kOut, Mma::kWgmma, kRo
         const bool ok = u >= 0 && u < nu;
         const T* src =
             Q + int64_t(ok ? sTokAll[ub + u] : 0) * p.q_stride_t + int64_t(h0 + row_head(row)) * p.q_stride_h + c * 8;
-        cp_async_16(sQ + Tile::offset(row, c), src, ok);
+        cp_async_16(sQ + QTile::offset(row, c), src, ok);
       }
     }
     if constexpr (kOut) {
@@ -361,8 +362,9 @@ __global__ void __launch_bounds__(SparseFwdShape::threads<kOut, Mma::kWgmma, kRo
     }
     cp_async_commit();  // this step's rows were fetched during the previous step (after its Q K^T)
     cp_async_wait<0>();
-    // K written by cp.async (generic proxy) is read by wgmma (async proxy); nothing is in flight here.
-    if (kWgmma && (step == 0 || J > 1)) Mma::fence_operands();
+    // K (and, in the stats pass, each step's Q) written by cp.async (generic proxy) is read by wgmma (async proxy);
+    // nothing is in flight here.
+    if (kWgmma && (step == 0 || J > 1 || !kOut)) Mma::fence_operands();
     __syncthreads();
 
     // Units are in token order, so when the tile's first unit sees the whole block (kSplit: the whole
@@ -408,7 +410,10 @@ __global__ void __launch_bounds__(SparseFwdShape::threads<kOut, Mma::kWgmma, kRo
     };
     if (index_tile(ub) && j == 0) {  // CTA-uniform
       // One unit row per lane in the sm_90a stats pass at D = 128 (at D = 64 it spills 8 bytes: the two-row layout).
-      Mma::template index_logits<T, (kGu > 0 && kOut), kKeyGroups, kWarpsT, (kWgmma && !kOut && D == 128)>(
+      // All of Di in one batch where the registers allow it: the output pass with kGu, and (s48) the sm_90a stats
+      // pass at D = 128 with kGu, its main Q K^T no longer holding Q in registers (128 registers, no spill).
+      constexpr bool kIdxBatch = kGu > 0 && (kOut || (kWgmma && D == 128));
+      Mma::template index_logits<T, kIdxBatch, kKeyGroups, kWarpsT, (kWgmma && !kOut && D == 128)>(
           p, sQi, sKi, warp, kwi, lane, ko, nu, index_epilogue);
     }
 
@@ -420,7 +425,7 @@ __global__ void __launch_bounds__(SparseFwdShape::threads<kOut, Mma::kWgmma, kRo
     zero_acc(c);
     // wgmma: every warp of a group takes part (rows past R compute values that are never stored).
     if (kWgmma ? kOut || p.main_stats : active)  // CTA-uniform with wgmma
-      Mma::template main_logits<T, D, kN8, (kGu > 0 && kOut)>(c, sQ, sK, rg, kb, lane);
+      Mma::template main_logits<T, D, kN8, (kGu > 0 && kOut), kOut>(c, sQ, sK, rg, kb, lane);
     float e0 = 0.f, e1 = 0.f, li0 = 0.f, li1 = 0.f;  // lse and, for the register KL path, lse_idx (log2)
     if constexpr (kOut) {
       if (live) {
