@@ -14,6 +14,9 @@
 #   no_dq          dq_idx: its mma.sync and the reds
 #   no_dq_reds     only dq_idx's reds
 #   no_index_branch  no_idx_logits, no_kl_terms and no_dq together (the index branch's share of the pass)
+#   two_consumers  two consumer warpgroups instead of three (a correct build: the main chain of a pass whose third
+#                  warpgroup would take the index branch)
+#   two_consumers_no_index  both: that pass's main consumers alone, the bound an index warpgroup could reach
 F=csrc/sm90/sparse_fwd/out_pass_ws.cuh
 export ABLATE_N=${ABLATE_N:-32768}
 export ABLATE_GREP=${ABLATE_GREP:-out_pass_ws_kernel|sparse_fwd_kernel}
@@ -27,4 +30,6 @@ exec "$(dirname "$0")/ablate.sh" "${1:?usage: scripts/ablate_out_ws.sh OUTDIR}" 
   "no_dsi_store|$F|s/^      for (int i = ctid; i < nu \* (kKeys \/ 8); i += 128) {\$/      for (int i = ctid; i < 0; i += 128) {/" \
   "no_dq|$F|s/^      if (wq \* 32 < p.di) {\$/      if (false) {/" \
   "no_index_branch|$F|s/^      for (int ks = 0; ks < kDi \/ 16; ++ks) {\$/      for (int ks = 0; ks < 0; ++ks) {/;s/^    for (int n = 0; n < kKeys \/ 8; n += kGu) {\$/    for (int n = 0; n < 0; n += kGu) {/;s/^      if (wq \* 32 < p.di) {\$/      if (false) {/" \
+  "two_consumers|$F|s/^constexpr int kConsumers = 3; /constexpr int kConsumers = 2; /" \
+  "two_consumers_no_index|$F|s/^constexpr int kConsumers = 3; /constexpr int kConsumers = 2; /;s/^      for (int ks = 0; ks < kDi \/ 16; ++ks) {\$/      for (int ks = 0; ks < 0; ++ks) {/;s/^    for (int n = 0; n < kKeys \/ 8; n += kGu) {\$/    for (int n = 0; n < 0; n += kGu) {/;s/^      if (wq \* 32 < p.di) {\$/      if (false) {/" \
   "no_dq_reds|$F|s/^            for (int n = 0; n < 4; ++n) sm80::atomic_add4(dst + n \* 8, x\[n\]);/            for (int n = 0; n < 4; ++n) if (false) sm80::atomic_add4(dst + n * 8, x[n]);/"
