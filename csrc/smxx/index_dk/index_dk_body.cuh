@@ -13,7 +13,8 @@
 // The kernel streams dsi and q_idx rows (512 B per unit) through an Mma::kStages-deep cp.async ring (one
 // CTA barrier per tile: 16 KB per barrier; tiles of 16 units ran at ~1.2 TB/s, NOTES s27). dsi rows
 // are in reverse-index order (the output pass writes them so), so a tile's 32 rows are one
-// contiguous 8 KB read; only q_idx is gathered by token (entry / topk % T: FastDiv, no runtime division).
+// contiguous 8 KB read; only q_idx is gathered by token (chunk_begin + entry / topk % chunk_tokens: FastDiv, no runtime
+// division).
 #pragma once
 #include <cuda_runtime.h>
 
