@@ -3,7 +3,8 @@
 # bench runs: Gu = 4, J = 1) costs, by removing it: scripts/ablate.sh (timings only, the edited builds compute
 # wrong results). One GPU call, ~1 min per variant at one N (ABLATE_N, default 32768 here).
 #   scripts/ablate_out_ws.sh OUTDIR
-# Variants (each sed changes exactly one line; checked with grep -c and a compile):
+# Variants (each single one's sed changes exactly one line, checked with grep -c and a compile; the combined ones
+# join those edits):
 #   no_idx_logits  the index logits S_idx (mma.sync under the S wgmma; the S_idx tile keeps stale values)
 #   no_exp         the exponentials of P (P = the raw logits)
 #   no_head_sum    the reduce-scatter of P over the unit's 4 heads (shuffles)
@@ -18,18 +19,23 @@
 #                  warpgroup would take the index branch)
 #   two_consumers_no_index  both: that pass's main consumers alone, the bound an index warpgroup could reach
 F=csrc/sm90/sparse_fwd/out_pass_ws.cuh
+# The edits that combined variants reuse.
+idx_logits='s/^      for (int ks = 0; ks < kDi \/ 16; ++ks) {$/      for (int ks = 0; ks < 0; ++ks) {/'
+kl_terms='s/^    for (int n = 0; n < kKeys \/ 8; n += kGu) {$/    for (int n = 0; n < 0; n += kGu) {/'
+dq='s/^      if (wq \* 32 < p.di) {$/      if (false) {/'
+two='s/^constexpr int kConsumers = 3; /constexpr int kConsumers = 2; /'
 export ABLATE_N=${ABLATE_N:-32768}
 export ABLATE_GREP=${ABLATE_GREP:-out_pass_ws_kernel|sparse_fwd_kernel}
 exec "$(dirname "$0")/ablate.sh" "${1:?usage: scripts/ablate_out_ws.sh OUTDIR}" \
-  "no_idx_logits|$F|s/^      for (int ks = 0; ks < kDi \/ 16; ++ks) {\$/      for (int ks = 0; ks < 0; ++ks) {/" \
+  "no_idx_logits|$F|$idx_logits" \
   "no_exp|$F|s/^    if (full_tile) exp_tile(std::false_type{}); else exp_tile(std::true_type{});/    (void)full_tile;/" \
   "no_head_sum|$F|s/^    for (int b = 1; b < kGu; b <<= 1) {\$/    for (int b = 1; b < 1; b <<= 1) {/" \
   "no_pv|$F|s/^        WgmmaRS<T, 64, true>::run/        if (false) WgmmaRS<T, 64, true>::run/" \
   "no_out_store|$F|s/^        if (u < nu) {\$/        if (false) {/" \
-  "no_kl_terms|$F|s/^    for (int n = 0; n < kKeys \/ 8; n += kGu) {\$/    for (int n = 0; n < 0; n += kGu) {/" \
+  "no_kl_terms|$F|$kl_terms" \
   "no_dsi_store|$F|s/^      for (int i = ctid; i < nu \* (kKeys \/ 8); i += 128) {\$/      for (int i = ctid; i < 0; i += 128) {/" \
-  "no_dq|$F|s/^      if (wq \* 32 < p.di) {\$/      if (false) {/" \
-  "no_index_branch|$F|s/^      for (int ks = 0; ks < kDi \/ 16; ++ks) {\$/      for (int ks = 0; ks < 0; ++ks) {/;s/^    for (int n = 0; n < kKeys \/ 8; n += kGu) {\$/    for (int n = 0; n < 0; n += kGu) {/;s/^      if (wq \* 32 < p.di) {\$/      if (false) {/" \
-  "two_consumers|$F|s/^constexpr int kConsumers = 3; /constexpr int kConsumers = 2; /" \
-  "two_consumers_no_index|$F|s/^constexpr int kConsumers = 3; /constexpr int kConsumers = 2; /;s/^      for (int ks = 0; ks < kDi \/ 16; ++ks) {\$/      for (int ks = 0; ks < 0; ++ks) {/;s/^    for (int n = 0; n < kKeys \/ 8; n += kGu) {\$/    for (int n = 0; n < 0; n += kGu) {/;s/^      if (wq \* 32 < p.di) {\$/      if (false) {/" \
+  "no_dq|$F|$dq" \
+  "no_index_branch|$F|$idx_logits;$kl_terms;$dq" \
+  "two_consumers|$F|$two" \
+  "two_consumers_no_index|$F|$two;$idx_logits;$kl_terms;$dq" \
   "no_dq_reds|$F|s/^            for (int n = 0; n < 4; ++n) sm80::atomic_add4(dst + n \* 8, x\[n\]);/            for (int n = 0; n < 4; ++n) if (false) sm80::atomic_add4(dst + n * 8, x[n]);/"
