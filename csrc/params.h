@@ -145,6 +145,11 @@ struct SparseFwdParams {
   // (DetGrid below), exact sums in any order.
   float* dqi_lo;           // (T, Hi, Di) fp32
   const float4* dqi_grid;
+  // The warp-specialized output pass with the index gradient also computes dk_idx (index dk folded in:
+  // sm90::out_ws_fuses_index_dk): dki_accum (Tk, Hki, Di) fp32, or deterministic, dki_part[item] (128 x Di
+  // fp32 per work item, IndexDkParams' form) for item_reduce.
+  float* dki_accum;
+  float* dki_part;
   int out_rows;            // rows per tile of the portable output pass: 128, or 64 (less shared memory)
   int fixed_gu;            // sm_90a output pass: 4 = the kernel compiled for Gu = 4 (J = 1), 0 = any
   // sm_90a output pass: the warp-specialized kernel (csrc/sm90/sparse_fwd/out_pass_ws.cuh) where it

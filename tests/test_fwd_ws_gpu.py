@@ -120,7 +120,8 @@ def test_ws_kernels_run(monkeypatch):
     args = (q, k, v, qi, ki, cu, mx, 6, bs, 1 / math.sqrt(D), 1 / math.sqrt(Di), False, True, True, False)
     names = _kernels(lambda: _run(monkeypatch, True, args))
     assert "out_pass_ws_kernel" in names and "stats_pass_ws_kernel" in names, names
+    assert "index_dk_kernel" not in names, names  # index dk folded into the warp-specialized output pass
     names = _kernels(lambda: _run(monkeypatch, True, args, stats=False))  # the default
     assert "out_pass_ws_kernel" in names and "stats_pass_ws_kernel" not in names, names
     names = _kernels(lambda: _run(monkeypatch, False, args))
-    assert "_ws_kernel" not in names and "sparse_fwd_kernel" in names, names
+    assert "_ws_kernel" not in names and "sparse_fwd_kernel" in names and "index_dk_kernel" in names, names

@@ -270,6 +270,8 @@ SparseForward sparse_forward_cuda(const Tensor& q_in, const Tensor& k_in, const 
   fp.dqi_accum = grad ? ptr<float>(res.kl_dq_idx) : nullptr;
   fp.dqi_lo = det ? ptr<float>(dqi_lo) : nullptr;
   fp.dqi_grid = det ? reinterpret_cast<const float4*>(ptr<float>(dqi_grid)) : nullptr;
+  fp.dki_accum = grad ? ptr<float>(res.kl_dk_idx) : nullptr;
+  fp.dki_part = det ? ptr<float>(dki_part) : nullptr;
   // SPEC 4: d kl / d S_idx = (Pidx - P) / rows with S_idx = index_scale * q_idx . k_idx: the constant
   // factor is applied where the gradients accumulate.
   const float index_grad_scale = float(index_scale / double(T * Hi));
@@ -369,7 +371,13 @@ SparseForward sparse_forward_cuda(const Tensor& q_in, const Tensor& k_in, const 
 #endif
         return smxx::launch_index_dk(dp, bf16, stream);
       };
-      MSA_LAUNCH_CHECK(index_dk(q.scalar_type() == kBFloat16), "msa_fwd (index dk)");
+      // The warp-specialized output pass computed dk_idx itself (index dk folded in).
+#ifdef MSA_WITH_SM90
+      const bool fused = sm90 && sm90::out_ws_fuses_index_dk(fp);
+#else
+      const bool fused = false;
+#endif
+      if (!fused) MSA_LAUNCH_CHECK(index_dk(q.scalar_type() == kBFloat16), "msa_fwd (index dk)");
       if (det) {
         item_reduce(dki_part, rp.item_offsets, rp.block_offsets, seqs, block_size, max_blocks, Hi, {res.kl_dk_idx});
       }

@@ -7,6 +7,7 @@
 namespace msa {
 
 struct FwdItem {
+  int item;       // the work item's id (deterministic partials are per item)
   int r;          // index group
   int u_begin;    // first unit: position in work.entries
   int n_units;    // units of the item
@@ -20,6 +21,7 @@ __device__ __forceinline__ bool fwd_item(const SparseFwdParams& p, FwdItem& f) {
   const int item = w.item_order != nullptr ? w.item_order[blockIdx.x] : int(blockIdx.x);
   if (item >= w.item_offsets[w.num_keys]) return false;
   const int2 it = w.items[item];
+  f.item = item;
   const int key = it.x;
   f.u_begin = it.y;
   f.n_units = min(f.u_begin + w.units_per_item, w.offsets[key + 1]) - f.u_begin;

@@ -4,13 +4,14 @@
 // (smxx/sparse_fwd/sparse_fwd_body.cuh, its top comment has the math); other layouts run that one.
 //
 // A CTA takes one work item (a kv block of one index group and up to 512 of the units that selected it)
-// with 1 + kConsumers (3) warpgroups:
+// with 4 warpgroups: the producer, then three consumers, or (with the index gradient) two consumers and the
+// dK warpgroup:
 //  - warpgroup 0, the producer (setmaxnreg down to 40): gathers each tile's rows (16 units: Q of their 4
 //    heads, 64 rows; Q_idx; lse; lse_idx) by cp.async into a ring of kStages stages, each completing on
 //    its "full" mbarrier (cp.async.mbarrier.arrive.noinc, one arrival per producer thread), and reuses a
 //    stage once its consumer released it ("empty": one arrival per consumer thread).
-//  - warpgroups 1 .. 3, the consumers (setmaxnreg up to 152): consumer c takes tiles c, c + 3, ... of the
-//    item, so they run on their own (no CTA barrier after the prologue): one warpgroup's exponentials, KL
+//  - warpgroups 1 .. kConsumers, the consumers (setmaxnreg up to 152): consumer c takes tiles c, c + kConsumers,
+//    ... of the item, so they run on their own (no CTA barrier after the prologue): one warpgroup's exponentials, KL
 //    terms and reds overlap the others' tensor-core work. (Three consumers since s47, 2.46 -> 2.28 ms at 32K:
 //    the pass was bound by each consumer's per-tile chain at two consumer warps per scheduler, s28's ablation;
 //    two ran at 232 registers.) Per tile, warp w of the group holds rows [16 w, +16) (units 4 w .. 4 w + 3,
@@ -25,8 +26,11 @@
 //                       group before them: S_idx); then O is staged in the warp's own Q rows of the stage
 //                       (dead after Q K^T), stored as whole units in 16-byte chunks, the stage released,
 //                       the unit's KL sum written to kl_part;
-//      dq_idx += dsi K_idx (warp w: Di columns [32 w, +32), mma.sync) as 16-byte reds, and dsi to
-//                       dsi_part (a second named barrier: dsi complete).
+//      dsi handed to the dK warpgroup (a proxy fence and dsi_full; the tile is rewritten after its dsi_empty);
+//      dq_idx += dsi K_idx (warp w: Di columns [32 w, +32), mma.sync) as 16-byte reds (a second named barrier:
+//                       dsi complete).
+//  - with the index gradient, warpgroup 3, the dK warpgroup (setmaxnreg up to 168): index dk folded in
+//    (dk_warpgroup below; it replaced the index dk kernel and the dsi_part round trip, s51).
 // K, V and K_idx of the block are loaded once by the consumers (cp.async, a proxy fence for the wgmma
 // reads of K and V, one barrier of the consumers) while the producer reads the unit table and gathers the first
 // tiles. Measured at 32K (s16): 3.55 ms for the general sm_90a pass, 2.81 for this one as first built, 2.74
@@ -45,6 +49,7 @@
 #include "common/wgmma_sm90.h"
 #include "params.h"
 #include "sm80/sparse_fwd/sparse_fwd.h"
+#include "sm90/sparse_fwd/sparse_fwd.h"
 
 namespace msa::sm90::out_ws {
 
@@ -66,23 +71,28 @@ constexpr int kUnits = 16;             // units per tile: one consumer warpgroup
 constexpr int kRows = kUnits * kGu;    // 64
 constexpr int kDi = 128;               // index head dim in shared memory (Di = 64 zero-filled)
 constexpr int kStages = 4;             // the producer's ring: 4 / 3 tiles ahead per consumer
-constexpr int kConsumers = 3;          // consumer warpgroups: tile t goes to consumer t % kConsumers
-constexpr int kThreads = 128 * (1 + kConsumers);
+constexpr int kThreads = 512;          // the producer and three more warpgroups
+// Without the index gradient (kDsi = false) the three are consumers; with it two consumers and the dK warpgroup
+// (index dk folded in: dK_idx of the item's block accumulated in its registers). Tile t goes to consumer
+// t % consumers<kDsi>().
+template <bool kDsi>
+constexpr int consumers() { return kDsi ? 2 : 3; }
 constexpr int kSiS = kKeys + 8;        // floats per S_idx row: the 8 units of a fragment in distinct banks
-constexpr int kProducerRegs = 40, kConsumerRegs = 152;
+constexpr int kProducerRegs = 40, kConsumerRegs = 152, kDkRegs = 168;
 // setmaxnreg moves registers within the CTA's pool from the launch (128 per thread at 512 threads, by
 // __launch_bounds__): a request past it would never be granted (the consumers would wait forever).
-static_assert(kProducerRegs * 128 + kConsumerRegs * 128 * kConsumers <= (65536 / kThreads & ~7) * kThreads,
+static_assert(kProducerRegs + kConsumerRegs * 3 <= 512 && kProducerRegs + kConsumerRegs * 2 + kDkRegs <= 512,
               "register pool");
-// Named barriers: 1 .. kConsumers = consumer warpgroup cw + 1 (group_sync); kBarConsumers = all consumers.
-constexpr int kBarConsumers = kConsumers + 1;
+// Named barriers: 1 .. 3 = consumer warpgroup cw + 1 (group_sync); kBarConsumers = every warpgroup but the producer.
+constexpr int kBarConsumers = 4;
 constexpr float kNegInf = -__builtin_huge_valf();
 constexpr float kMinNormal = 1.17549435e-38f;  // see smxx/sparse_fwd/sparse_fwd_body.cuh: pm * log2 pm from here on
 
-template <typename T, int D>
+template <typename T, int D, int kConsumers>
 struct Smem {  // byte offsets from the 1024-aligned base
   using KT = KMajorSw128<kKeys, D>;     // K and V (V read MN-major)
   using KiT = KMajorSw128<kKeys, kDi>;  // K_idx
+  using DsiT = KMajorSw128<kUnits, kKeys>;  // a consumer's dsi tile (the dK warpgroup's B operand, MN-major)
   static constexpr int k = 0;
   static constexpr int v = k + kKeys * D * 2;
   static constexpr int ki = v + kKeys * D * 2;
@@ -94,17 +104,18 @@ struct Smem {  // byte offsets from the 1024-aligned base
   static constexpr int s_lse_idx = s_lse + kRows * 4;
   static constexpr int stage_bytes = (s_lse_idx + kUnits * 4 + 1023) / 1024 * 1024;
   static constexpr int stage0 = ki + kKeys * kDi * 2;
-  // Per consumer: S_idx (fp32, log2 domain) and dsi (SwizzledTile<kKeys>, input dtype).
-  static constexpr int c_si = 0;
-  static constexpr int c_dsi = c_si + kUnits * kSiS * 4;
-  static constexpr int cons_bytes = c_dsi + kUnits * kKeys * 2;
+  // Per consumer: dsi (DsiT, input dtype; 1024-aligned for wgmma) and S_idx (fp32, log2 domain).
+  static constexpr int c_dsi = 0;
+  static constexpr int c_si = c_dsi + kUnits * kKeys * 2;
+  static constexpr int cons_bytes = (c_si + kUnits * kSiS * 4 + 1023) / 1024 * 1024;
   static constexpr int cons0 = stage0 + kStages * stage_bytes;
   static constexpr int table = cons0 + kConsumers * cons_bytes;  // the item's units: local entry ids, tokens
+  // full[kStages], empty[kStages], then dsi_full[2], dsi_empty[2] (consumer c's dsi tile, for the dK warpgroup)
   static constexpr int bars = table + 2 * sm80::kFwdMaxItemUnits * 4;
-  static constexpr int bytes = bars + 2 * kStages * 8;
-  static_assert(stage0 % 1024 == 0 && stage_bytes % 1024 == 0 && s_qi % 1024 == 0 && cons_bytes % 256 == 0 &&
-                    c_dsi % 256 == 0,
-                "tiles aligned for the XOR addressing");
+  static constexpr int bytes = bars + (2 * kStages + 4) * 8;
+  static_assert(stage0 % 1024 == 0 && stage_bytes % 1024 == 0 && s_qi % 1024 == 0 && cons_bytes % 1024 == 0 &&
+                    c_dsi % 1024 == 0 && c_si % 256 == 0,
+                "tiles aligned for the XOR addressing and the descriptors");
 };
 
 template <int N>
@@ -117,11 +128,15 @@ __device__ __forceinline__ void cp_async_mbar_arrive(uint64_t* bar) {
   asm volatile("cp.async.mbarrier.arrive.noinc.shared::cta.b64 [%0];\n" ::"r"(smem_addr(bar)) : "memory");
 }
 // The ring's barriers (one thread, before a CTA barrier): full completes on the 128 producer threads'
-// cp.async arrivals, empty on the consuming warpgroup's 128 threads.
-__device__ __forceinline__ void init_ring(uint64_t* full, uint64_t* empty, int stages) {
+// cp.async arrivals, empty on the consuming warpgroup's 128 threads (and the dK warpgroup's: empty_count 256);
+// dsi_full / dsi_empty (kDk) on consumer c's / the dK warpgroup's 128 threads.
+__device__ __forceinline__ void init_ring(uint64_t* full, uint64_t* empty, int stages, bool kDk = false) {
   for (int s = 0; s < stages; ++s) {
     mbar_init(&full[s], 128);
-    mbar_init(&empty[s], 128);
+    mbar_init(&empty[s], kDk ? 256 : 128);
+  }
+  if (kDk) {
+    for (int i = 0; i < 4; ++i) mbar_init(&empty[stages + i], 128);  // dsi_full[2], dsi_empty[2]
   }
   mbar_fence_init();
 }
@@ -184,14 +199,97 @@ __device__ __forceinline__ void gather_q(const SparseFwdParams& p, int r, const 
   }
 }
 
+// The dK warpgroup (kDsi: index dk folded into the pass; IndexDkParams' math): per tile t, after the stage's
+// Q_idx landed (full) and consumer t % kConsumers wrote and fenced its dsi tile (dsi_full),
+//   dK_idx^T[Di, keys] += Q_idx^T[Di, 16 units] dsi[16 units, keys]
+// as two wgmma m64n128k16 RS (A = Q_idx^T by transposing ldmatrix from the stage, Di rows [64 h, +64); B = the dsi
+// tile MN-major), then the dsi tile and the stage released. The accumulator stays in registers over the item (warp
+// dw: Di rows 64 h + 16 dw + g, + 8; keys 8 n + 2 tq, + 1); at the end, scaled by dqi_scale, it goes out as 16-byte
+// reds into dki_accum (keys < blen, Di < di) or stores into dki_part[item] (every key row: deterministic), after a
+// 4 x 4 transpose over the lanes g % 4 that gives each lane 4 consecutive Di of one key.
+template <typename T, int D, int kConsumers>
+__device__ __forceinline__ void dk_warpgroup(const SparseFwdParams& p, const FwdItem& f, unsigned char* smem,
+                                             uint64_t* full, uint64_t* empty, uint64_t* dsi_full, uint64_t* dsi_empty,
+                                             int n_tiles, int dw, int lane) {
+  using L = Smem<T, D, kConsumers>;
+  using DsiT = typename L::DsiT;
+  using QiTile = SwizzledTile<kDi>;
+  const uint32_t smem0 = smem_addr(smem);
+  const int g = lane / 4, tq = lane % 4;
+  // ldmatrix.trans x4: matrix j = lane / 8 is (units 8 (j / 2) + lane % 8) x (Di chunk 2 dw + j % 2 of half h).
+  const uint32_t qi_t = QiTile::bytes((lane & 7) + 8 * (lane >> 4), 2 * dw + ((lane >> 3) & 1));
+  float acc[2][kKeys / 2];
+  const bool two = p.di > 64;  // Di = 64: the second half of Q_idx^T is zero-filled, skipped
+  for (int t = 0; t < n_tiles; ++t) {
+    const int s = t % kStages, c = t % kConsumers;
+    mbar_wait(&full[s], (t / kStages) & 1);
+    const uint32_t qi_addr = smem0 + L::stage0 + s * L::stage_bytes + L::s_qi + qi_t;
+    uint32_t a[2][4];
+#pragma unroll
+    for (int h = 0; h < 2; ++h) sm80::ldmatrix_x4_trans_at(a[h], qi_addr ^ (h << 7));  // chunk + 8 h
+    mbar_wait(&dsi_full[c], (t / kConsumers) & 1);
+    const uint64_t b = DsiT::desc_mn(smem0 + L::cons0 + c * L::cons_bytes + L::c_dsi, 0);
+    wgmma_fence();
+#pragma unroll
+    for (int h = 0; h < 2; ++h)
+      if (h == 0 || two) WgmmaRS<T, kKeys, true>::run(acc[h], a[h], b, t > 0);
+    wgmma_commit();
+    wgmma_wait<0>();
+    fence_regs(acc[0]);
+    fence_regs(acc[1]);
+    mbar_arrive(&dsi_empty[c]);
+    mbar_arrive(&empty[s]);
+  }
+  const float sc = p.dqi_scale;
+  const int tok0 = f.span.k_start + f.span.key0, blen = f.span.blen;
+  const int kih = f.r / (p.hi / p.hki);
+  const int gb = g & 3;
+#pragma unroll
+  for (int h = 0; h < 2; ++h) {
+    if (h == 1 && !two) break;
+#pragma unroll
+    for (int n = 0; n < kKeys / 8; n += 2) {
+#pragma unroll
+      for (int half = 0; half < 2; ++half) {
+        // x[j]: Di row g (+ 8 half), key 8 n + 2 tq + (j & 1) + 8 (j >> 1); after the transpose over gb: key
+        // index j = gb, Di rows 4 (g / 4) + i (+ 8 half) for x[i].
+        float x[4] = {acc[h][4 * n + 2 * half], acc[h][4 * n + 2 * half + 1], acc[h][4 * n + 4 + 2 * half],
+                      acc[h][4 * n + 5 + 2 * half]};
+#pragma unroll
+        for (int m = 1; m < 4; m <<= 1) {
+          const bool hi = (gb & m) != 0;
+#pragma unroll
+          for (int j0 = 0; j0 < 4; ++j0) {
+            if ((j0 & m) == 0) {
+              const float recv = __shfl_xor_sync(0xffffffffu, hi ? x[j0] : x[j0 | m], 4 * m);
+              if (hi) x[j0] = recv; else x[j0 | m] = recv;
+            }
+          }
+        }
+        const int key = 8 * n + 2 * tq + (gb & 1) + 8 * (gb >> 1);
+        const int d0 = 64 * h + 16 * dw + 8 * half + 4 * (g >> 2);
+        const float4 v = make_float4(x[0] * sc, x[1] * sc, x[2] * sc, x[3] * sc);
+        if (d0 < p.di) {
+          if (p.dki_part != nullptr) {
+            *reinterpret_cast<float4*>(p.dki_part + (int64_t(f.item) * kKeys + key) * p.di + d0) = v;
+          } else if (key < blen) {
+            sm80::atomic_add4(p.dki_accum + (int64_t(tok0 + key) * p.hki + kih) * p.di + d0, v);
+          }
+        }
+      }
+    }
+  }
+}
+
 template <typename T, int D, bool kDsi>
 __global__ void __launch_bounds__(kThreads, 1) out_pass_ws_kernel(SparseFwdParams p) {
-  using L = Smem<T, D>;
+  constexpr int kConsumers = consumers<kDsi>();
+  using L = Smem<T, D, kConsumers>;
+  using DsiT = typename L::DsiT;
   using KT = typename L::KT;
   using KiT = typename L::KiT;
   using QTile = SwizzledTile<D>;
   using QiTile = SwizzledTile<kDi>;
-  using PTile = SwizzledTile<kKeys>;
   extern __shared__ __align__(128) unsigned char smem_raw[];
   unsigned char* smem = smem_raw + ((1024 - (smem_addr(smem_raw) & 1023)) & 1023);
   T* sK = reinterpret_cast<T*>(smem + L::k);
@@ -201,10 +299,12 @@ __global__ void __launch_bounds__(kThreads, 1) out_pass_ws_kernel(SparseFwdParam
   int* sTokAll = sEntryAll + sm80::kFwdMaxItemUnits;
   uint64_t* full = reinterpret_cast<uint64_t*>(smem + L::bars);
   uint64_t* empty = full + kStages;
+  uint64_t* dsi_full = empty + kStages;  // [2] (kDsi)
+  uint64_t* dsi_empty = dsi_full + 2;    // [2]
 
   FwdItem f;
   if (!fwd_item(p, f)) return;
-  const int r = f.r, u_begin = f.u_begin, n_units = f.n_units;
+  const int r = f.r, n_units = f.n_units;
   // The query row at the block's first key's position: a query row t sees the block's keys up to t - kpos0.
   const int kpos0 = f.span.q_origin + f.span.key0, blen = f.span.blen;
   const int n_tiles = (n_units + kUnits - 1) / kUnits;
@@ -214,7 +314,7 @@ __global__ void __launch_bounds__(kThreads, 1) out_pass_ws_kernel(SparseFwdParam
   // (the table and the mbarriers) the producer gathers the first tiles while those loads are in flight.
   if (tid < 128) {
     load_unit_table(p, f, sEntryAll, sTokAll, tid, 128);
-    if (tid == 0) init_ring(full, empty, kStages);
+    if (tid == 0) init_ring(full, empty, kStages, kDsi);
   } else {
     load_block<T, D, true>(p, f, sK, sV, sKi, tid - 128, kThreads - 128);
   }
@@ -246,17 +346,25 @@ __global__ void __launch_bounds__(kThreads, 1) out_pass_ws_kernel(SparseFwdParam
     return;
   }
 
-  // Consumers: K, V and K_idx landed (each thread's own copies, then all consumer threads), made visible to
-  // wgmma (async proxy) by each writer's fence.
-  setmaxnreg_inc<kConsumerRegs>();
+  // Consumers (and the dK warpgroup): K, V and K_idx landed (each thread's own copies, then all of their
+  // threads), made visible to wgmma (async proxy) by each writer's fence.
   sm80::cp_async_wait<0>();
   fence_proxy_async_smem();
   asm volatile("bar.sync %0, %1;\n" ::"n"(kBarConsumers), "n"(kThreads - 128) : "memory");
-  const int cw = tid / 128 - 1;  // consumer 0 .. kConsumers - 1
+  const int cw = tid / 128 - 1;  // consumer 0 .. kConsumers - 1 (kConsumers: the dK warpgroup)
   const int ctid = tid % 128, wq = ctid / 32, lane = tid % 32, g = lane / 4, tq = lane % 4;
+  if constexpr (kDsi) {
+    if (cw == kConsumers) {
+      setmaxnreg_inc<kDkRegs>();
+      dk_warpgroup<T, D, kConsumers>(p, f, smem, full, empty, dsi_full, dsi_empty, n_tiles, wq, lane);
+      return;
+    }
+  }
+  setmaxnreg_inc<kConsumerRegs>();
+  const uint32_t smem0 = smem_addr(smem);
   const int gi = g & (kGu - 1);  // the row's head in its unit
   float* sSi = reinterpret_cast<float*>(smem + L::cons0 + cw * L::cons_bytes + L::c_si);
-  T* sDsi = reinterpret_cast<T*>(smem + L::cons0 + cw * L::cons_bytes + L::c_dsi);
+  const uint32_t dsi_addr = smem0 + L::cons0 + cw * L::cons_bytes + L::c_dsi;
   const float iscale2 = p.index_scale * kLog2e;
   const float inv_g = 1.f / float(kGu);
   const uint32_t k_addr = smem_addr(sK), v_addr = smem_addr(sV);
@@ -265,7 +373,6 @@ __global__ void __launch_bounds__(kThreads, 1) out_pass_ws_kernel(SparseFwdParam
   T* part = static_cast<T*>(p.out_part);
   // Shared-memory addresses: each lane's base once, then one XOR (and immediates) per k-step or chunk
   // (SwizzledTile / KMajorSw128::bytes), so the loop does not rebuild the swizzle per tile.
-  const uint32_t smem0 = smem_addr(smem);
   const int l8 = lane & 7, l16 = lane >> 4, b8 = (lane >> 3) & 1;
   // S's A fragments: rows 16 wq + lane % 16 of the stage's Q, chunk 2 ks + l16 -> base ^ (ks << 5).
   const uint32_t q_frag = QTile::bytes(wq * 16 + (lane & 15), l16);
@@ -279,14 +386,16 @@ __global__ void __launch_bounds__(kThreads, 1) out_pass_ws_kernel(SparseFwdParam
   // + h 32 / (D / 8), lr = lane / (D / 8)), chunk lane % (D / 8); (rr + lr) & 7 = (rr & 7) ^ lr, so its bytes
   // are base ^ ((rr & 7) << 4) + 2 D rr.
   const uint32_t o_read = QTile::bytes(16 * wq + lane / (D / 8), lane % (D / 8));
-  // dsi of the units uu0, uu1, chunk n + gi (n % 4 = 0) + 2 tq elements -> base ^ (n << 4).
-  const uint32_t dsi_w0 = PTile::bytes(uu0, gi) + 4 * tq, dsi_w1 = PTile::bytes(uu1, gi) + 4 * tq;
-  // dq_idx += dsi K_idx: A = dsi rows lane % 16, chunk 2 kk + l16 -> base ^ (kk << 5); B = K_idx read
-  // transposed, rows 16 kk + l8 + 8 b8, chunk 4 wq + 2 dp + l16 -> base ^ (dp << 5) + 2048 kk.
-  const uint32_t dsi_frag = smem_addr(sDsi) + PTile::bytes(lane & 15, l16);
+  // dsi of the units uu0, uu1, chunk n + gi (n % 4 = 0; DsiT: 64-key panels) + 2 tq elements ->
+  // (base ^ ((n % 8) << 4)) + panel n / 8.
+  const uint32_t dsi_w0 = dsi_addr + DsiT::bytes(uu0, gi) + 4 * tq, dsi_w1 = dsi_addr + DsiT::bytes(uu1, gi) + 4 * tq;
+  // dq_idx += dsi K_idx: A = dsi rows lane % 16, chunk 2 kk + l16 -> (base ^ ((kk % 4) << 5)) + panel kk / 4; B =
+  // K_idx read transposed, rows 16 kk + l8 + 8 b8, chunk 4 wq + 2 dp + l16 -> base ^ (dp << 5) + 2048 kk.
+  const uint32_t dsi_frag = dsi_addr + DsiT::bytes(lane & 15, l16);
   const uint32_t kit_frag = smem0 + L::ki + KiT::bytes(l8 + 8 * b8, 4 * wq + l16);
   for (int t = cw; t < n_tiles; t += kConsumers) {
     const int s = t % kStages;
+    const int k_own = t / kConsumers;  // this consumer's tile count so far
     mbar_wait(&full[s], (t / kStages) & 1);
     unsigned char* st = smem + L::stage0 + s * L::stage_bytes;
     const uint32_t st_addr = smem0 + L::stage0 + s * L::stage_bytes;
@@ -395,6 +504,8 @@ __global__ void __launch_bounds__(kThreads, 1) out_pass_ws_kernel(SparseFwdParam
     }
 
     group_sync(1 + cw);  // S_idx of all the group's keys
+    // The dK warpgroup has read this consumer's previous dsi tile.
+    if (kDsi && k_own > 0) mbar_wait(&dsi_empty[cw], (k_own - 1) & 1);
     // KL terms: lane gi holds the unit sums of n-tiles n + gi (n % 4 = 0) of rows g, g + 8.
     float acc0 = 0.f, acc1 = 0.f;  // log2 domain: sum pm (log2 pm - si)
 #pragma unroll
@@ -415,10 +526,14 @@ __global__ void __launch_bounds__(kThreads, 1) out_pass_ws_kernel(SparseFwdParam
           const float li = h ? li1 : li0;
           const float d0 = col <= lim ? fast_exp2(si.x - li) - pm0 : 0.f;
           const float d1 = col + 1 <= lim ? fast_exp2(si.y - li) - pm1 : 0.f;
-          *reinterpret_cast<uint32_t*>(reinterpret_cast<unsigned char*>(sDsi) + ((h ? dsi_w1 : dsi_w0) ^ (n << 4))) =
-              pack2<T>(d0, d1);
+          const uint32_t a = ((h ? dsi_w1 : dsi_w0) ^ ((n & 7) << 4)) + (n >> 3) * (DsiT::kPanelElems * 2);
+          *reinterpret_cast<uint32_t*>(smem + (a - smem0)) = pack2<T>(d0, d1);
         }
       }
+    }
+    if constexpr (kDsi) {  // this thread's dsi writes, to the dK warpgroup's wgmma (async proxy)
+      fence_proxy_async_smem();
+      mbar_arrive(&dsi_full[cw]);
     }
 #pragma unroll
     for (int off = 1; off < 4 * kGu; off <<= 1) {  // over tq, then over the unit's lanes gi
@@ -464,12 +579,6 @@ __global__ void __launch_bounds__(kThreads, 1) out_pass_ws_kernel(SparseFwdParam
     // dsi of all the group's units complete, and every read of S_idx done (the next tile rewrites it).
     group_sync(1 + cw);
     if constexpr (kDsi) {
-      // dsi to the chunk's buffer at the units' places in the reverse index (consecutive rows).
-      for (int i = ctid; i < nu * (kKeys / 8); i += 128) {
-        const int u = i / (kKeys / 8), ch = i % (kKeys / 8);
-        *reinterpret_cast<uint4*>(static_cast<T*>(p.dsi_part) + int64_t(u_begin + ub + u) * kKeys + ch * 8) =
-            *reinterpret_cast<const uint4*>(sDsi + PTile::offset(u, ch));
-      }
       // dq_idx += dsi K_idx: warp wq takes Di columns [32 wq, +32) of the 16 units.
       if (wq * 32 < p.di) {
         float dq[4][4];
@@ -477,7 +586,7 @@ __global__ void __launch_bounds__(kThreads, 1) out_pass_ws_kernel(SparseFwdParam
 #pragma unroll
         for (int kk = 0; kk < kKeys / 16; ++kk) {
           uint32_t fa[4];
-          sm80::ldmatrix_x4_at(fa, dsi_frag ^ (kk << 5));
+          sm80::ldmatrix_x4_at(fa, (dsi_frag ^ ((kk & 3) << 5)) + (kk >> 2) * (DsiT::kPanelElems * 2));
 #pragma unroll
           for (int dp = 0; dp < 2; ++dp) {
             uint32_t fb[4];
@@ -513,9 +622,7 @@ __global__ void __launch_bounds__(kThreads, 1) out_pass_ws_kernel(SparseFwdParam
 }
 
 // Whether the warp-specialized pass applies: Gu = 4 with J = 1, the index branch and the main output.
-inline bool applies(const SparseFwdParams& p) {
-  return p.out_ws && p.fixed_gu == kGu && p.q_idx != nullptr && p.write_out && !p.small_smem;
-}
+inline bool applies(const SparseFwdParams& p) { return out_ws_applies(p); }
 
 // One CTA per work item of the chunk, `smem` bytes of dynamic shared memory (+ 1024 for the alignment).
 template <typename Kernel>
@@ -529,8 +636,9 @@ cudaError_t launch_items(Kernel kernel, int threads, int smem, const SparseFwdPa
 
 template <typename T, int D>
 cudaError_t launch(const SparseFwdParams& p, cudaStream_t stream) {
-  return launch_items(p.dsi_part != nullptr ? out_pass_ws_kernel<T, D, true> : out_pass_ws_kernel<T, D, false>,
-                      kThreads, Smem<T, D>::bytes, p, stream);
+  return p.dki_accum != nullptr  // the index gradient (kDsi): out_ws_fuses_index_dk
+             ? launch_items(out_pass_ws_kernel<T, D, true>, kThreads, Smem<T, D, consumers<true>()>::bytes, p, stream)
+             : launch_items(out_pass_ws_kernel<T, D, false>, kThreads, Smem<T, D, consumers<false>()>::bytes, p, stream);
 }
 
 }  // namespace msa::sm90::out_ws
