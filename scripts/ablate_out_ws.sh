@@ -11,19 +11,17 @@
 #   no_pv          the P V wgmmas (O is whatever the registers hold; staged and stored as before)
 #   no_out_store   the output partials' 16-byte global stores (O still staged in shared memory)
 #   no_kl_terms    the KL terms and the dsi tile (log2 / exp2 per unit and key)
-#   no_dsi_store   the dsi tile's copy to global memory
+#   no_dk_wgmma    the dK warpgroup's two wgmmas per tile (index dk folded into the pass, s52; its barriers stay)
+#   no_dk_reds     only the dK warpgroup's reds into dki_accum at the item's end
 #   no_dq          dq_idx: its mma.sync and the reds
 #   no_dq_reds     only dq_idx's reds
 #   no_index_branch  no_idx_logits, no_kl_terms and no_dq together (the index branch's share of the pass)
-#   two_consumers  two consumer warpgroups instead of three (a correct build: the main chain of a pass whose third
-#                  warpgroup would take the index branch)
-#   two_consumers_no_index  both: that pass's main consumers alone, the bound an index warpgroup could reach
+# (With the index gradient the pass runs two consumers beside the dK warpgroup, three without it: s52.)
 F=csrc/sm90/sparse_fwd/out_pass_ws.cuh
 # The edits that combined variants reuse.
 idx_logits='s/^      for (int ks = 0; ks < kDi \/ 16; ++ks) {$/      for (int ks = 0; ks < 0; ++ks) {/'
 kl_terms='s/^    for (int n = 0; n < kKeys \/ 8; n += kGu) {$/    for (int n = 0; n < 0; n += kGu) {/'
 dq='s/^      if (wq \* 32 < p.di) {$/      if (false) {/'
-two='s/^constexpr int kConsumers = 3; /constexpr int kConsumers = 2; /'
 export ABLATE_N=${ABLATE_N:-32768}
 export ABLATE_GREP=${ABLATE_GREP:-out_pass_ws_kernel|sparse_fwd_kernel}
 exec "$(dirname "$0")/ablate.sh" "${1:?usage: scripts/ablate_out_ws.sh OUTDIR}" \
@@ -33,9 +31,8 @@ exec "$(dirname "$0")/ablate.sh" "${1:?usage: scripts/ablate_out_ws.sh OUTDIR}" 
   "no_pv|$F|s/^        WgmmaRS<T, 64, true>::run/        if (false) WgmmaRS<T, 64, true>::run/" \
   "no_out_store|$F|s/^        if (u < nu) {\$/        if (false) {/" \
   "no_kl_terms|$F|$kl_terms" \
-  "no_dsi_store|$F|s/^      for (int i = ctid; i < nu \* (kKeys \/ 8); i += 128) {\$/      for (int i = ctid; i < 0; i += 128) {/" \
+  "no_dk_wgmma|$F|s/^      if (h == 0 || two) WgmmaRS<T, kKeys, true>::run(acc\[h\], a\[h\], b, t > 0);/      if (false) WgmmaRS<T, kKeys, true>::run(acc[h], a[h], b, t > 0);/" \
+  "no_dk_reds|$F|s/^            sm80::atomic_add4(p.dki_accum + /            if (false) sm80::atomic_add4(p.dki_accum + /" \
   "no_dq|$F|$dq" \
   "no_index_branch|$F|$idx_logits;$kl_terms;$dq" \
-  "two_consumers|$F|$two" \
-  "two_consumers_no_index|$F|$two;$idx_logits;$kl_terms;$dq" \
   "no_dq_reds|$F|s/^            for (int n = 0; n < 4; ++n) sm80::atomic_add4(dst + n \* 8, x\[n\]);/            for (int n = 0; n < 4; ++n) if (false) sm80::atomic_add4(dst + n * 8, x[n]);/"
