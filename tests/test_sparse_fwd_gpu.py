@@ -173,3 +173,24 @@ def test_stats_pass_overflowed_logits():
     flat = [x.reshape(B * N, *x.shape[2:]).to(device="cuda", dtype=torch.bfloat16) for x in (q, k, v, qi, ki)]
     cu = torch.tensor([0, N], dtype=torch.int32, device="cuda")
     _fwd_case(*flat, cu, N, 16, 128)
+
+
+@pytest.mark.parametrize("index_grad", [False, True])
+def test_fwd_results_do_not_depend_on_query_chunks(monkeypatch, index_grad):
+    """The forward's query chunks (MSA_PARTIAL_BUDGET bounds the tokens whose partials share one workspace) change
+    which units share a work item and a tile, never a row's math: out, the selection, lse, lse_idx and the KL rows
+    are bitwise equal between the default (one chunk here) and a 1 MiB budget (several). Written in s52 after a
+    change that chunked the warp-specialized path differently from the general one broke their bitwise comparison
+    (logs/20261205-issue17-s52, call 3); dq_idx / dk_idx (fp32 atomics, an order that varies) are left out."""
+    q, k, v, qi, ki, cu, mx = make_packed([2100, 700, 1, 300, 129], (16, 2, 4, 1), 128, 128, dtype=torch.bfloat16,
+                                          device="cuda", seed=52)
+    args = (q, k, v, qi, ki, cu, mx, 6, 128, 1 / math.sqrt(128), 1 / math.sqrt(128), False, True, index_grad, False)
+    monkeypatch.delenv("MSA_PARTIAL_BUDGET", raising=False)
+    poison_allocator()
+    one = ops.msa_fwd(*args)
+    monkeypatch.setenv("MSA_PARTIAL_BUDGET", str(1 << 20))
+    poison_allocator()
+    many = ops.msa_fwd(*args)
+    for name, i in (("out", 0), ("indices", 2), ("lse", 3), ("lse_idx", 4), ("kl_rows", 7)):
+        assert torch.isfinite(one[i].float()).all() or name == "indices", f"{name}: non-finite values"
+        assert torch.equal(one[i], many[i]), f"{name} depends on the query chunks"
