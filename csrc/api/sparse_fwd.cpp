@@ -323,6 +323,8 @@ SparseForward sparse_forward_cuda(const Tensor& q_in, const Tensor& k_in, const 
   cp.hi = int(Hi);
 
   [[maybe_unused]] const bool sm90 = use_sm90_kernels();
+  // Where the warp-specialized output pass computes dk_idx itself (index dk folded in), no index dk launch.
+  const bool dk_in_out_pass = sm90 && sm90::out_ws_fuses_index_dk(fp);
   for (int64_t t0 = 0; t0 < T; t0 += chunk) {
     const int64_t tc = std::min(chunk, T - t0);
     const int64_t n = Hi * tc * topk;
@@ -371,13 +373,7 @@ SparseForward sparse_forward_cuda(const Tensor& q_in, const Tensor& k_in, const 
 #endif
         return smxx::launch_index_dk(dp, bf16, stream);
       };
-      // The warp-specialized output pass computed dk_idx itself (index dk folded in).
-#ifdef MSA_WITH_SM90
-      const bool fused = sm90 && sm90::out_ws_fuses_index_dk(fp);
-#else
-      const bool fused = false;
-#endif
-      if (!fused) MSA_LAUNCH_CHECK(index_dk(q.scalar_type() == kBFloat16), "msa_fwd (index dk)");
+      if (!dk_in_out_pass) MSA_LAUNCH_CHECK(index_dk(q.scalar_type() == kBFloat16), "msa_fwd (index dk)");
       if (det) {
         item_reduce(dki_part, rp.item_offsets, rp.block_offsets, seqs, block_size, max_blocks, Hi, {res.kl_dk_idx});
       }
