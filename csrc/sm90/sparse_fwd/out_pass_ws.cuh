@@ -65,7 +65,7 @@ using sm80::pack2;
 using sm80::smem_addr;
 using sm80::SwizzledTile;
 
-constexpr int kGu = 4;                 // query heads per unit
+constexpr int kGu = kOutWsGu;           // query heads per unit (sparse_fwd.h's out_ws_applies dispatches on it)
 constexpr int kKeys = 128;             // keys of a block (block_size 64 uses the first half)
 constexpr int kUnits = 16;             // units per tile: one consumer warpgroup's 64 rows
 constexpr int kRows = kUnits * kGu;    // 64
@@ -620,9 +620,6 @@ __global__ void __launch_bounds__(kThreads, 1) out_pass_ws_kernel(SparseFwdParam
     }
   }
 }
-
-// Whether the warp-specialized pass applies: Gu = 4 with J = 1, the index branch and the main output.
-inline bool applies(const SparseFwdParams& p) { return out_ws_applies(p); }
 
 // One CTA per work item of the chunk, `smem` bytes of dynamic shared memory (+ 1024 for the alignment).
 template <typename Kernel>

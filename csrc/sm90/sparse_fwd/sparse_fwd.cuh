@@ -24,7 +24,7 @@ template <typename T, int D>
 cudaError_t launch_sparse_fwd(const SparseFwdParams& p, bool out_pass, cudaStream_t stream) {
   if (!out_pass && stats_ws::applies(p) && !p.idx_own_only) return stats_ws::launch<T, D>(p, stream);
   if (!out_pass) return p.fixed_gu == 4 ? launch_sparse_fwd_pass<T, D, false, 4>(p, stream) : launch_sparse_fwd_pass<T, D, false>(p, stream);
-  if (out_ws::applies(p)) return out_ws::launch<T, D>(p, stream);
+  if (out_ws_applies(p)) return out_ws::launch<T, D>(p, stream);
   return p.fixed_gu == 4 ? launch_sparse_fwd_pass<T, D, true, 4>(p, stream) : launch_sparse_fwd_pass<T, D, true>(p, stream);
 }
 

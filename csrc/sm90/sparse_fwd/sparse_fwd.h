@@ -11,10 +11,12 @@ namespace msa::sm90 {
 template <typename T, int D>
 cudaError_t launch_sparse_fwd(const SparseFwdParams& p, bool out_pass, cudaStream_t stream);
 
-// Whether the output pass runs the warp-specialized kernel (out_pass_ws.cuh): Gu = 4 with J = 1, the index
+// Query heads per unit of the warp-specialized output pass (out_pass_ws.cuh's kGu).
+constexpr int kOutWsGu = 4;
+// Whether the output pass runs the warp-specialized kernel (out_pass_ws.cuh): Gu = kOutWsGu with J = 1, the index
 // branch and the main output.
 inline bool out_ws_applies(const SparseFwdParams& p) {
-  return p.out_ws && p.fixed_gu == 4 && p.q_idx != nullptr && p.write_out && !p.small_smem;
+  return p.out_ws && p.fixed_gu == kOutWsGu && p.q_idx != nullptr && p.write_out && !p.small_smem;
 }
 // ... and, with the index gradient (dki_accum set), computes dk_idx itself: no index dk launch (dsi_part is then
 // not written).

@@ -203,7 +203,7 @@ __global__ void __launch_bounds__(kThreads, 1) stats_pass_ws_kernel(SparseFwdPar
 }
 
 // Whether the warp-specialized stats pass applies: the output pass's layout, with the main stats.
-inline bool applies(const SparseFwdParams& p) { return p.stats_ws && out_ws::applies(p) && p.main_stats; }
+inline bool applies(const SparseFwdParams& p) { return p.stats_ws && out_ws_applies(p) && p.main_stats; }
 
 template <typename T, int D>
 cudaError_t launch(const SparseFwdParams& p, cudaStream_t stream) {
