@@ -65,7 +65,7 @@ using sm80::pack2;
 using sm80::smem_addr;
 using sm80::SwizzledTile;
 
-constexpr int kGu = kOutWsGu;           // query heads per unit (sparse_fwd.h's out_ws_applies dispatches on it)
+constexpr int kGu = kOutWsGu;          // query heads per unit (sparse_fwd.h's out_ws_applies dispatches on it)
 constexpr int kKeys = 128;             // keys of a block (block_size 64 uses the first half)
 constexpr int kUnits = 16;             // units per tile: one consumer warpgroup's 64 rows
 constexpr int kRows = kUnits * kGu;    // 64
