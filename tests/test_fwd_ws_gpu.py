@@ -112,6 +112,30 @@ def test_ws_many_chunks_and_odd_items(monkeypatch, knobs):
     _check(monkeypatch, args, True)
 
 
+def test_ws_allocates_no_dsi_partials(monkeypatch):
+    """Where the warp-specialized output pass computes dk_idx itself (no index dk launch) the forward holds no dsi
+    partials (128 of the dtype per entry, entry = index head x token x selected block): its peak memory is below the
+    general pass's by their size (one chunk here: the same chunk either way)."""
+    heads, D, Di, bs, dtype = CASES[0]
+    lengths, topk = [8192], 6
+    q, k, v, qi, ki, cu, mx = make_packed(lengths, heads, D, Di, dtype=dtype, device="cuda", seed=9)
+    args = (q, k, v, qi, ki, cu, mx, topk, bs, 1 / math.sqrt(D), 1 / math.sqrt(Di), False, True, True, False)
+    peak = {}
+    for ws in (False, True, False):  # the general pass twice: its peak does not depend on the allocator's history
+        _run(monkeypatch, ws, args, stats=False)  # warm (and poisoned) caches: then measured on a second call
+        torch.cuda.synchronize()
+        base = torch.cuda.memory_allocated()
+        torch.cuda.reset_peak_memory_stats()
+        res = ops.msa_fwd(*args)
+        torch.cuda.synchronize()
+        measured = torch.cuda.max_memory_allocated() - base
+        assert peak.setdefault(ws, measured) == measured, "the general pass's peak moved between two calls"
+        del res
+    dsi = heads[2] * sum(lengths) * topk * 128 * q.element_size()
+    saved = peak[False] - peak[True]
+    assert 0.9 * dsi <= saved <= dsi + (16 << 20), f"saved {saved} bytes, dsi partials {dsi}"
+
+
 def test_ws_kernels_run(monkeypatch):
     """The layout dispatches to the warp-specialized kernels (and MSA_FWD_WS=0 to the general ones), so the
     comparisons above compare two different kernels."""

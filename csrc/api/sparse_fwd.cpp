@@ -164,7 +164,26 @@ SparseForward sparse_forward_cuda(const Tensor& q_in, const Tensor& k_in, const 
   // mode adds index_dk's per-item dk_idx partials: 128 x Di fp32 per item of <= units_per_item entries
   // (and at most one more item per key with an entry: max_work_items).
   const int units_per_item = fwd_units_per_item();
-  // per_token does not depend on no_stats (idx_stats is then not allocated): the same chunks either way.
+  // The output pass's configuration, needed here: where the warp-specialized pass computes dk_idx itself (index dk
+  // folded in) there is no dsi_part.
+  SparseFwdParams fp{};
+  fp.q_idx = index ? qi.data_ptr() : nullptr;
+  fp.write_out = !kl_only;
+  fp.small_smem = small;  // the 99 KB configuration (out_rows is then its own)
+  // The sm_90a output pass compiled for Gu = 4 heads per unit (fewer registers, compile-time KL loops)
+  // where it applies; MSA_FWD_FIXED_GU=0 keeps the general kernel (tests compare the two).
+  fp.fixed_gu = env_is("MSA_FWD_FIXED_GU", "0") ? 0 : fwd_fixed_gu(G, J);
+  // The warp-specialized output pass where it applies (Gu = 4 with the index branch); MSA_FWD_WS=0 keeps
+  // the general sm_90a pass (tests and A/B runs compare the two).
+  fp.out_ws = !env_is("MSA_FWD_WS", "0");
+  fp.dki_accum = grad ? ptr<float>(res.kl_dk_idx) : nullptr;
+  [[maybe_unused]] const bool sm90 = use_sm90_kernels();
+  // Where the warp-specialized output pass computes dk_idx itself (index dk folded in), no index dk launch.
+  const bool dk_in_out_pass = sm90 && sm90::out_ws_fuses_index_dk(fp);
+  const bool dsi = grad && !dk_in_out_pass;  // the dsi partials for index dk
+  // per_token does not depend on no_stats (idx_stats is then not allocated), nor on dsi: the same chunks for every
+  // kernel path, so their results can be compared bitwise (a row's lse moves by an ulp with its tile's company,
+  // tests/test_sparse_fwd_gpu.py::test_fwd_results_do_not_depend_on_query_chunks).
   const int64_t per_token =
       fwd_bytes_per_token(Hi, topk, G, D, q.element_size(), kl_only, grad, det, Di, units_per_item);
   const int64_t chunk = fwd_chunk_tokens(T, per_token, partial_budget(T, Hq, D, grad));
@@ -186,7 +205,7 @@ SparseForward sparse_forward_cuda(const Tensor& q_in, const Tensor& k_in, const 
   const size_t at_stats = ws.add(size_t(all_stats_floats) * sizeof(float));
   const size_t at_kl = ws.add(size_t(index ? entries : 0) * sizeof(float));
   const size_t at_out = ws.add(size_t(kl_only ? 0 : entries * G * D) * elem);
-  const size_t at_dsi = ws.add(size_t(grad ? entries * 128 : 0) * elem);
+  const size_t at_dsi = ws.add(size_t(dsi ? entries * 128 : 0) * elem);
   const ReverseIndexPlan ri_plan = plan_reverse_index(indices, seqs, topk, block_size, entries, units_per_item, ws, ws);
   const Tensor workspace = empty({int64_t(ws.total)}, kByte, q);
   char* const base = static_cast<char*>(workspace.data_ptr());
@@ -211,7 +230,6 @@ SparseForward sparse_forward_cuda(const Tensor& q_in, const Tensor& k_in, const 
   rp.emit_entries = true;
   rp.dense = dense;
 
-  SparseFwdParams fp{};
   fp.q = q.data_ptr();
   fp.k = k.data_ptr();
   fp.v = v.data_ptr();
@@ -222,7 +240,6 @@ SparseForward sparse_forward_cuda(const Tensor& q_in, const Tensor& k_in, const 
   fp.v_stride_t = v.stride(0);
   fp.v_stride_h = v.stride(1);
   if (index) {
-    fp.q_idx = qi.data_ptr();
     fp.k_idx = ki.data_ptr();
     fp.qi_stride_t = qi.stride(0);
     fp.qi_stride_h = qi.stride(1);
@@ -244,15 +261,7 @@ SparseForward sparse_forward_cuda(const Tensor& q_in, const Tensor& k_in, const 
   fp.scale_log2 = float(softmax_scale * 1.4426950408889634);
   fp.index_scale = float(index_scale);
   fp.main_stats = !kl_only;
-  fp.write_out = !kl_only;
   fp.out_rows = out_rows;
-  fp.small_smem = small;  // the 99 KB configuration (out_rows is then its own)
-  // The sm_90a output pass compiled for Gu = 4 heads per unit (fewer registers, compile-time KL loops)
-  // where it applies; MSA_FWD_FIXED_GU=0 keeps the general kernel (tests compare the two).
-  fp.fixed_gu = env_is("MSA_FWD_FIXED_GU", "0") ? 0 : fwd_fixed_gu(G, J);
-  // The warp-specialized output pass where it applies (Gu = 4 with the index branch); MSA_FWD_WS=0 keeps
-  // the general sm_90a pass (tests and A/B runs compare the two).
-  fp.out_ws = !env_is("MSA_FWD_WS", "0");
   // The warp-specialized stats pass only when asked for (MSA_FWD_WS_STATS=1, with the output pass's): it
   // measured no faster than the general one (1.545 vs 1.518 ms at 32K, s16).
   fp.stats_ws = env_is("MSA_FWD_WS_STATS", "1");
@@ -266,11 +275,10 @@ SparseForward sparse_forward_cuda(const Tensor& q_in, const Tensor& k_in, const 
   fp.out_part = out_part;
   fp.kl_part = index ? kl_part : nullptr;
   fp.lse_idx = index ? ptr<float>(res.lse_idx) : nullptr;
-  fp.dsi_part = grad ? dsi_part : nullptr;
+  fp.dsi_part = dsi ? dsi_part : nullptr;
   fp.dqi_accum = grad ? ptr<float>(res.kl_dq_idx) : nullptr;
   fp.dqi_lo = det ? ptr<float>(dqi_lo) : nullptr;
   fp.dqi_grid = det ? reinterpret_cast<const float4*>(ptr<float>(dqi_grid)) : nullptr;
-  fp.dki_accum = grad ? ptr<float>(res.kl_dk_idx) : nullptr;
   fp.dki_part = det ? ptr<float>(dki_part) : nullptr;
   // SPEC 4: d kl / d S_idx = (Pidx - P) / rows with S_idx = index_scale * q_idx . k_idx: the constant
   // factor is applied where the gradients accumulate.
@@ -322,9 +330,6 @@ SparseForward sparse_forward_cuda(const Tensor& q_in, const Tensor& k_in, const 
   cp.hq = int(Hq);
   cp.hi = int(Hi);
 
-  [[maybe_unused]] const bool sm90 = use_sm90_kernels();
-  // Where the warp-specialized output pass computes dk_idx itself (index dk folded in), no index dk launch.
-  const bool dk_in_out_pass = sm90 && sm90::out_ws_fuses_index_dk(fp);
   for (int64_t t0 = 0; t0 < T; t0 += chunk) {
     const int64_t tc = std::min(chunk, T - t0);
     const int64_t n = Hi * tc * topk;
