@@ -134,6 +134,7 @@ struct SparseFwdParams {
   bool idx_own_only;
   const float* lse;        // (Hq, T) natural log (output pass input)
   void* out_part;          // (entries, G, D) input dtype
+  int64_t out_entries;     // entries out_part holds (the extent of the warp-specialized pass's TMA store map)
   float* kl_part;          // (entries)
   // Output pass, optional: the KL's index gradient for d_kl = 1 (SPEC 4): dsi = Pidx - Pm per (entry,
   // key) without its constant factor, and dq_idx = dqi_scale * sum over the entries of dsi K_idx.

@@ -273,6 +273,7 @@ SparseForward sparse_forward_cuda(const Tensor& q_in, const Tensor& k_in, const 
   fp.idx_own_only = sel;
   fp.lse = ptr<float>(res.lse);
   fp.out_part = out_part;
+  fp.out_entries = kl_only ? 0 : entries;
   fp.kl_part = index ? kl_part : nullptr;
   fp.lse_idx = index ? ptr<float>(res.lse_idx) : nullptr;
   fp.dsi_part = dsi ? dsi_part : nullptr;

@@ -63,4 +63,24 @@ inline cudaError_t make_f32_rows_reduce_map(float* ptr, int w, int64_t rows, int
   return r == CUDA_SUCCESS ? cudaSuccess : cudaErrorNotSupported;
 }
 
+// The descriptor of a (rows, d) matrix of 16-bit T at ptr (rows contiguous, d = 64 or 128) written by TMA stores of
+// box_rows whole rows: seen as (rows, 2 segments, d / 2 columns) under the swizzle of the segment's width (64 bytes
+// at d = 64, 128 at d = 128), so the box's shared-memory side is the rows in order (d elements each) with the
+// 16-byte chunks of each 128-byte line L at chunk ^ (L % 8) (d = 128) or ^ (L % 4) (d = 64): the output pass's O
+// (sm90/sparse_fwd/out_pass_ws.cuh). cudaErrorNotSupported as make_rows_map.
+template <typename T>
+cudaError_t make_rows_store_map(void* ptr, int d, int64_t rows, int box_rows, CUtensorMap* map) {
+  const PFN_cuTensorMapEncodeTiled_v12000 encode = tensor_map_encoder();
+  if (encode == nullptr || (d != 64 && d != 128) || rows < 1) return cudaErrorNotSupported;
+  const cuuint64_t dims[3] = {cuuint64_t(d / 2), 2, cuuint64_t(rows)};
+  const cuuint64_t strides[2] = {cuuint64_t(d / 2) * sizeof(T), cuuint64_t(d) * sizeof(T)};
+  const cuuint32_t box[3] = {cuuint32_t(d / 2), 2, cuuint32_t(box_rows)};
+  const cuuint32_t elem_strides[3] = {1, 1, 1};
+  const CUresult r = encode(map, std::is_same_v<T, __half> ? CU_TENSOR_MAP_DATA_TYPE_FLOAT16 : CU_TENSOR_MAP_DATA_TYPE_BFLOAT16,
+                            3, ptr, dims, strides, box, elem_strides, CU_TENSOR_MAP_INTERLEAVE_NONE,
+                            d == 128 ? CU_TENSOR_MAP_SWIZZLE_128B : CU_TENSOR_MAP_SWIZZLE_64B,
+                            CU_TENSOR_MAP_L2_PROMOTION_NONE, CU_TENSOR_MAP_FLOAT_OOB_FILL_NONE);
+  return r == CUDA_SUCCESS ? cudaSuccess : cudaErrorNotSupported;
+}
+
 }  // namespace msa

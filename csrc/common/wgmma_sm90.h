@@ -83,6 +83,14 @@ __device__ __forceinline__ void tma_reduce_add_3d(const void* tensor_map, const 
                ::"l"(tensor_map), "r"(static_cast<uint32_t>(__cvta_generic_to_shared(src))), "r"(x), "r"(y), "r"(z)
                : "memory");
 }
+// Tensor bulk store: the box of `tensor_map` at coordinates (x, y, z) (innermost first) from shared memory at `src`
+// (laid out as the map's box, swizzle included), in this thread's current bulk group. Same fencing as
+// bulk_reduce_add_f32; boxes past the map's extent are not written.
+__device__ __forceinline__ void tma_store_3d(const void* tensor_map, const void* src, int x, int y, int z) {
+  asm volatile("cp.async.bulk.tensor.3d.global.shared::cta.tile.bulk_group [%0, {%2, %3, %4}], [%1];\n"
+               ::"l"(tensor_map), "r"(static_cast<uint32_t>(__cvta_generic_to_shared(src))), "r"(x), "r"(y), "r"(z)
+               : "memory");
+}
 __device__ __forceinline__ void bulk_commit() { asm volatile("cp.async.bulk.commit_group;\n" ::: "memory"); }
 // Until at most N of this thread's bulk groups are pending: reading their shared sources (kRead), or done.
 template <int N, bool kRead>

@@ -24,11 +24,11 @@
 //      O = P V          wgmma m64nD RS (P from registers, V MN-major), issued and left running under
 //      KL terms per (unit, key) and dsi = Pidx - Pm into the group's dsi tile (one named barrier of the
 //                       group before them: S_idx); then O is staged in the warp's own Q rows of the stage
-//                       (dead after Q K^T), stored as whole units in 16-byte chunks, the stage released,
-//                       the unit's KL sum written to kl_part;
+//                       (dead after Q K^T) and stored by TMA, one box per unit (s54), the unit's KL sum
+//                       written to kl_part;
 //      dsi handed to the dK warpgroup (a proxy fence and dsi_full; the tile is rewritten after its dsi_empty);
 //      dq_idx += dsi K_idx (warp w: Di columns [32 w, +32), mma.sync) as 16-byte reds (a second named barrier:
-//                       dsi complete).
+//                       dsi complete); the stage released once the warp's TMA stores have read it.
 //  - with the index gradient, warpgroup 3, the dK warpgroup (setmaxnreg up to 168): index dk folded in
 //    (dk_warpgroup below; it replaced the index dk kernel and the dsi_part round trip, s51).
 // K, V and K_idx of the block are loaded once by the consumers (cp.async, a proxy fence for the wgmma
@@ -38,6 +38,7 @@
 // consumers' loop from a per-lane base and one XOR per step (ncu: ~40% of their instructions were address
 // arithmetic, recomputed per tile).
 #pragma once
+#include <cuda.h>  // CUtensorMap (types only)
 #include <cuda_runtime.h>
 
 #include <cstdint>
@@ -46,6 +47,7 @@
 #include "common/fwd_item.cuh"
 #include "common/det_sum.h"
 #include "common/mma_sm80.h"
+#include "common/tma_map.h"
 #include "common/wgmma_sm90.h"
 #include "params.h"
 #include "sm80/sparse_fwd/sparse_fwd.h"
@@ -282,7 +284,7 @@ __device__ __forceinline__ void dk_warpgroup(const SparseFwdParams& p, const Fwd
 }
 
 template <typename T, int D, bool kDsi>
-__global__ void __launch_bounds__(kThreads, 1) out_pass_ws_kernel(SparseFwdParams p) {
+__global__ void __launch_bounds__(kThreads, 1) out_pass_ws_kernel(SparseFwdParams p, const __grid_constant__ CUtensorMap o_map) {
   constexpr int kConsumers = consumers<kDsi>();
   using L = Smem<T, D, kConsumers>;
   using DsiT = typename L::DsiT;
@@ -370,7 +372,6 @@ __global__ void __launch_bounds__(kThreads, 1) out_pass_ws_kernel(SparseFwdParam
   const uint32_t k_addr = smem_addr(sK), v_addr = smem_addr(sV);
   const int row0 = wq * 16 + g, row1 = row0 + 8;
   const int uu0 = row0 / kGu, uu1 = row1 / kGu;  // the rows' units in the tile
-  T* part = static_cast<T*>(p.out_part);
   // Shared-memory addresses: each lane's base once, then one XOR (and immediates) per k-step or chunk
   // (SwizzledTile / KMajorSw128::bytes), so the loop does not rebuild the swizzle per tile.
   const int l8 = lane & 7, l16 = lane >> 4, b8 = (lane >> 3) & 1;
@@ -380,12 +381,13 @@ __global__ void __launch_bounds__(kThreads, 1) out_pass_ws_kernel(SparseFwdParam
   // K_idx, chunk 2 ks + b8 -> panel ks / 4, base ^ ((ks % 4) << 5), + 2048 np (16 rows).
   const uint32_t qi_frag = QiTile::bytes(lane & 15, l16);
   const uint32_t ki_frag = smem0 + L::ki + KiT::bytes(wq * 32 + l8 + 8 * l16, b8);
-  // O staged in the warp's rows: (row0, chunk 8 panel + n) + 2 tq elements -> base ^ (n << 4) + 128 panel.
-  const uint32_t o_stage = QTile::bytes(row0, 0) + 4 * tq;
-  // Its readback: chunk lane + 32 h of unit 4 wq + uu (kGu D / 8 chunks) is row 16 wq + rr + lr (rr = kGu uu
-  // + h 32 / (D / 8), lr = lane / (D / 8)), chunk lane % (D / 8); (rr + lr) & 7 = (rr & 7) ^ lr, so its bytes
-  // are base ^ ((rr & 7) << 4) + 2 D rr.
-  const uint32_t o_read = QTile::bytes(16 * wq + lane / (D / 8), lane % (D / 8));
+  // O staged in the warp's rows as the TMA store's box (make_rows_store_map): the rows in order, 16-byte chunk c of
+  // 128-byte line L at c ^ (L % 8) (D = 128; line 2 row + panel) or c ^ (L % 4) (D = 64; line = row), so (row0,
+  // chunk 8 panel + n) + 2 tq elements -> (o_stage(panel) ^ (n << 4)) + 128 panel, row1 at + 16 D (the same L mod 8).
+  auto o_stage = [&](int panel) {
+    const int line = row0 * (2 * D / 128) + panel;
+    return uint32_t(row0 * 2 * D + 4 * tq + ((line & (D == 128 ? 7 : 3)) << 4));
+  };
   // dsi of the units uu0, uu1, chunk n + gi (n % 4 = 0; DsiT: 64-key panels) + 2 tq elements ->
   // (base ^ ((n % 8) << 4)) + panel n / 8.
   const uint32_t dsi_w0 = dsi_addr + DsiT::bytes(uu0, gi) + 4 * tq, dsi_w1 = dsi_addr + DsiT::bytes(uu1, gi) + 4 * tq;
@@ -547,31 +549,21 @@ __global__ void __launch_bounds__(kThreads, 1) out_pass_ws_kernel(SparseFwdParam
       fence_regs(ow[panel]);
 #pragma unroll
       for (int n = 0; n < 8; ++n) {
-        unsigned char* o = st + L::s_q + (o_stage ^ (n << 4)) + panel * 128;
+        unsigned char* o = st + L::s_q + (o_stage(panel) ^ (n << 4)) + panel * 128;
         *reinterpret_cast<uint32_t*>(o) = pack2<T>(ow[panel][4 * n], ow[panel][4 * n + 1]);
         *reinterpret_cast<uint32_t*>(o + 8 * 2 * D) = pack2<T>(ow[panel][4 * n + 2], ow[panel][4 * n + 3]);
       }
     }
+    // The warp's units out by TMA stores of whole units (a unit's kGu rows are kGu D contiguous outputs of part):
+    // this thread's writes to the async proxy, then lane l stores unit (16 / kGu) wq + l. The stage is released at the
+    // tile's end, once the stores have read it.
+    fence_proxy_async_smem();
     __syncwarp();
-    {
-      constexpr int kUnitChunks = kGu * D / 8;
-      static_assert(kUnitChunks % 32 == 0 && 32 % (D / 8) == 0 && kGu % (32 / (D / 8)) == 0,
-                    "a unit's chunks fill whole warp passes");
-#pragma unroll
-      for (int uu = 0; uu < 16 / kGu; ++uu) {
-        const int u = wq * (16 / kGu) + uu;
-        if (u < nu) {
-          T* dst = part + int64_t(sEntry[u]) * (kGu * D) + lane * 8;
-#pragma unroll
-          for (int h = 0; h < kUnitChunks / 32; ++h) {
-            const int rr = kGu * uu + h * (32 / (D / 8));
-            *reinterpret_cast<uint4*>(dst + h * 256) =
-                *reinterpret_cast<const uint4*>(st + L::s_q + (o_read ^ ((rr & 7) << 4)) + rr * 2 * D);
-          }
-        }
-      }
+    if (lane < 16 / kGu && wq * (16 / kGu) + lane < nu) {
+      const int u = wq * (16 / kGu) + lane;
+      tma_store_3d(&o_map, st + L::s_q + u * (kGu * D * 2), 0, 0, sEntry[u] * kGu);
+      bulk_commit();
     }
-    mbar_arrive(&empty[s]);  // this thread's reads of the stage are done (its values are in registers)
     if (tq == 0 && gi == 0) {
       if (uu0 < nu) p.kl_part[sEntry[uu0]] = acc0 * kLn2;
       if (uu1 < nu) p.kl_part[sEntry[uu1]] = acc1 * kLn2;
@@ -618,24 +610,37 @@ __global__ void __launch_bounds__(kThreads, 1) out_pass_ws_kernel(SparseFwdParam
         }
       }
     }
+    if (lane < 16 / kGu) bulk_wait<0, true>();  // this warp's stores have read the stage
+    __syncwarp();
+    mbar_arrive(&empty[s]);  // this thread's reads of the stage are done
   }
+  if (lane < 16 / kGu) bulk_wait<0, false>();  // the partials written before the CTA ends
 }
 
-// One CTA per work item of the chunk, `smem` bytes of dynamic shared memory (+ 1024 for the alignment).
-template <typename Kernel>
-cudaError_t launch_items(Kernel kernel, int threads, int smem, const SparseFwdParams& p, cudaStream_t stream) {
+// One CTA per work item of the chunk, `smem` bytes of dynamic shared memory (+ 1024 for the alignment); `extra`:
+// the kernel's arguments after p.
+template <typename Kernel, typename... Extra>
+cudaError_t launch_items(Kernel kernel, int threads, int smem, const SparseFwdParams& p, cudaStream_t stream,
+                         const Extra&... extra) {
   if (p.work.max_items == 0) return cudaSuccess;
   cudaError_t err = cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, smem + 1024);
   if (err != cudaSuccess) return err;
-  kernel<<<p.work.max_items, threads, smem + 1024, stream>>>(p);
+  kernel<<<p.work.max_items, threads, smem + 1024, stream>>>(p, extra...);
   return cudaGetLastError();
 }
 
 template <typename T, int D>
 cudaError_t launch(const SparseFwdParams& p, cudaStream_t stream) {
+  if (p.work.max_items == 0) return cudaSuccess;
+  // The output partials' store map: rows of D, boxes of one unit's kGu rows (entries < 2^31 / kGu: the partials'
+  // bytes, 2 kGu D per entry, would exceed any GPU's memory first).
+  CUtensorMap o_map;
+  const cudaError_t err = make_rows_store_map<T>(p.out_part, D, p.out_entries * kGu, kGu, &o_map);
+  if (err != cudaSuccess) return err;
   return p.dki_accum != nullptr  // the index gradient (kDsi): out_ws_fuses_index_dk
-             ? launch_items(out_pass_ws_kernel<T, D, true>, kThreads, Smem<T, D, consumers<true>()>::bytes, p, stream)
-             : launch_items(out_pass_ws_kernel<T, D, false>, kThreads, Smem<T, D, consumers<false>()>::bytes, p, stream);
+             ? launch_items(out_pass_ws_kernel<T, D, true>, kThreads, Smem<T, D, consumers<true>()>::bytes, p, stream, o_map)
+             : launch_items(out_pass_ws_kernel<T, D, false>, kThreads, Smem<T, D, consumers<false>()>::bytes, p, stream,
+                            o_map);
 }
 
 }  // namespace msa::sm90::out_ws
