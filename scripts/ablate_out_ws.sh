@@ -9,7 +9,7 @@
 #   no_exp         the exponentials of P (P = the raw logits)
 #   no_head_sum    the reduce-scatter of P over the unit's 4 heads (shuffles)
 #   no_pv          the P V wgmmas (O is whatever the registers hold; staged and stored as before)
-#   no_out_store   the output partials' 16-byte global stores (O still staged in shared memory)
+#   no_out_store   the output partials' TMA stores (O still staged in shared memory; since s54's 726c527)
 #   no_q_gather    the producer's global reads of the tiles' Q rows (cp.async with source size 0: the stage's Q
 #                  is zero-filled, its shared-memory writes and the full mbarrier stay; is the gather the bound?)
 #   no_kl_terms    the KL terms and the dsi tile (log2 / exp2 per unit and key)
@@ -31,7 +31,7 @@ exec "$(dirname "$0")/ablate.sh" "${1:?usage: scripts/ablate_out_ws.sh OUTDIR}" 
   "no_exp|$F|s/^    if (full_tile) exp_tile(std::false_type{}); else exp_tile(std::true_type{});/    (void)full_tile;/" \
   "no_head_sum|$F|s/^    for (int b = 1; b < kGu; b <<= 1) {\$/    for (int b = 1; b < 1; b <<= 1) {/" \
   "no_pv|$F|s/^        WgmmaRS<T, 64, true>::run/        if (false) WgmmaRS<T, 64, true>::run/" \
-  "no_out_store|$F|s/^        if (u < nu) {\$/        if (false) {/" \
+  "no_out_store|$F|s/^      tma_store_3d(/      if (false) tma_store_3d(/" \
   "no_q_gather|$F|s/^    cp_async_16(sQ + SwizzledTile<D>::offset(row, c), qh + int64_t(ok ? tok\[u\] : 0) \* p.q_stride_t, ok);/    cp_async_16(sQ + SwizzledTile<D>::offset(row, c), qh, false);/" \
   "no_kl_terms|$F|$kl_terms" \
   "no_dk_wgmma|$F|s/^      if (h == 0 || two) WgmmaRS<T, kKeys, true>::run(acc\[h\], a\[h\], b, t > 0);/      if (false) WgmmaRS<T, kKeys, true>::run(acc[h], a[h], b, t > 0);/" \
