@@ -178,9 +178,9 @@ SparseForward sparse_forward_cuda(const Tensor& q_in, const Tensor& k_in, const 
   fp.out_ws = !env_is("MSA_FWD_WS", "0");
   fp.dki_accum = grad ? ptr<float>(res.kl_dk_idx) : nullptr;
   [[maybe_unused]] const bool sm90 = use_sm90_kernels();
-  // Where the warp-specialized output pass computes dk_idx itself (index dk folded in), no index dk launch.
-  const bool dk_in_out_pass = sm90 && sm90::out_ws_fuses_index_dk(fp);
-  const bool dsi = grad && !dk_in_out_pass;  // the dsi partials for index dk
+  // The dsi partials and the index dk launch that reads them: none where the warp-specialized output pass computes
+  // dk_idx itself (index dk folded in).
+  const bool dsi = grad && !(sm90 && sm90::out_ws_fuses_index_dk(fp));
   // per_token does not depend on no_stats (idx_stats is then not allocated), nor on dsi: the same chunks for every
   // kernel path, so their results can be compared bitwise (a row's lse moves by an ulp with its tile's company,
   // tests/test_sparse_fwd_gpu.py::test_fwd_results_do_not_depend_on_query_chunks).
@@ -379,7 +379,7 @@ SparseForward sparse_forward_cuda(const Tensor& q_in, const Tensor& k_in, const 
 #endif
         return smxx::launch_index_dk(dp, bf16, stream);
       };
-      if (!dk_in_out_pass) MSA_LAUNCH_CHECK(index_dk(q.scalar_type() == kBFloat16), "msa_fwd (index dk)");
+      if (dsi) MSA_LAUNCH_CHECK(index_dk(q.scalar_type() == kBFloat16), "msa_fwd (index dk)");
       if (det) {
         item_reduce(dki_part, rp.item_offsets, rp.block_offsets, seqs, block_size, max_blocks, Hi, {res.kl_dk_idx});
       }
