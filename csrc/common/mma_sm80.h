@@ -217,6 +217,22 @@ __device__ __forceinline__ float fast_log2(float x) {
   return y;
 }
 
+// Smallest normal float. The KL terms take pm * log2(pm) only from here on: lg2.approx.ftz reads a
+// subnormal pm as 0 (-inf), and pm = (sum of the heads' P) / G is subnormal when the sum is below
+// 2^-124 (one head's P a little above the exp2 underflow, the others 0), which made the KL -inf.
+// Each term skipped is below 2^-126 * |log2 pm - s2| in size.
+constexpr float kMinNormal = 1.17549435e-38f;
+// One key's KL term in the log2 domain, pm (log2 pm - s2) with s2 the index logit in log2 units (SPEC 4): 0 for pm
+// below kMinNormal (pm = 0 at masked keys and past a block's end, where s2 may be stale shared memory: a select, as
+// 0 * NaN is NaN); a NaN pm (a non-finite input) passes, so the row's KL is NaN as in the reference.
+__device__ __forceinline__ float kl_term_log2(float pm, float s2) {
+  return !(pm < kMinNormal) ? pm * (fast_log2(pm) - s2) : 0.f;
+}
+// acc plus that term (one FFMA where the term is taken).
+__device__ __forceinline__ float kl_term_log2_add(float acc, float pm, float s2) {
+  return !(pm < kMinNormal) ? fmaf(pm, fast_log2(pm) - s2, acc) : acc;
+}
+
 // x = c * scale for a warp's m16 x (8 N) fragment array whose lane holds columns col0 + 8 n + 2 tq and + 1 of
 // rows g (entries 0-1) and g + 8 (entries 2-3); -inf past a row's last visible column (lim0 for row g, lim1
 // for g + 8; -1 masks the whole row). The index logits' masking before quad_row_max_sum.

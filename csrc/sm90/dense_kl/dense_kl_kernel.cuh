@@ -53,7 +53,7 @@ namespace dense_kl {
 using sm80::cp_async_16;
 using sm80::cp_async_4;
 using sm80::fast_exp2;
-using sm80::fast_log2;
+using sm80::kl_term_log2;
 using sm80::kLog2e;
 using sm80::ldmatrix_x4_trans;
 using sm80::pack2;
@@ -64,7 +64,6 @@ constexpr int kRows = 64;    // query rows per step
 constexpr int kMaxSlots = 5;  // Q ring: 5 slots where the shared memory allows, else 4 or 3
 constexpr int kThreads = 256;
 constexpr double kLn2 = 0.6931471805599453;  // the finish (in double)
-constexpr float kMinNormal = 1.17549435e-38f;
 
 template <int D, int Di>
 struct Smem {
@@ -427,7 +426,7 @@ __global__ void __launch_bounds__(dense_kl::kThreads, 1)
             const float pm = pb[4 * j + e];
             const float s2 = si[4 * j + e] * p.iscale_log2;
             const float ds = fast_exp2(s2 - lv[2 * j + (e & 1)]) - pm;
-            pb[4 * j + e] = !(pm < kMinNormal) ? pm * (fast_log2(pm) - s2) : 0.f;  // NaN P: a NaN row
+            pb[4 * j + e] = kl_term_log2(pm, s2);
             if constexpr (decltype(masked)::value) {
               si[4 * j + e] = visible(e, j) ? ds : 0.f;
             } else {

@@ -106,6 +106,27 @@ struct Smem {  // byte offsets from the 1024-aligned base
 // general sm_90a kernel it ignores small_smem).
 inline bool applies(const SparseBwdParams& p) { return p.ws; }
 
+// A warp's rows qrow and qrow + 8 of a 64-column dQ accumulator slice (acc[4 n + e]: columns col0 + 8 n and + 1, col0
+// holding the lane's 2 tq), times scale, into the fp32 dQ buffer buf (kStride floats a row); add: onto the values there.
+template <int kStride>
+__device__ __forceinline__ void put_dq_rows(float* buf, int qrow, int col0, const float (&acc)[32], float scale,
+                                            bool add) {
+#pragma unroll
+  for (int n = 0; n < 8; ++n) {
+    float2* d0 = reinterpret_cast<float2*>(buf + qrow * kStride + col0 + n * 8);
+    float2* d1 = reinterpret_cast<float2*>(buf + (qrow + 8) * kStride + col0 + n * 8);
+    float2 v0 = make_float2(acc[4 * n] * scale, acc[4 * n + 1] * scale);
+    float2 v1 = make_float2(acc[4 * n + 2] * scale, acc[4 * n + 3] * scale);
+    if (add) {
+      const float2 a0 = *d0, a1 = *d1;
+      v0 = make_float2(a0.x + v0.x, a0.y + v0.y);
+      v1 = make_float2(a1.x + v1.x, a1.y + v1.y);
+    }
+    *d0 = v0;
+    *d1 = v1;
+  }
+}
+
 // kTma: the TMA unit gather (a template parameter, so a profile names the path that ran); q_map / do_map: Q and dO
 // as (tokens, heads, D) in boxes of 64 columns x Gu heads x 1 token (unused without kTma).
 template <typename T, int D, bool kDet, bool kTma>
@@ -358,14 +379,7 @@ __global__ void __launch_bounds__(kThreads, 1)
         sDqTok[b * kRows + ctid] = dq_tok;
         sDqHead[b * kRows + ctid] = dq_head;
       }
-#pragma unroll
-      for (int n = 0; n < 8; ++n) {
-        const int col = wg * 64 + n * 8 + 2 * tq;
-        *reinterpret_cast<float2*>(buf + qrow * L::kDqStride + col) =
-            make_float2(dq_c[4 * n] * p.scale, dq_c[4 * n + 1] * p.scale);
-        *reinterpret_cast<float2*>(buf + (qrow + 8) * L::kDqStride + col) =
-            make_float2(dq_c[4 * n + 2] * p.scale, dq_c[4 * n + 3] * p.scale);
-      }
+      put_dq_rows<L::kDqStride>(buf, qrow, wg * 64 + 2 * tq, dq_c, p.scale, false);
       if (!kDet) fence_proxy_async_smem();  // the writer's bulk reductions read the buffer through the async proxy
       mbar_arrive(&dq_full[b]);
     };
@@ -531,21 +545,7 @@ __global__ void __launch_bounds__(kThreads, 1)
           }
           if (wg == 1) mbar_wait(&dq_half[b], (i >> 1) & 1);
         }
-#pragma unroll
-        for (int n = 0; n < 8; ++n) {
-          const int col = panel * 64 + n * 8 + 2 * tq;
-          float2* d0 = reinterpret_cast<float2*>(buf + qrow * L::kDqStride + col);
-          float2* d1 = reinterpret_cast<float2*>(buf + (qrow + 8) * L::kDqStride + col);
-          float2 v0 = make_float2(dq[4 * n] * p.scale, dq[4 * n + 1] * p.scale);
-          float2 v1 = make_float2(dq[4 * n + 2] * p.scale, dq[4 * n + 3] * p.scale);
-          if (wg == 1) {
-            const float2 a0 = *d0, a1 = *d1;
-            v0 = make_float2(a0.x + v0.x, a0.y + v0.y);
-            v1 = make_float2(a1.x + v1.x, a1.y + v1.y);
-          }
-          *d0 = v0;
-          *d1 = v1;
-        }
+        put_dq_rows<L::kDqStride>(buf, qrow, panel * 64 + 2 * tq, dq, p.scale, wg == 1);
       }
       // The writer's bulk reductions read the buffer through the async proxy: consumer 1's final values fenced.
       if (!kDet && wg == 1) fence_proxy_async_smem();

@@ -58,7 +58,7 @@ namespace msa::sm90::out_ws {
 using sm80::cp_async_16;
 using sm80::cp_async_4;
 using sm80::fast_exp2;
-using sm80::fast_log2;
+using sm80::kl_term_log2;
 using sm80::kLn2;
 using sm80::kLog2e;
 using sm80::ldmatrix_x4;
@@ -88,7 +88,6 @@ static_assert(kProducerRegs + kConsumerRegs * 3 <= 512 && kProducerRegs + kConsu
 // Named barriers: 1 .. 3 = consumer warpgroup cw + 1 (group_sync); kBarConsumers = every warpgroup but the producer.
 constexpr int kBarConsumers = 4;
 constexpr float kNegInf = -__builtin_huge_valf();
-constexpr float kMinNormal = 1.17549435e-38f;  // see smxx/sparse_fwd/sparse_fwd_body.cuh: pm * log2 pm from here on
 
 template <typename T, int D, int kConsumers>
 struct Smem {  // byte offsets from the 1024-aligned base
@@ -518,10 +517,7 @@ __global__ void __launch_bounds__(kThreads, 1) out_pass_ws_kernel(SparseFwdParam
         const int u = h ? uu1 : uu0;
         const float2 si = *reinterpret_cast<const float2*>(sSi + u * kSiS + col);
         const float pm0 = c[n][2 * h] * inv_g, pm1 = c[n][2 * h + 1] * inv_g;
-        // The select keeps pm = 0 (masked keys, keys past blen) out of log2; a NaN P passes (the row's
-        // KL is NaN, as in the reference).
-        const float term = (!(pm0 < kMinNormal) ? pm0 * (fast_log2(pm0) - si.x) : 0.f) +
-                           (!(pm1 < kMinNormal) ? pm1 * (fast_log2(pm1) - si.y) : 0.f);
+        const float term = kl_term_log2(pm0, si.x) + kl_term_log2(pm1, si.y);
         if (h) acc1 += term; else acc0 += term;
         if constexpr (kDsi) {  // SPEC 4: Pidx - Pm, 0 past the visible keys
           const int lim = h ? lim1 : lim0;

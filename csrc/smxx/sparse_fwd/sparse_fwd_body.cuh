@@ -105,11 +105,6 @@ struct SparseFwdShape {
 };
 
 constexpr float kFwdNegInf = -__builtin_huge_valf();
-// Smallest normal float. The KL terms take pm * log2(pm) only from here on: lg2.approx.ftz reads a
-// subnormal pm as 0 (-inf), and pm = (sum of the heads' P) / G is subnormal when the sum is below
-// 2^-124 (one head's P a little above the exp2 underflow, the others 0), which made the KL -inf.
-// Each term skipped is below 2^-126 * |log2 pm - si| in size.
-constexpr float kMinNormal = 1.17549435e-38f;
 
 // Rows per tile for Gu heads per unit: kRows / 4 units, at most kRows rows.
 __host__ __device__ inline int sparse_rows_per_tile(int gu, int rows) { return gu >= 4 ? rows : rows / 4 * gu; }
@@ -652,11 +647,8 @@ __global__ void __launch_bounds__(SparseFwdShape::threads<kOut, Mma::kWgmma, kRo
                   if (kGu > 0 || u >= 0) {
                     const float2 si = *reinterpret_cast<const float2*>(sSi + u * L::kSiS + col);
                     const float pm0 = v[n][2 * h] * inv_g, pm1 = v[n][2 * h + 1] * inv_g;
-                    // The select is needed: past block_size or blen the index logits were never written
-                    // (stale shared memory), and 0 * NaN is NaN (NOTES s35). A NaN P (a non-finite
-                    // input) passes the select: the row's KL is NaN, as in the reference.
-                    const float term = (!(pm0 < kMinNormal) ? pm0 * (fast_log2(pm0) - si.x) : 0.f) +
-                                       (!(pm1 < kMinNormal) ? pm1 * (fast_log2(pm1) - si.y) : 0.f);
+                    // Past block_size or blen the index logits were never written (NOTES s35).
+                    const float term = kl_term_log2(pm0, si.x) + kl_term_log2(pm1, si.y);
                     if (h) acc1 += term; else acc0 += term;
                     // SPEC 4: Pidx - P (times d_kl / rows later); 0 past the visible keys.
                     if (kMode == 1 || (kMode == 2 && grad)) {
@@ -832,7 +824,7 @@ __global__ void __launch_bounds__(SparseFwdShape::threads<kOut, Mma::kWgmma, kRo
               for (int hh = 0; hh < Gu; ++hh) s += float(sP[PTile::offset(u * Gu + hh, col / 8) + col % 8]);
             }
             pm = s * inv_g;
-            if (!(pm < kMinNormal)) acc += pm * (fast_log2(pm) - si[col]);  // log2 domain (si too); NaN P: NaN
+            acc = kl_term_log2_add(acc, pm, si[col]);  // log2 domain (si too)
             dsi = fast_exp2(si[col] - lse_idx2) - pm;  // SPEC 4: Pidx - P (times d_kl / rows later)
           }
           if (grad) sDsi[PTile::offset(u, col / 8) + col % 8] = T(dsi);
