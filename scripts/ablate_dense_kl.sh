@@ -18,7 +18,7 @@ exec "$(dirname "$0")/ablate.sh" "${1:?usage: scripts/ablate_dense_kl.sh OUTDIR}
   "no_dq_reds|$F|s/const bool ok0 = row0 + qrow < len_q, ok1 = row0 + qrow + 8 < len_q;/const bool ok0 = false, ok1 = false;/" \
   "no_dq|$F|s/^    if (grad) {\$/    if (false) {/" \
   "no_dk_gemm|$F|s/kk < 4; ++kk) WgmmaRS<T, Di, true>::run(dk,/kk < 0; ++kk) WgmmaRS<T, Di, true>::run(dk,/" \
-  "no_terms_mufu|$F|s/fast_exp2(s2 - lv\[2 \* j + (e \& 1)\])/(s2 - lv[2 * j + (e \& 1)])/;s/(fast_log2(pm) - s2)/(pm - s2)/" \
+  "no_terms_mufu|$F|s/fast_exp2(s2 - lv\[2 \* j + (e \& 1)\])/(s2 - lv[2 * j + (e \& 1)])/;s/pb\[4 \* j + e\] = kl_term_log2(pm, s2);/pb[4 * j + e] = !(pm < 1.17549435e-38f) ? pm * (pm - s2) : 0.f;/" \
   "no_head_exps|$F|s/pb\[4 \* j + e\] += fast_exp2(fmaf(sc\[4 \* j + e\], p.scale_log2, lv\[2 \* j + (e \& 1)\]));/pb[4 * j + e] += fmaf(sc[4 * j + e], p.scale_log2, lv[2 * j + (e \& 1)]);/" \
   "no_cta_barrier|$F|s/^    __syncthreads();  \/\/ sDs and sKl complete/    \/\/ no barrier/" \
   "no_kl_atomics|$F|s/if (tid < kRows \&\& row0 + tid < len_q) {  \/\/ KL in fixed point/if (false) {  \/\/ KL/" \

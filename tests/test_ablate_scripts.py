@@ -17,13 +17,18 @@ SCRIPTS = sorted(
     f for f in os.listdir(os.path.join(REPO, "scripts")) if f.startswith("ablate_") and f.endswith(".sh")
 )
 
-# The stand-in: for each spec, the number of source lines the sed changes (diff's '<' lines), one "NAME COUNT" line.
+# The stand-in: for each spec and each of its sed's s commands on its own (a multi-command sed is split before each
+# ";s/"), the number of source lines it changes (diff's '<' lines), one "NAME#K COUNT" line per command K.
 STUB = r"""#!/usr/bin/env bash
 shift
 for spec in "$@"; do
   IFS='|' read -r name file expr <<< "$spec"
-  n=$(sed "$expr" "$file" | diff - "$file" | grep -c '^<')
-  echo "$name $n"
+  k=0
+  while IFS= read -r cmd; do
+    n=$(sed "$cmd" "$file" | diff - "$file" | grep -c '^<')
+    echo "$name#$k $n"
+    k=$((k + 1))
+  done < <(printf '%s\n' "$expr" | sed 's/;s\//\ns\//g')
 done
 """
 
@@ -41,4 +46,4 @@ def test_every_ablation_edit_matches(script, tmp_path):
     counts = dict(line.rsplit(" ", 1) for line in out.stdout.splitlines() if line.strip())
     assert counts, f"{script}: no variants reached ablate.sh"
     dead = sorted(name for name, n in counts.items() if int(n) == 0)
-    assert not dead, f"{script}: these variants' sed no longer changes any line of their file: {dead}"
+    assert not dead, f"{script}: these variants' sed commands (#K: the K-th s command) no longer change any line: {dead}"
