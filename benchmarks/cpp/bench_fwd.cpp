@@ -61,6 +61,10 @@ std::vector<Knob> fwd_knobs(FwdConfig& cfg, bool passes) {
        [&cfg](const char* v) { cfg.budget = std::max<int64_t>(1, std::atoll(v)) << 20; }},
       {"--no-item-order", nullptr, "work items in key order, not largest first (MSA_ITEM_ORDER=0)",
        [&cfg](const char*) { cfg.item_order = false; }},
+      {"--sel-max-blocks", "B",
+       "msa modes, Hopper top-k: the kept blocks' index stats from the selection up to B key blocks per sequence "
+       "(default 128; 0: never; MSA_SEL_MAX_BLOCKS)",
+       [&cfg](const char* v) { cfg.sel_max_blocks = std::max(0, std::atoi(v)); }},
   };
   if (!passes) return knobs;
   knobs.insert(knobs.end(), {
@@ -79,6 +83,8 @@ FwdBench::FwdBench(const Problem& pb_, const FwdConfig& cfg_, int n_sets, uint64
   const int64_t T = pb.tokens, Hi = pb.hi, K = pb.topk, G = pb.g;
   index = cfg.mode != FwdMode::kSparse;
   grad = cfg.mode == FwdMode::kMsaGrad;
+  // The op's sel_stats_applies (csrc/api/sparse_fwd.cpp); sel stays only where the Hopper top-k ran (below).
+  sel = index && pb.sm90 && cfg.sel_max_blocks > 0 && (pb.n + pb.block - 1) / pb.block <= cfg.sel_max_blocks;
   // Chunk and reverse index sizes: csrc/api/sparse_fwd.cpp (through csrc/common/workspace.h).
   const int64_t per_token = fwd_bytes_per_token(Hi, K, G, pb.d, pb.elem, false, grad, false, pb.di, cfg.units_per_item);
   chunk = fwd_chunk_tokens(T, per_token, cfg.budget_for(T, pb.hq, pb.d));
@@ -109,7 +115,14 @@ FwdBench::FwdBench(const Problem& pb_, const FwdConfig& cfg_, int n_sets, uint64
     fill_normal(st.ki.get(), T * pb.hki * pb.di, pb.fp16, sd + 5, s);
     // The selection: the index top-k kernel on the random q_idx / k_idx, as msa_fwd does.
     st.indices = Buf(sizeof(int32_t) * entries);
-    BENCH_CHECK(launch_index_topk(pb, index_topk_params(pb, st.qi.get(), st.ki.get(), st.indices.as<int32_t>()), s));
+    IndexTopkParams tp = index_topk_params(pb, st.qi.get(), st.ki.get(), st.indices.as<int32_t>());
+    if (sel) {
+      st.sel_stats = Buf(sizeof(float2) * Hi * T);
+      tp.sel_stats = st.sel_stats.as<float2>();
+    }
+    bool topk_sm90 = false;
+    BENCH_CHECK(launch_index_topk(pb, tp, s, &topk_sm90));
+    sel = sel && topk_sm90;  // the portable top-k (no TMA descriptor) does not write them: the op drops them too
     if (sink) make_sink(st.indices.as<int32_t>(), Hi * T, int(K), s);
     st.attended = attended_tokens(st.indices.as<int32_t>(), pb, s);
 
@@ -122,7 +135,6 @@ FwdBench::FwdBench(const Problem& pb_, const FwdConfig& cfg_, int n_sets, uint64
       st.kl_rows = Buf(sizeof(float) * Hi * T);
     }
     if (grad) {
-      st.dsi_part = Buf(size_t(entries) * 128 * pb.elem);
       st.dqi = Buf(sizeof(float) * T * Hi * pb.di);
       st.dki = Buf(sizeof(float) * T * pb.hki * pb.di);
     }
@@ -157,6 +169,10 @@ FwdBench::FwdBench(const Problem& pb_, const FwdConfig& cfg_, int n_sets, uint64
       st.chunks.push_back(std::move(c));
     }
     sets.push_back(std::move(st));
+    if (grad) {  // the op's choice (csrc/api/sparse_fwd.cpp), from the params its passes get
+      if (si == 0) dsi = !(pb.sm90 && sm90::out_ws_fuses_index_dk(fwd_params(0, 0)));
+      if (dsi) sets.back().dsi_part = Buf(size_t(entries) * 128 * pb.elem);
+    }
     zero_grads(si);
     forward(si);  // every chunk's reverse index, partials, lse (and lse_idx, dsi) valid from here on
     BENCH_CHECK(cudaStreamSynchronize(s));
@@ -213,10 +229,13 @@ SparseFwdParams FwdBench::fwd_params(int set, int c) const {
   fp.idx_stats = index ? st.idx_stats.as<float2>() + base : nullptr;
   fp.lse = st.lse.as<float>();
   fp.out_part = static_cast<char*>(st.out_part.get()) + size_t(base) * pb.g * pb.d * pb.elem;
+  fp.out_entries = int64_t(pb.hi) * ch.tokens * pb.topk;  // the chunk's slice (the TMA store map's extent)
   fp.kl_part = index ? st.kl_part.as<float>() + base : nullptr;
   fp.lse_idx = index ? st.lse_idx.as<float>() : nullptr;
-  fp.dsi_part = grad ? static_cast<char*>(st.dsi_part.get()) + size_t(base) * 128 * pb.elem : nullptr;
+  fp.dsi_part = dsi ? static_cast<char*>(st.dsi_part.get()) + size_t(base) * 128 * pb.elem : nullptr;
   fp.dqi_accum = grad ? st.dqi.as<float>() : nullptr;
+  fp.dki_accum = grad ? st.dki.as<float>() : nullptr;  // the warp-specialized output pass's dk_idx (out_ws_fuses_index_dk)
+  fp.idx_own_only = sel;
   fp.dqi_scale = float(double(pb.index_scale) / double(pb.tokens * pb.hi));
   return fp;
 }
@@ -227,6 +246,7 @@ SparseCombineParams FwdBench::combine_params(int set, int c) const {
   SparseCombineParams cp{};
   cp.stats = fp.stats;
   cp.idx_stats = fp.idx_stats;
+  cp.sel_stats = sel ? st.sel_stats.as<float2>() : nullptr;
   cp.out_part = fp.out_part;
   cp.kl_part = fp.kl_part;
   cp.lse = st.lse.as<float>();
@@ -258,13 +278,13 @@ IndexDkParams FwdBench::dk_params(int set, int c) const {
   dp.work = fp.work;
   dp.dki_accum = grad ? st.dki.as<float>() : nullptr;
   dp.scale = fp.dqi_scale;
-  dp.total_tokens = int(pb.tokens);
   dp.num_seqs = int(pb.b);
   dp.topk = pb.topk;
   dp.block_size = pb.block;
   dp.hi = pb.hi;
   dp.hki = pb.hki;
   dp.di = pb.di;
+  dp.chunk_begin = fp.chunk_begin;
   dp.chunk_tokens = fp.chunk_tokens;
   return dp;
 }
@@ -309,7 +329,7 @@ void FwdBench::combine_kl(int set, int c) const {
   BENCH_CHECK(smxx::launch_sparse_combine_kl(combine_params(set, c), stream));
 }
 void FwdBench::index_dk(int set, int c) const {
-  if (!grad) return;
+  if (!dsi) return;
 #ifdef MSA_WITH_SM90
   if (pb.sm90) {
     BENCH_CHECK(sm90::launch_index_dk(dk_params(set, c), !pb.fp16, stream));

@@ -41,9 +41,12 @@ struct FwdConfig {
   bool fixed_gu = true;                   // MSA_FWD_FIXED_GU=0 turns it off
   bool out_ws = true;                     // MSA_FWD_WS=0 turns it off
   bool rows64 = false;                    // MSA_FWD_ROWS=64
+  // msa modes on the Hopper top-k: sequences of at most this many key blocks take the kept blocks' index (max, sum)
+  // from the selection and the stats pass scores each row's own block only (the op's sel_stats_applies).
+  int sel_max_blocks = 128;               // MSA_SEL_MAX_BLOCKS; 0: never
 };
-// --mode, --units-per-item, --budget-mib, --no-item-order; with `passes` also --no-fixed-gu, --no-ws,
-// --fwd-rows.
+// --mode, --units-per-item, --budget-mib, --no-item-order, --sel-max-blocks; with `passes` also --no-fixed-gu,
+// --no-ws, --fwd-rows.
 std::vector<Knob> fwd_knobs(FwdConfig& cfg, bool passes = true);
 
 struct FwdChunk {
@@ -55,10 +58,11 @@ struct FwdChunk {
 struct FwdSet {
   Buf q, k, v, qi, ki;  // random normal; qi / ki also make the selection in kSparse mode
   Buf indices;          // (Hi, T, topk) from the index top-k kernel
+  Buf sel_stats;        // (Hi, T) float2: the kept blocks' index (max, sum) from the top-k (FwdBench::sel)
   int64_t attended = 0; // sum over (t, r) of |T(t, r)| (SPEC 8), without the factor G
   std::vector<FwdChunk> chunks;
   // Per-entry partials of every chunk (chunk c at entry Hi * begin * topk).
-  Buf stats, idx_stats, kl_part, out_part, dsi_part;
+  Buf stats, idx_stats, kl_part, out_part, dsi_part;  // dsi_part: FwdBench::dsi only
   Buf out, lse, lse_idx, kl_rows, dqi, dki;
 };
 
@@ -72,6 +76,10 @@ class FwdBench {
   const FwdConfig cfg;
   const cudaStream_t stream;
   bool index = false, grad = false;
+  // sel: the selection's kept blocks' stats feed the stats pass and combine (the op at <= sel_max_blocks key blocks).
+  // dsi: the output pass writes dsi partials and index_dk reads them; false where the warp-specialized output pass
+  // computes dk_idx itself (sm90::out_ws_fuses_index_dk), as in the op.
+  bool sel = false, dsi = false;
   int64_t chunk = 0;  // tokens per chunk
   ReverseIndexSizes ri;
   Buf keys, rows_in, temp;  // the reverse index builds' workspace (one, as in the op)
@@ -90,9 +98,9 @@ class FwdBench {
   void combine_stats(int set, int c) const;
   void combine_out(int set, int c) const;
   void combine_kl(int set, int c) const;
-  void index_dk(int set, int c) const;
+  void index_dk(int set, int c) const;  // no launch unless dsi
   // The op's per-chunk sequence: reverse index, memsets, stats pass, stats combine, output pass, output
-  // and KL combines, index_dk; over all chunks.
+  // and KL combines, index_dk (where dsi); over all chunks.
   void forward(int set) const;
   // Zero the index-gradient accumulators (the op allocates them zeroed).
   void zero_grads(int set) const;

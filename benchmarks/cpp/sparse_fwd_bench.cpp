@@ -4,7 +4,8 @@
 // and not counted): attended fwd FLOPs F = 4 D sum over (t, h) |T(t, r(h))|;
 //   fwd_stats_pass  0.5 F (Q K^T)          fwd_out_pass  F (Q K^T again and P V)
 //   fwd_total       1.5 F (as msa.bench's sparse fwd row; reverse index, memsets and combines included)
-//   index_dk        2 Di sum over (t, r) |T(t, r)| (dsi^T q_idx over the attended keys)
+//   index_dk        2 Di sum over (t, r) |T(t, r)| (dsi^T q_idx over the attended keys); only where the op
+//                   launches it: the warp-specialized output pass computes dk_idx itself (no row then)
 #include "bench_fwd.h"
 
 using namespace msa;
@@ -55,7 +56,7 @@ int main(int argc, char** argv) {
       const bool ws = gu4 && cfg.out_ws && cfg.mode != FwdMode::kSparse;
       print_row("fwd_out_pass" + path + (ws ? "-ws" : gu4 ? "-gu4" : ""), shape, ms, F, 0);
     }
-    if (fb.grad && want("dk")) {
+    if (fb.dsi && want("dk")) {
       const double ms = time_ms(
           opt, s, n_sets,
           [&](int i) {
