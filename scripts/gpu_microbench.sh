@@ -5,11 +5,12 @@
 # only satisfy the top-level configure), with all cores, MSA_CUDA_ARCHS from the environment (default 90a),
 # into build/microbench (MSA_MICROBENCH_BUILD overrides); then runs every executable at N = 8192, 32768,
 # 131072 (MSA_MICROBENCH_NS="..." overrides) and writes LOGDIR/microbench.csv (one header line,
-# `kernel,shape,ms,tflops,gbps`), LOGDIR/microbench.log (the executables' stderr), LOGDIR/build.log and
-# LOGDIR/ptxas.txt. The args go to every executable, so only the common options fit there (e.g. --reps 10,
-# --portable, --dtype fp16; see any executable's --help). CUTLASS: MSA_CUTLASS_DIR, else the carried
-# .whl/nvidia_cutlass-*.whl installed into /tmp/msa-site (as scripts/gpu_check.sh does), else an installed
-# nvidia-cutlass. MSA_MICROBENCH_BUILD_ONLY=1: build only (scripts/ab_microbench.sh runs the executables itself).
+# `kernel,shape,ms,tflops,gbps`), LOGDIR/microbench.log (the executables' stderr), LOGDIR/build.log,
+# LOGDIR/ptxas.txt and LOGDIR/result.md (the stored form, scripts/microbench_md.py). The args go to every
+# executable, so only the common options fit there (e.g. --reps 10, --portable, --dtype fp16; see any
+# executable's --help). CUTLASS: MSA_CUTLASS_DIR, else the carried .whl/nvidia_cutlass-*.whl installed into
+# /tmp/msa-site (as scripts/gpu_check.sh does), else an installed nvidia-cutlass. MSA_MICROBENCH_BUILD_ONLY=1:
+# build only (scripts/ab_microbench.sh runs the executables itself).
 set -uo pipefail
 LOG=${1:?usage: scripts/gpu_microbench.sh LOGDIR [common bench args...]}
 shift
@@ -92,5 +93,8 @@ if [ -x "$BIN/msa_atomics_bench" ]; then  # standalone (its own output format): 
   summary "msa_atomics_bench 32768: rc=$?"
 fi
 summary "microbench runs: rc=$rc_all, $(( $(date +%s) - t0 )) s, $(($(wc -l < "$CSV") - 1)) rows in $CSV"
+# LOGDIR/result.md: the stored form (benchmarks/results/<date>-<gpu>-<commit>-microbench.md), header and CSV
+$PY scripts/microbench_md.py "$LOG" "scripts/gpu_microbench.sh LOGDIR${*:+ $*} (N = $NS)" > /dev/null ||
+  summary "microbench_md.py failed"
 column -s, -t < "$CSV" 2>/dev/null || cat "$CSV"
 exit $rc_all
