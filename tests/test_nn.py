@@ -698,6 +698,8 @@ def test_activation_checkpointing_cpu():
     _compare_steps(got, want, 1e-12, "checkpoint")
 
 
+# torch.nn.RMSNorm (fp32 weight, bf16 input under CPU autocast) takes torch's unfused path and says so: expected here.
+@pytest.mark.filterwarnings("ignore:Mismatch dtype between input and weight")
 def test_autocast_cpu_bf16():
     """fp32 parameters under torch.autocast("cpu", bfloat16): the ops see bf16, y is bf16, the gradients
     fp32, and all are within bf16 accuracy of the float64 oracle on the recorded selection."""
@@ -721,7 +723,7 @@ def test_autocast_cpu_bf16():
     out_op, kl_op = msa.msa_attention(c["q"], c["k"], c["v"], c["qi"], c["ki"], topk=TOPK, block_size=BS)
     assert torch.equal(c["out"], out_op) and torch.equal(c["kl"], kl_op)
     assert_rel(y, y_ref, 1.5e-2, "y")
-    assert abs(float(kl) - float(kl_ref)) <= 5e-3 * float(kl_ref)
+    assert abs(kl.item() - kl_ref.item()) <= 5e-3 * kl_ref.item()
     ((y_ref * w.double()).sum() + 3.0 * kl_ref).backward()
     assert_rel(x.grad, xr.grad, 3e-2, "x.grad")
     for n, p in layer.named_parameters():
