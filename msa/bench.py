@@ -11,9 +11,7 @@ import argparse
 import datetime
 import os
 import platform
-import re
 import statistics
-import subprocess
 import sys
 import time
 
@@ -22,6 +20,7 @@ import torch.nn.functional as F
 
 import msa
 from msa import reference
+from msa._provenance import git_commit, gpu_tag  # msa.bench's names too (bench_cp, tests)
 
 CONFIG = dict(Hq=16, Hkv=2, Hi=4, Hki=1, D=128, Di=128, block_size=128, topk=16)
 
@@ -231,24 +230,6 @@ def matmul_peak_tflops(device, sizes=(8192, 16384)):
     return best
 
 
-def git_commit():
-    """The commit under test, from git; on a copied tree where git cannot answer, from the .msa_commit
-    file that scripts/stamp_commit.sh wrote (carried along with the tree)."""
-    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-    if os.environ.get("MSA_COMMIT"):  # set by scripts/gpu_check.sh from the carried .msa_commit
-        return os.environ["MSA_COMMIT"]
-    try:
-        out = subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=root, capture_output=True, text=True)
-        if out.returncode == 0:
-            dirty = subprocess.run(["git", "status", "--porcelain", "--untracked-files=no"], cwd=root,
-                                   capture_output=True, text=True).stdout.strip()
-            return out.stdout.strip() + ("+dirty" if dirty else "")
-    except OSError:
-        pass
-    stamp = os.path.join(root, ".msa_commit")
-    return open(stamp).read().strip() if os.path.exists(stamp) else "unknown"
-
-
 def run(args, peak_tflops=None):
     device = torch.device(args.device)
     on_gpu = device.type == "cuda"
@@ -445,14 +426,6 @@ def main(argv=None):
         tag = "cpu" if device.type == "cpu" else gpu_tag(torch.cuda.get_device_name(device))
         save_result(text, args.save, tag)
     return 0
-
-
-def gpu_tag(name):
-    """The file-name tag of a GPU: its model ("NVIDIA H100 80GB HBM3" -> "h100", "NVIDIA H200" -> "h200"), the first
-    word that is letters then digits after the vendor, else the last word."""
-    words = [w.lower() for w in re.split(r"[\s-]+", name) if w and w.lower() != "nvidia"]
-    model = next((w for w in words if re.fullmatch(r"[a-z]+\d+[a-z]*", w)), None)
-    return model or (words[-1] if words else "gpu")
 
 
 def save_result(text, folder, tag):

@@ -93,7 +93,9 @@ if [ -x "$BIN/msa_atomics_bench" ]; then  # standalone (its own output format): 
   summary "msa_atomics_bench 32768: rc=$?"
 fi
 summary "microbench runs: rc=$rc_all, $(( $(date +%s) - t0 )) s, $(($(wc -l < "$CSV") - 1)) rows in $CSV"
-# LOGDIR/result.md: the stored form (benchmarks/results/<date>-<gpu>-<commit>-microbench.md), header and CSV
+# LOGDIR/result.md: the stored form (benchmarks/results/<date>-<gpu>-<commit>-microbench.md), header and CSV; the
+# commit from the carried .msa_commit where MSA_COMMIT is unset (the copied .git is stale), as gpu_check.sh does
+[ -z "${MSA_COMMIT:-}" ] && [ -f .msa_commit ] && export MSA_COMMIT=$(cat .msa_commit)
 $PY scripts/microbench_md.py "$LOG" "scripts/gpu_microbench.sh LOGDIR${*:+ $*} (N = $NS)" > /dev/null ||
   summary "microbench_md.py failed"
 column -s, -t < "$CSV" 2>/dev/null || cat "$CSV"

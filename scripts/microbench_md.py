@@ -1,22 +1,21 @@
 """The stored-result form of a scripts/gpu_microbench.sh run: python scripts/microbench_md.py LOGDIR [COMMAND]
 writes LOGDIR/result.md (title with the GPU, date, commit, device line, command, the CSV) for
 benchmarks/results/<date>-<gpu>-<commit>-microbench.md; the logs line is left for the session to fill in.
-The commit comes from .msa_commit (scripts/stamp_commit.sh; the device's copied .git is stale), else git."""
+Commit and GPU tag as msa.bench names them (msa/_provenance.py, loaded by path: no torch or extension needed);
+on the device gpu_microbench.sh sets MSA_COMMIT from the carried .msa_commit, as gpu_check.sh does."""
 import datetime
+import importlib.util
 import pathlib
-import subprocess
 import sys
 
+ROOT = pathlib.Path(__file__).resolve().parent.parent
 
-def commit(root):
-    stamp = root / ".msa_commit"
-    if stamp.is_file() and stamp.read_text().strip():
-        return stamp.read_text().strip()
-    try:
-        return subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=root, capture_output=True, text=True,
-                              check=True).stdout.strip()
-    except (OSError, subprocess.CalledProcessError):
-        return "unknown"
+
+def _provenance():
+    spec = importlib.util.spec_from_file_location("msa_provenance", ROOT / "msa" / "_provenance.py")
+    mod = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(mod)
+    return mod
 
 
 def device(log):
@@ -24,22 +23,15 @@ def device(log):
     return lines[1].strip() if len(lines) > 1 else "unknown"
 
 
-def short_gpu(dev):
-    for tag in ("H200", "H100", "H800", "H20", "GH200", "A100", "B200"):
-        if tag in dev.split(",")[0]:
-            return tag
-    return dev.split(",")[0].strip() or "GPU"
-
-
-def render(log, root, command, now):
+def render(log, commit, command, now, gpu_tag):
     dev = device(log)
     csv = (log / "microbench.csv").read_text().strip()
     rows = len(csv.splitlines()) - 1
     return "\n".join([
-        f"# C++ microbenchmarks (benchmarks/cpp), {short_gpu(dev)}",
+        f"# C++ microbenchmarks (benchmarks/cpp), {gpu_tag(dev.split(',')[0]).upper()}",
         "",
         f"- date: {now:%Y-%m-%d %H:%M} UTC",
-        f"- commit: {commit(root)}",
+        f"- commit: {commit}",
         f"- device: {dev}",
         f"- command: `{command}` ({rows} rows; CUDA events over rotating inputs)",
         "- logs: (the session's logs folder)",
@@ -57,9 +49,9 @@ def main(argv):
         return 0 if argv else 2
     log = pathlib.Path(argv[0])
     command = argv[1] if len(argv) > 1 else "scripts/gpu_microbench.sh LOGDIR"
-    root = pathlib.Path(__file__).resolve().parent.parent
+    prov = _provenance()
     now = datetime.datetime.now(datetime.timezone.utc)
-    (log / "result.md").write_text(render(log, root, command, now))
+    (log / "result.md").write_text(render(log, prov.git_commit(), command, now, prov.gpu_tag))
     print(log / "result.md")
     return 0
 

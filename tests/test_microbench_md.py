@@ -1,6 +1,7 @@
 """scripts/microbench_md.py: the stored form of a C++ microbenchmark run (header fields and the CSV verbatim)."""
 import datetime
 import importlib.util
+import os
 import subprocess
 import sys
 from pathlib import Path
@@ -31,11 +32,9 @@ def _logdir(tmp_path):
 
 def test_render_fields_and_csv(tmp_path):
     mod = _module()
-    root = tmp_path / "repo"
-    root.mkdir()
-    (root / ".msa_commit").write_text("abc1234\n")
     now = datetime.datetime(2026, 12, 5, 21, 7, tzinfo=datetime.timezone.utc)
-    md = mod.render(_logdir(tmp_path), root, "scripts/gpu_microbench.sh LOGDIR (N = 8192)", now)
+    md = mod.render(_logdir(tmp_path), "abc1234", "scripts/gpu_microbench.sh LOGDIR (N = 8192)", now,
+                    mod._provenance().gpu_tag)
     lines = md.splitlines()
     assert lines[0] == "# C++ microbenchmarks (benchmarks/cpp), H200"
     assert "- date: 2026-12-05 21:07 UTC" in lines
@@ -49,10 +48,12 @@ def test_render_fields_and_csv(tmp_path):
 def test_cli_writes_result(tmp_path):
     log = _logdir(tmp_path)
     (log / "gpu.txt").write_text(GPU.replace("H200", "H100 80GB HBM3"))
-    r = subprocess.run([sys.executable, str(SCRIPT), str(log)], capture_output=True, text=True, timeout=60)
+    env = dict(os.environ, MSA_COMMIT="def5678+dirty")  # what gpu_microbench.sh exports from .msa_commit
+    r = subprocess.run([sys.executable, str(SCRIPT), str(log)], capture_output=True, text=True, timeout=60, env=env)
     assert r.returncode == 0, r.stderr
     md = (log / "result.md").read_text()
     assert md.startswith("# C++ microbenchmarks (benchmarks/cpp), H100\n")
+    assert "\n- commit: def5678+dirty\n" in md
     assert CSV.strip() in md
 
 
