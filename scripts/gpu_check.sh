@@ -1,12 +1,12 @@
 #!/usr/bin/env bash
 # How every kernel issue is checked on a CUDA machine with no network:
 #   scripts/gpu_check.sh LOGDIR [bench args...]
-# Installs carried wheels (.whl/, e.g. nvidia-cutlass), builds the extension with all cores, runs the
-# whole test suite (GPU tests included; MSA_PYTEST_ARGS narrows it) and the benchmark (MSA_SKIP_BENCH=1
-# skips it); logs and the result table land in LOGDIR. MSA_SANITIZE=1 adds compute-sanitizer memcheck and racecheck runs of
-# scripts/sanitize_case.py. MSA_DEMO="ARGS" also runs `python -m msa.demo ARGS --out LOGDIR/demo` (the
-# training demo; its JSON and plots land there). On a tree copied without .git, run scripts/stamp_commit.sh first (here)
-# and carry .msa_commit with the tree so the stored results name the commit.
+# Installs carried wheels (.whl/, e.g. nvidia-cutlass), builds the extension with all cores, runs the whole test suite
+# (GPU tests included; MSA_PYTEST_ARGS narrows it) and the benchmark (MSA_SKIP_BENCH=1 skips it); logs and the result
+# table land in LOGDIR. MSA_SANITIZE=1 adds compute-sanitizer runs (memcheck, racecheck, synccheck) of
+# scripts/sanitize_case.py. MSA_DEMO="ARGS" also runs `python -m msa.demo ARGS --out LOGDIR/demo` (the training demo;
+# its JSON and plots land there). On a tree copied without .git, run scripts/stamp_commit.sh first (here) and carry
+# .msa_commit with the tree so the stored results name the commit.
 set -uo pipefail
 LOG=${1:?usage: scripts/gpu_check.sh LOGDIR [bench args...]}
 shift
@@ -53,14 +53,22 @@ if [ -n "${MSA_DEMO:-}" ]; then
   echo "demo: rc=$rc_demo, $(( $(date +%s) - t0 )) s" | tee -a "$LOG/summary.txt"
   tail -n 25 "$LOG/demo.log"
 fi
+rc_san=0
 if [ "${MSA_SANITIZE:-0}" = 1 ]; then
-  # racecheck looks at msa's kernels only: the warmup case's main branch is cuDNN's SDPA, whose sm90 fprop kernels
-  # racecheck flags (Read at +0x2f0 vs Write, 24-96 hazards each, torch 2.11 / cuDNN of cu130, s21); not ours to fix.
-  for tool in memcheck racecheck; do
-    filt=(); [ $tool = racecheck ] && filt=(--kernel-name-exclude kns=cudnn)
-    compute-sanitizer --tool $tool "${filt[@]}" --error-exitcode 3 $PY scripts/sanitize_case.py > "$LOG/sanitize_$tool.log" 2>&1
-    echo "sanitizer $tool: rc=$? $(tail -n 1 "$LOG/sanitize_$tool.log")" | tee -a "$LOG/summary.txt"
+  # racecheck and synccheck look at msa's kernels only: the warmup case's main branch is cuDNN's SDPA, whose sm90
+  # fprop kernels racecheck flags (Read at +0x2f0 vs Write, 24-96 hazards each, torch 2.11 / cuDNN of cu130, s21);
+  # not ours to fix. MSA_SANITIZE_TOOLS picks the tools (default: the three below; initcheck is another),
+  # MSA_SANITIZE_ARGS the case's arguments (e.g. "--configs 0,4": a part of its configurations).
+  for tool in ${MSA_SANITIZE_TOOLS:-memcheck racecheck synccheck}; do
+    t0=$(date +%s)
+    filt=(); [ $tool != memcheck ] && filt=(--kernel-name-exclude kns=cudnn)
+    compute-sanitizer --tool $tool "${filt[@]}" --error-exitcode 3 $PY scripts/sanitize_case.py ${MSA_SANITIZE_ARGS:-} \
+      > "$LOG/sanitize_$tool.log" 2>&1
+    rc=$?
+    [ $rc -ne 0 ] && rc_san=$rc
+    echo "sanitizer $tool: rc=$rc, $(( $(date +%s) - t0 )) s, $(tail -n 1 "$LOG/sanitize_$tool.log")" \
+      | tee -a "$LOG/summary.txt"
   done
 fi
 cat "$LOG/summary.txt"
-[ $rc_tests -eq 0 ] && [ $rc_bench -eq 0 ] && [ $rc_demo -eq 0 ]
+[ $rc_tests -eq 0 ] && [ $rc_bench -eq 0 ] && [ $rc_demo -eq 0 ] && [ $rc_san -eq 0 ]

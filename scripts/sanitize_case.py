@@ -1,73 +1,187 @@
-"""One small case of every compiled kernel, for `compute-sanitizer --tool memcheck|racecheck`."""
+"""Small cases that launch every kernel msa compiles, each variant the op dispatches to, for compute-sanitizer:
+
+    compute-sanitizer --tool memcheck|racecheck|synccheck python3 scripts/sanitize_case.py
+    python3 scripts/sanitize_case.py --kernels FILE   # no sanitizer: the kernels launched, one name per line
+
+scripts/kernel_coverage.py checks such a list against csrc/ (every __global__, the variants in its VARIANTS), and
+tests/test_sanitize_case_gpu.py runs both on an sm_90 GPU. The configurations below set the op's environment knobs
+(read at every call) that pick the other kernel paths: the portable kernels, the general sm_90a passes, the 99 KB
+configuration, several query chunks. Each runs a few hundred tokens, so a sanitizer pass takes minutes.
+"""
+import argparse
 import os
 import sys
+from contextlib import contextmanager
 
 import torch
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))  # the in-place build
 import msa  # noqa: E402
 
-torch.manual_seed(0)
-# The index top-k alone on a longer sequence (many sub-tiles: every pipeline stage reused several times),
-# with the default kernel (Hopper on an sm_90 GPU) and the portable one.
-for portable in ["0", "1"]:
-    os.environ["MSA_PORTABLE_KERNELS"] = portable
-    for bs in [64, 128]:
-        cu = torch.tensor([0, 4000, 4100], dtype=torch.int32, device="cuda")
-        qi = torch.randn(4100, 4, 128, dtype=torch.bfloat16, device="cuda")
-        ki = torch.randn(4100, 1, 128, dtype=torch.bfloat16, device="cuda")
-        msa.select_blocks(qi, ki, topk=16, block_size=bs, cu_seqlens=cu, max_seqlen=4000)
-os.environ["MSA_PORTABLE_KERNELS"] = "0"
-for dtype, di, bs, topk, lengths in [(torch.bfloat16, 128, 128, 16, [700, 129, 1]), (torch.float16, 64, 64, 3, [300])]:
-    T = sum(lengths)
-    cu = torch.tensor([0] + torch.tensor(lengths).cumsum(0).tolist(), dtype=torch.int32, device="cuda")
-    qi = torch.randn(T, 4, di, dtype=dtype, device="cuda")
-    ki = torch.randn(T, 1, di, dtype=dtype, device="cuda")
-    idx = msa.select_blocks(qi, ki, topk=topk, block_size=bs, cu_seqlens=cu, max_seqlen=max(lengths))
-    offsets, rows, block_offsets = torch.ops.msa.reverse_index(idx, cu, max(lengths), bs)
-    for heads in [(8, 2, 4, 1), (8, 4, 2, 1)]:  # Hi >= Hkv and Hi < Hkv (two kv heads per group)
-        q = torch.randn(T, heads[0], 128, dtype=dtype, device="cuda")
-        k, v = (torch.randn(T, heads[1], 128, dtype=dtype, device="cuda") for _ in range(2))
-        qi2, ki2 = qi[:, :heads[2]].contiguous(), ki
-        out, kl, idx2, lse, lse_idx, g_q, g_k, _ = torch.ops.msa.msa_fwd(q, k, v, qi2, ki2, cu, max(lengths), topk, bs,
-                                                                       0.088, 0.088, False, False, True)
-        torch.ops.msa.msa_bwd(torch.randn_like(out), torch.tensor(1.0, device="cuda"), q, k, v, out, lse, qi2, ki2,
-                              lse_idx, idx2, g_q, g_k, cu, max(lengths), bs, 0.088, 0.088, False)
-        # Warmup: the dense-mode KL pass and its index gradient (the main branch is torch's flash kernel).
-        out, kl, idx3, lse, lse_idx, g_q, g_k, _ = torch.ops.msa.msa_fwd(q, k, v, qi2, ki2, cu, max(lengths), topk, bs,
-                                                                       0.088, 0.088, True, False, True)
-        # The main branch alone (no index branch in the kernels).
-        out, lse = torch.ops.msa.sparse_fwd(q, k, v, idx2, cu, max(lengths), bs, 0.088)
-        torch.ops.msa.sparse_bwd(torch.randn_like(out), q, k, v, out, lse, idx2, cu, max(lengths), bs, 0.088)
-        os.environ["MSA_BWD_UNITS_PER_ITEM"] = "5"  # every key split over several backward CTAs
-        torch.ops.msa.sparse_bwd(torch.randn_like(out), q, k, v, out, lse, idx2, cu, max(lengths), bs, 0.088)
-        del os.environ["MSA_BWD_UNITS_PER_ITEM"]
-        # Deterministic mode: exact hi / lo sums, per-item partials and their in-order reductions.
-        out, kl, idx2, lse, lse_idx, g_q, g_k, _ = torch.ops.msa.msa_fwd(q, k, v, qi2, ki2, cu, max(lengths), topk,
-                                                                          bs, 0.088, 0.088, False, False, True, True)
-        torch.ops.msa.msa_bwd(torch.randn_like(out), torch.tensor(1.0, device="cuda"), q, k, v, out, lse, qi2, ki2,
-                              lse_idx, idx2, g_q, g_k, cu, max(lengths), bs, 0.088, 0.088, False, True)
-        torch.ops.msa.msa_fwd(q, k, v, qi2, ki2, cu, max(lengths), topk, bs, 0.088, 0.088, True, False, True, True)
-        # Non-finite inputs: NaN / Inf in one token of every input.
-        bad = [x.clone() for x in (q, k, v, qi2, ki2)]
-        for x, val in zip(bad, (float("nan"), float("inf"), float("nan"), float("-inf"), float("nan"))):
-            x[min(5, T - 1)] = val
-        out, kl, idx4, lse, lse_idx, g_q, g_k, _ = torch.ops.msa.msa_fwd(*bad, cu, max(lengths), topk, bs, 0.088,
-                                                                          0.088, False, False, True)
-        torch.ops.msa.msa_bwd(torch.randn_like(out), torch.tensor(1.0, device="cuda"), *bad[:3], out, lse, *bad[3:],
-                              lse_idx, idx4, g_q, g_k, cu, max(lengths), bs, 0.088, 0.088, False)
-    torch.cuda.synchronize()
-# Queries that are a suffix of the keys, few of them over many key blocks (more keys than entries: the work
-# list, its launch order and the grid are bounded by the entries), fwd + bwd, deterministic too.
-cu_q = torch.tensor([0, 1, 4], dtype=torch.int32, device="cuda")
-cu_k = torch.tensor([0, 20000, 29000], dtype=torch.int32, device="cuda")
-q, qi = torch.randn(4, 8, 128, device="cuda", dtype=torch.bfloat16), torch.randn(4, 4, 128, device="cuda", dtype=torch.bfloat16)
-k, v = (torch.randn(29000, 2, 128, device="cuda", dtype=torch.bfloat16) for _ in range(2))
-ki = torch.randn(29000, 1, 128, device="cuda", dtype=torch.bfloat16)
-for det in (False, True):
-    out, kl, idx, lse, lse_idx, g_q, g_k, _ = torch.ops.msa.msa_fwd(q, k, v, qi, ki, cu_q, 3, 16, 64, 0.088, 0.088,
-                                                                    False, True, True, det, cu_k, 20000)
-    torch.ops.msa.msa_bwd(torch.randn_like(out), torch.tensor(1.0, device="cuda"), q, k, v, out, lse, qi, ki, lse_idx,
-                          idx, g_q, g_k, cu_q, 3, 64, 0.088, 0.088, False, det, cu_k, 20000)
-torch.cuda.synchronize()
-print("sanitize case done")
+OPS = torch.ops.msa
+SCALE = 0.088
+DEVICE = "cuda"  # --device cpu: the same calls on the CPU path (tests/test_sanitize_case_gpu.py checks the script so)
+# (Hq, Hkv, Hi): G = Hq / Hi heads per index group; the backward's unit holds Gu = G / J heads (J = Hkv / Hi kv heads
+# per group where Hkv > Hi, else 1).
+G2 = (8, 2, 4)   # G = 2, Gu = 2: the general sm_90a output pass, the cp.async backward gather
+J2 = (8, 4, 2)   # Hi < Hkv (J = 2): two kv heads per group, Gu = 2, the portable-layout dense KL in warmup
+G4 = (16, 2, 4)  # the bench's layout: G = Gu = 4: the warp-specialized output pass, the TMA backward gather
+G8 = (16, 2, 2)  # G = Gu = 8: the TMA gather's other box, the general output pass
+# (dtype, D, Di, block_size, topk, sequence lengths)
+BF16 = (torch.bfloat16, 128, 128, 128, 16, [700, 129, 1])
+FP16 = (torch.float16, 64, 64, 64, 3, [300])
+# (environment, shapes, head layouts, full): the default kernels on every shape and layout, then each knob on one.
+CONFIGS = [
+    ({}, [BF16, FP16], [G2, J2, G4, G8], True),
+    ({"MSA_PORTABLE_KERNELS": "1"}, [BF16, FP16], [G4, J2], False),
+    ({"MSA_PORTABLE_KERNELS": "1", "MSA_SMALL_SMEM": "1"}, [BF16], [G4], False),
+    ({"MSA_PORTABLE_KERNELS": "1", "MSA_FWD_ROWS": "64"}, [BF16], [G4], False),
+    ({"MSA_FWD_WS": "0"}, [BF16], [G4], False),  # the general pass at Gu = 4, index dk on its own
+    ({"MSA_FWD_WS_STATS": "1", "MSA_SEL_MAX_BLOCKS": "0"}, [BF16], [G4], False),  # + the top-k without kSel
+    ({"MSA_BWD_WS": "0"}, [BF16], [G4, G2], False),  # the general sm_90a backward, with and without its dQ map
+    ({"MSA_BWD_WS_TMA": "1"}, [BF16], [G2], False),  # the TMA gather at Gu = 2
+    ({"MSA_PARTIAL_BUDGET": str(16 << 20)}, [BF16], [G4], False),  # several query chunks of the forward
+]
+
+
+@contextmanager
+def env(values):
+    old = {k: os.environ.get(k) for k in values}
+    os.environ.update(values)
+    try:
+        yield
+    finally:
+        for k, v in old.items():
+            if v is None:
+                del os.environ[k]
+            else:
+                os.environ[k] = v
+
+
+def randn(*shape, dtype):
+    return torch.randn(*shape, dtype=dtype, device=DEVICE)
+
+
+def fwd(x, cu, L, topk, bs, warmup=False, grad=True, det=False):
+    return OPS.msa_fwd(*x, cu, L, topk, bs, SCALE, SCALE, warmup, False, grad, det)
+
+
+def bwd(x, res, cu, L, bs, warmup=False, det=False):
+    out, kl, idx, lse, lse_idx, g_q, g_k, _ = res
+    q, k, v, qi, ki = x
+    return OPS.msa_bwd(torch.randn_like(out), torch.tensor(1.0, device=DEVICE), q, k, v, out, lse, qi, ki, lse_idx, idx,
+                       g_q, g_k, cu, L, bs, SCALE, SCALE, warmup, det)
+
+
+def step(shape, heads, full):
+    """fwd + bwd of one varlen batch; `full` adds warmup, the main branch alone, split backward items, deterministic
+    mode, non-finite inputs and the batched layout."""
+    dtype, D, Di, bs, topk, lengths = shape
+    hq, hkv, hi = heads
+    T, L = sum(lengths), max(lengths)
+    cu = torch.tensor([0] + torch.tensor(lengths).cumsum(0).tolist(), dtype=torch.int32, device=DEVICE)
+    x = (randn(T, hq, D, dtype=dtype), randn(T, hkv, D, dtype=dtype), randn(T, hkv, D, dtype=dtype),
+         randn(T, hi, Di, dtype=dtype), randn(T, 1, Di, dtype=dtype))
+    res = fwd(x, cu, L, topk, bs)
+    bwd(x, res, cu, L, bs)
+    idx = res[2]
+    fwd(x, cu, L, topk, bs, grad=False)
+    res = fwd(x, cu, L, topk, bs, det=True)
+    bwd(x, res, cu, L, bs, det=True)
+    if not full:
+        return
+    res = fwd(x, cu, L, topk, bs, warmup=True)  # the dense-mode KL pass and its index gradient
+    bwd(x, res, cu, L, bs, warmup=True)
+    fwd(x, cu, L, topk, bs, warmup=True, det=True)
+    q, k, v = x[:3]
+    out, lse = OPS.sparse_fwd(q, k, v, idx, cu, L, bs, SCALE)  # the main branch alone
+    OPS.sparse_bwd(torch.randn_like(out), q, k, v, out, lse, idx, cu, L, bs, SCALE)
+    with env({"MSA_BWD_UNITS_PER_ITEM": "5"}):  # every key split over several backward CTAs
+        OPS.sparse_bwd(torch.randn_like(out), q, k, v, out, lse, idx, cu, L, bs, SCALE)
+    bad = [t.clone() for t in x]  # NaN / Inf in one token of every input
+    for t, val in zip(bad, (float("nan"), float("inf"), float("nan"), float("-inf"), float("nan"))):
+        t[min(5, T - 1)] = val
+    bwd(bad, fwd(bad, cu, L, topk, bs), cu, L, bs)
+    # The batched layout (cu_seqlens built on the GPU) through the public API and autograd.
+    n = 2 * bs + 3
+    b = [randn(2, n, h, d, dtype=dtype).requires_grad_() for h, d in ((hq, D), (hkv, D), (hkv, D), (hi, Di), (1, Di))]
+    out, kl = msa.msa_attention(*b, topk=min(topk, 2), block_size=bs)
+    (out.float().square().mean() + kl).backward()
+
+
+def topk_alone():
+    """The index top-k on a longer sequence (every pipeline stage reused several times), portable and Hopper, both
+    CTA sizes of the Hopper kernel."""
+    for knobs in ({"MSA_PORTABLE_KERNELS": "1"}, {"MSA_TOPK_WG": "2"}, {"MSA_TOPK_WG": "4"}):
+        with env(knobs):
+            for bs in [64, 128]:
+                cu = torch.tensor([0, 4000, 4100], dtype=torch.int32, device=DEVICE)
+                qi = randn(4100, 4, 128, dtype=torch.bfloat16)
+                ki = randn(4100, 1, 128, dtype=torch.bfloat16)
+                msa.select_blocks(qi, ki, topk=16, block_size=bs, cu_seqlens=cu, max_seqlen=4000)
+
+
+def suffix_queries():
+    """Queries that are a suffix of the keys, few of them over many key blocks (more keys than entries: the work
+    list, its launch order and the grid are bounded by the entries), fwd + bwd, deterministic too."""
+    cu_q = torch.tensor([0, 1, 4], dtype=torch.int32, device=DEVICE)
+    cu_k = torch.tensor([0, 20000, 29000], dtype=torch.int32, device=DEVICE)
+    q, qi = randn(4, 8, 128, dtype=torch.bfloat16), randn(4, 4, 128, dtype=torch.bfloat16)
+    k, v = (randn(29000, 2, 128, dtype=torch.bfloat16) for _ in range(2))
+    ki = randn(29000, 1, 128, dtype=torch.bfloat16)
+    for det in (False, True):
+        out, kl, idx, lse, lse_idx, g_q, g_k, _ = OPS.msa_fwd(q, k, v, qi, ki, cu_q, 3, 16, 64, SCALE, SCALE, False,
+                                                              True, True, det, cu_k, 20000)
+        OPS.msa_bwd(torch.randn_like(out), torch.tensor(1.0, device=DEVICE), q, k, v, out, lse, qi, ki, lse_idx, idx,
+                    g_q, g_k, cu_q, 3, 64, SCALE, SCALE, False, det, cu_k, 20000)
+
+
+def sync():
+    if DEVICE == "cuda":
+        torch.cuda.synchronize()
+
+
+def run(configs):
+    """The configurations numbered in `configs` (0: the default kernels, with the top-k alone and the suffix
+    queries)."""
+    torch.manual_seed(0)
+    if 0 in configs:
+        topk_alone()
+    for i in configs:
+        knobs, shapes, layouts, full = CONFIGS[i]
+        with env(knobs):
+            for shape in shapes:
+                for heads in layouts:
+                    step(shape, heads, full)
+                    sync()
+    if 0 in configs:
+        suffix_queries()
+    sync()
+
+
+def main():
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--kernels", help="write the names of the kernels launched here (torch.profiler), one per line")
+    ap.add_argument("--device", default="cuda", choices=["cuda", "cpu"],
+                    help="cpu: the script's calls on the CPU path (configuration 0 only: the knobs choose CUDA kernels)")
+    ap.add_argument("--configs", help=f"comma-separated numbers of CONFIGS to run (0-{len(CONFIGS) - 1}; default all)")
+    args = ap.parse_args()
+    global DEVICE
+    DEVICE = args.device
+    configs = [int(c) for c in args.configs.split(",")] if args.configs else range(len(CONFIGS))
+    if DEVICE == "cpu":
+        configs = [c for c in configs if c == 0]
+    if args.kernels is None:
+        run(configs)
+    else:
+        from torch.profiler import ProfilerActivity, profile
+        with profile(activities=[ProfilerActivity.CUDA]) as prof:
+            run(configs)
+        names = sorted({e.name for e in prof.events() if e.device_type == torch.autograd.DeviceType.CUDA})
+        with open(args.kernels, "w") as f:
+            f.write("".join(n + "\n" for n in names))
+    print("sanitize case done")
+
+
+if __name__ == "__main__":
+    main()
