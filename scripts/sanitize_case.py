@@ -166,6 +166,8 @@ def main():
                     help="cpu: the script's calls on the CPU path (configuration 0 only: the knobs choose CUDA kernels)")
     ap.add_argument("--configs", help=f"comma-separated numbers of CONFIGS to run (0-{len(CONFIGS) - 1}; default all)")
     args = ap.parse_args()
+    if args.kernels is not None and args.device != "cuda":
+        ap.error("--kernels lists CUDA kernels: it needs --device cuda")
     global DEVICE
     DEVICE = args.device
     configs = [int(c) for c in args.configs.split(",")] if args.configs else range(len(CONFIGS))
@@ -177,7 +179,7 @@ def main():
         from torch.profiler import ProfilerActivity, profile
         with profile(activities=[ProfilerActivity.CUDA]) as prof:
             run(configs)
-        names = sorted({e.name for e in prof.events() if e.device_type == torch.autograd.DeviceType.CUDA})
+        names = sorted({e.name for e in prof.events()})  # CUDA activities only: kernels, memsets
         with open(args.kernels, "w") as f:
             f.write("".join(n + "\n" for n in names))
     print("sanitize case done")
