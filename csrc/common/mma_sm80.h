@@ -22,12 +22,12 @@ __device__ __forceinline__ uint32_t smem_addr(const void* p) {
 // 16-byte global -> shared copy; src_bytes = 0 writes zeros (out-of-range rows).
 __device__ __forceinline__ void cp_async_16(void* smem, const void* gmem, bool valid) {
   asm volatile("cp.async.cg.shared.global [%0], [%1], 16, %2;\n" ::"r"(smem_addr(smem)), "l"(gmem),
-               "r"(valid ? 16 : 0));
+               "r"(valid ? 16 : 0) : "memory");
 }
 // 4-byte global -> shared copy (per-row scalars such as lse); valid = false writes zero.
 __device__ __forceinline__ void cp_async_4(void* smem, const void* gmem, bool valid) {
   asm volatile("cp.async.ca.shared.global [%0], [%1], 4, %2;\n" ::"r"(smem_addr(smem)), "l"(gmem),
-               "r"(valid ? 4 : 0));
+               "r"(valid ? 4 : 0) : "memory");
 }
 
 // Two fp32 adds to consecutive global addresses (one vector atomic on sm90).
@@ -60,7 +60,7 @@ __device__ __forceinline__ float4 quad_rows4(const float (&c)[4], int tq) {
   return odd ? make_float4(r0, r1, c[2], c[3]) : make_float4(c[0], c[1], r0, r1);
 }
 
-__device__ __forceinline__ void cp_async_commit() { asm volatile("cp.async.commit_group;\n" ::); }
+__device__ __forceinline__ void cp_async_commit() { asm volatile("cp.async.commit_group;\n" ::: "memory"); }
 // The memory clobber keeps the compiler from moving this thread's reads of the copied data above the wait.
 template <int N>
 __device__ __forceinline__ void cp_async_wait() {
@@ -73,18 +73,18 @@ __device__ __forceinline__ void cp_async_wait() {
 __device__ __forceinline__ void ldmatrix_x4_at(uint32_t (&r)[4], uint32_t addr) {
   asm volatile("ldmatrix.sync.aligned.m8n8.x4.shared.b16 {%0,%1,%2,%3}, [%4];\n"
                : "=r"(r[0]), "=r"(r[1]), "=r"(r[2]), "=r"(r[3])
-               : "r"(addr));
+               : "r"(addr) : "memory");
 }
 __device__ __forceinline__ void ldmatrix_x4_trans_at(uint32_t (&r)[4], uint32_t addr) {
   asm volatile("ldmatrix.sync.aligned.m8n8.x4.trans.shared.b16 {%0,%1,%2,%3}, [%4];\n"
                : "=r"(r[0]), "=r"(r[1]), "=r"(r[2]), "=r"(r[3])
-               : "r"(addr));
+               : "r"(addr) : "memory");
 }
 // Two 8 x 8 matrices (rows from the addresses of lanes 0-7 and 8-15).
 __device__ __forceinline__ void ldmatrix_x2(uint32_t (&r)[2], const void* smem) {
   asm volatile("ldmatrix.sync.aligned.m8n8.x2.shared.b16 {%0,%1}, [%2];\n"
                : "=r"(r[0]), "=r"(r[1])
-               : "r"(smem_addr(smem)));
+               : "r"(smem_addr(smem)) : "memory");
 }
 // The same loads from a pointer into shared memory.
 __device__ __forceinline__ void ldmatrix_x4(uint32_t (&r)[4], const void* smem) { ldmatrix_x4_at(r, smem_addr(smem)); }

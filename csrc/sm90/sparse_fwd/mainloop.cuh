@@ -96,6 +96,7 @@ struct FwdMma {
         WgmmaSS<T, kKeys>::run(cw, QT::desc(q_addr, ks), KT::desc(k_addr, ks), ks > 0);
       wgmma_commit();
       wgmma_wait<0>();
+      fence_regs(cw);  // no use of the accumulators moves above the wait
     } else {
       // A fragment of Q, k-step ks (16 columns) of the warp's 16 rows.
       auto load_q = [&](uint32_t(&a)[4], int ks) {
