@@ -79,6 +79,14 @@ constexpr int kThreads = 512;          // the producer and three more warpgroups
 // t % consumers<kDsi>().
 template <bool kDsi>
 constexpr int consumers() { return kDsi ? 2 : 3; }
+// Tile t's "full" barrier is t % full_bars(): kStages where a stage's tiles all go to one consumer, else kStages x
+// consumers, so that every barrier's phases are waited for in order by one consumer. A parity wait tells only the
+// current phase from the one before: with three consumers on four stages, a consumer waiting for tile t on stage t % 4
+// could otherwise see the phase of tile t - 4 (another consumer's) still pending or, had it polled ahead, take it for
+// its own (PTX does not order one producer thread's cp.async arrives on two barriers; s61's review; a wait on both
+// phases in turn deadlocks where tile t has already landed, as s61's memcheck run found).
+template <int kConsumers>
+constexpr int full_bars() { return kStages % kConsumers == 0 ? kStages : kStages * kConsumers; }
 constexpr int kSiS = kKeys + 8;        // floats per S_idx row: the 8 units of a fragment in distinct banks
 constexpr int kProducerRegs = 40, kConsumerRegs = 152, kDkRegs = 168;
 // setmaxnreg moves registers within the CTA's pool from the launch (128 per thread at 512 threads, by
@@ -111,9 +119,9 @@ struct Smem {  // byte offsets from the 1024-aligned base
   static constexpr int cons_bytes = (c_si + kUnits * kSiS * 4 + 1023) / 1024 * 1024;
   static constexpr int cons0 = stage0 + kStages * stage_bytes;
   static constexpr int table = cons0 + kConsumers * cons_bytes;  // the item's units: local entry ids, tokens
-  // full[kStages], empty[kStages], then dsi_full[2], dsi_empty[2] (consumer c's dsi tile, for the dK warpgroup)
+  // full[full_bars], empty[kStages], then dsi_full[2], dsi_empty[2] (consumer c's dsi tile, for the dK warpgroup)
   static constexpr int bars = table + 2 * sm80::kFwdMaxItemUnits * 4;
-  static constexpr int bytes = bars + (2 * kStages + 4) * 8;
+  static constexpr int bytes = bars + (full_bars<kConsumers>() + kStages + 4) * 8;
   static_assert(stage0 % 1024 == 0 && stage_bytes % 1024 == 0 && s_qi % 1024 == 0 && cons_bytes % 1024 == 0 &&
                     c_dsi % 1024 == 0 && c_si % 256 == 0,
                 "tiles aligned for the XOR addressing and the descriptors");
@@ -123,19 +131,21 @@ template <int N>
 __device__ __forceinline__ void setmaxnreg_dec() { asm volatile("setmaxnreg.dec.sync.aligned.u32 %0;\n" ::"n"(N)); }
 template <int N>
 __device__ __forceinline__ void setmaxnreg_inc() { asm volatile("setmaxnreg.inc.sync.aligned.u32 %0;\n" ::"n"(N)); }
-// The 128 threads of consumer warpgroup `id - 1` (named barrier id 1 or 2; 0 is __syncthreads).
+// The 128 threads of consumer warpgroup `id - 1` (named barrier id 1, 2 or 3; 0 is __syncthreads).
 __device__ __forceinline__ void group_sync(int id) { asm volatile("bar.sync %0, 128;\n" ::"r"(id) : "memory"); }
 __device__ __forceinline__ void cp_async_mbar_arrive(uint64_t* bar) {
   asm volatile("cp.async.mbarrier.arrive.noinc.shared::cta.b64 [%0];\n" ::"r"(smem_addr(bar)) : "memory");
 }
-// The ring's barriers (one thread, before a CTA barrier): full completes on the 128 producer threads'
-// cp.async arrivals, empty on the consuming warpgroup's 128 threads (and the dK warpgroup's: empty_count 256);
-// dsi_full / dsi_empty (kDk) on consumer c's / the dK warpgroup's 128 threads.
-__device__ __forceinline__ void init_ring(uint64_t* full, uint64_t* empty, int stages, bool kDk = false) {
+// The ring's barriers (one thread, before a CTA barrier): full (one per stage, or n_full of them) completes on
+// the 128 producer threads' cp.async arrivals, empty on the consuming warpgroup's 128 threads (and the dK
+// warpgroup's: empty_count 256); dsi_full / dsi_empty (kDk) on consumer c's / the dK warpgroup's 128 threads.
+__device__ __forceinline__ void init_ring(uint64_t* full, uint64_t* empty, int stages, bool kDk = false,
+                                          int n_full = 0) {
   for (int s = 0; s < stages; ++s) {
     mbar_init(&full[s], 128);
     mbar_init(&empty[s], kDk ? 256 : 128);
   }
+  for (int s = stages; s < n_full; ++s) mbar_init(&full[s], 128);
   if (kDk) {
     for (int i = 0; i < 4; ++i) mbar_init(&empty[stages + i], 128);  // dsi_full[2], dsi_empty[2]
   }
@@ -223,7 +233,7 @@ __device__ __forceinline__ void dk_warpgroup(const SparseFwdParams& p, const Fwd
   const bool two = p.di > 64;  // Di = 64: the second half of Q_idx^T is zero-filled, skipped
   for (int t = 0; t < n_tiles; ++t) {
     const int s = t % kStages, c = t % kConsumers;
-    mbar_wait(&full[s], (t / kStages) & 1);
+    mbar_wait(&full[t % full_bars<kConsumers>()], (t / full_bars<kConsumers>()) & 1);
     const uint32_t qi_addr = smem0 + L::stage0 + s * L::stage_bytes + L::s_qi + qi_t;
     uint32_t a[2][4];
 #pragma unroll
@@ -298,8 +308,9 @@ __global__ void __launch_bounds__(kThreads, 1) out_pass_ws_kernel(SparseFwdParam
   T* sKi = reinterpret_cast<T*>(smem + L::ki);
   int* sEntryAll = reinterpret_cast<int*>(smem + L::table);
   int* sTokAll = sEntryAll + sm80::kFwdMaxItemUnits;
+  constexpr int kFull = full_bars<kConsumers>();
   uint64_t* full = reinterpret_cast<uint64_t*>(smem + L::bars);
-  uint64_t* empty = full + kStages;
+  uint64_t* empty = full + kFull;
   uint64_t* dsi_full = empty + kStages;  // [2] (kDsi)
   uint64_t* dsi_empty = dsi_full + 2;    // [2]
 
@@ -315,7 +326,7 @@ __global__ void __launch_bounds__(kThreads, 1) out_pass_ws_kernel(SparseFwdParam
   // (the table and the mbarriers) the producer gathers the first tiles while those loads are in flight.
   if (tid < 128) {
     load_unit_table(p, f, sEntryAll, sTokAll, tid, 128);
-    if (tid == 0) init_ring(full, empty, kStages, kDsi);
+    if (tid == 0) init_ring(full, empty, kStages, kDsi, kFull);
   } else {
     load_block<T, D, true>(p, f, sK, sV, sKi, tid - 128, kThreads - 128);
   }
@@ -341,7 +352,7 @@ __global__ void __launch_bounds__(kThreads, 1) out_pass_ws_kernel(SparseFwdParam
         const bool ok = kDsi && u < nu;
         cp_async_4(st + L::s_lse_idx + u * 4, ok ? p.lse_idx + int64_t(r) * p.total_tokens + tok[u] : p.lse, ok);
       }
-      cp_async_mbar_arrive(&full[s]);
+      cp_async_mbar_arrive(&full[t % kFull]);
     }
     asm volatile("cp.async.wait_all;\n" ::: "memory");  // (uncommitted copies: wait_group 0 would not wait)
     return;
@@ -397,7 +408,7 @@ __global__ void __launch_bounds__(kThreads, 1) out_pass_ws_kernel(SparseFwdParam
   for (int t = cw; t < n_tiles; t += kConsumers) {
     const int s = t % kStages;
     const int k_own = t / kConsumers;  // this consumer's tile count so far
-    mbar_wait(&full[s], (t / kStages) & 1);
+    mbar_wait(&full[t % kFull], (t / kFull) & 1);
     unsigned char* st = smem + L::stage0 + s * L::stage_bytes;
     const uint32_t st_addr = smem0 + L::stage0 + s * L::stage_bytes;
     const float* sLse = reinterpret_cast<const float*>(st + L::s_lse);
