@@ -252,6 +252,7 @@ __device__ __forceinline__ void wgmma_rs_ksteps(float (&acc)[N / 2], LoadA load_
     WgmmaRS<T, N, kTransB>::run(acc, a[kk], b_desc(kk), accumulate_first || kk > 0);
   wgmma_commit();
   wgmma_wait<0>();
+  fence_regs(acc);  // no use of acc moves above the wait
 }
 
 // acc (64 x N) (+)= A (64 x 64: four k-steps) * B, A from registers: load_a(frag, kk) fills this warp's
@@ -312,6 +313,7 @@ __device__ __forceinline__ void wgmma_ss64_ksteps(float (&acc)[32], ADesc a_desc
   for (int kk = 0; kk < kSteps; ++kk) WgmmaSS<T, 64>::run(acc, a_desc(kk), b_desc(kk), accumulate_first || kk > 0);
   wgmma_commit();
   wgmma_wait<0>();
+  fence_regs(acc);
 }
 
 }  // namespace msa::sm90
