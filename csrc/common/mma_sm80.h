@@ -19,7 +19,8 @@ __device__ __forceinline__ uint32_t smem_addr(const void* p) {
   return static_cast<uint32_t>(__cvta_generic_to_shared(p));
 }
 
-// 16-byte global -> shared copy; src_bytes = 0 writes zeros (out-of-range rows).
+// 16-byte global -> shared copy; src_bytes = 0 writes zeros (out-of-range rows). The cp.async and ldmatrix helpers
+// declare memory, so the compiler keeps this thread's other shared-memory accesses on their side (s61).
 __device__ __forceinline__ void cp_async_16(void* smem, const void* gmem, bool valid) {
   asm volatile("cp.async.cg.shared.global [%0], [%1], 16, %2;\n" ::"r"(smem_addr(smem)), "l"(gmem),
                "r"(valid ? 16 : 0) : "memory");

@@ -248,6 +248,7 @@ __global__ void __launch_bounds__(IndexTopkShape<WG>::kThreads, 1)
     for (int ks = 0; ks < D / 16; ++ks) WgmmaRS<T, S::kKeys>::run(c, a[ks], KTile::desc(k_addr, ks), ks > 0);
     wgmma_commit();
     wgmma_wait<0>();
+    fence_regs(c);  // no use of the scores moves above the wait
     if (lane == 0) mbar_arrive(empty + it % S::kStages);  // this warp is done reading the stage
     if constexpr (kLse) {
       if ((it + 1) * S::kKeys - 1 <= pos0) {  // every row sees every key of the sub-tile

@@ -45,6 +45,8 @@ struct BwdMma {
     wgmma_commit();
     on_issue();
     wgmma_wait<0>();
+    fence_regs(s_w);
+    fence_regs(dp_w);
   }
 
   // dQ = dS K: warpgroup `half` takes D columns [64 half, +64) (D = 64: both take all), m64n64 over the 128

@@ -548,7 +548,7 @@ __global__ void __launch_bounds__(kThreads, 1)
         put_dq_rows<L::kDqStride>(buf, qrow, panel * 64 + 2 * tq, dq, p.scale, wg == 1);
       }
       // The writer's bulk reductions read the buffer through the async proxy: each consumer's stores fenced (consumer
-      // 1 rewrites every element consumer 0 stored, but the fence should not rest on that coverage; review s61).
+      // 1 rewrites every element consumer 0 stored, but the fence should not rest on that coverage; s61's review).
       if (!kDet) fence_proxy_async_smem();
       mbar_arrive(wg == 0 ? &dq_half[b] : &dq_full[b]);
     }

@@ -7,8 +7,8 @@
 // with 4 warpgroups: the producer, then three consumers, or (with the index gradient) two consumers and the
 // dK warpgroup:
 //  - warpgroup 0, the producer (setmaxnreg down to 40): gathers each tile's rows (16 units: Q of their 4
-//    heads, 64 rows; Q_idx; lse; lse_idx) by cp.async into a ring of kStages stages, each completing on
-//    its "full" mbarrier (cp.async.mbarrier.arrive.noinc, one arrival per producer thread), and reuses a
+//    heads, 64 rows; Q_idx; lse; lse_idx) by cp.async into a ring of kStages stages, tile t completing on
+//    full[t % full_bars] (cp.async.mbarrier.arrive.noinc, one arrival per producer thread), and reuses a
 //    stage once its consumer released it ("empty": one arrival per consumer thread).
 //  - warpgroups 1 .. kConsumers, the consumers (setmaxnreg up to 152): consumer c takes tiles c, c + kConsumers,
 //    ... of the item, so they run on their own (no CTA barrier after the prologue): one warpgroup's exponentials, KL
@@ -85,8 +85,8 @@ constexpr int consumers() { return kDsi ? 2 : 3; }
 // could otherwise see the phase of tile t - 4 (another consumer's) still pending or, had it polled ahead, take it for
 // its own (PTX does not order one producer thread's cp.async arrives on two barriers; s61's review; a wait on both
 // phases in turn deadlocks where tile t has already landed, as s61's memcheck run found).
-template <int kConsumers>
-constexpr int full_bars() { return kStages % kConsumers == 0 ? kStages : kStages * kConsumers; }
+template <int kConsumers, int kRing = kStages>
+constexpr int full_bars() { return kRing % kConsumers == 0 ? kRing : kRing * kConsumers; }
 constexpr int kSiS = kKeys + 8;        // floats per S_idx row: the 8 units of a fragment in distinct banks
 constexpr int kProducerRegs = 40, kConsumerRegs = 152, kDkRegs = 168;
 // setmaxnreg moves registers within the CTA's pool from the launch (128 per thread at 512 threads, by
