@@ -58,12 +58,14 @@ if [ "${MSA_SANITIZE:-0}" = 1 ]; then
   # racecheck and synccheck look at msa's kernels only: the warmup case's main branch is cuDNN's SDPA, whose sm90
   # fprop kernels racecheck flags (Read at +0x2f0 vs Write, 24-96 hazards each, torch 2.11 / cuDNN of cu130, s21);
   # not ours to fix. MSA_SANITIZE_TOOLS picks the tools (default: the three below; initcheck is another),
-  # MSA_SANITIZE_ARGS the case's arguments (e.g. "--configs 0,4": a part of its configurations).
+  # MSA_SANITIZE_ARGS the case's arguments (e.g. "--configs 0,4": a part of its configurations),
+  # MSA_SANITIZE_TIMEOUT=S kills a tool's run after S seconds (rc 124: a hang is a race, s61; racecheck takes ~7 min).
+  sto=(); [ -n "${MSA_SANITIZE_TIMEOUT:-}" ] && sto=(timeout -k 10 "$MSA_SANITIZE_TIMEOUT")
   for tool in ${MSA_SANITIZE_TOOLS:-memcheck racecheck synccheck}; do
     t0=$(date +%s)
     filt=(); [ $tool != memcheck ] && filt=(--kernel-name-exclude kns=cudnn)
-    compute-sanitizer --tool $tool "${filt[@]}" --error-exitcode 3 $PY scripts/sanitize_case.py ${MSA_SANITIZE_ARGS:-} \
-      > "$LOG/sanitize_$tool.log" 2>&1
+    "${sto[@]}" compute-sanitizer --tool $tool "${filt[@]}" --error-exitcode 3 $PY scripts/sanitize_case.py \
+      ${MSA_SANITIZE_ARGS:-} > "$LOG/sanitize_$tool.log" 2>&1
     rc=$?
     [ $rc -ne 0 ] && rc_san=$rc
     echo "sanitizer $tool: rc=$rc, $(( $(date +%s) - t0 )) s, $(tail -n 1 "$LOG/sanitize_$tool.log")" \

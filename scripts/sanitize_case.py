@@ -1,12 +1,14 @@
-"""Small cases that launch every kernel msa compiles, each variant the op dispatches to, for compute-sanitizer:
+"""Small cases that launch every kernel msa compiles and the variants listed in scripts/kernel_coverage.py, for
+compute-sanitizer:
 
     compute-sanitizer --tool memcheck|racecheck|synccheck python3 scripts/sanitize_case.py
     python3 scripts/sanitize_case.py --kernels FILE   # no sanitizer: the kernels launched, one name per line
 
 scripts/kernel_coverage.py checks such a list against csrc/ (every __global__, the variants in its VARIANTS), and
-tests/test_sanitize_case_gpu.py runs both on an sm_90 GPU. The configurations below set the op's environment knobs
+tests/test_sanitize_case.py runs both on an sm_90 GPU. The configurations below set the op's environment knobs
 (read at every call) that pick the other kernel paths: the portable kernels, the general sm_90a passes, the 99 KB
-configuration, several query chunks. Each runs a few hundred tokens, so a sanitizer pass takes minutes.
+configuration, several query chunks. Each runs a few hundred tokens, so a sanitizer pass takes minutes. The MSA_*
+knobs of the calling shell are cleared first: configuration 0 is the default kernels.
 """
 import argparse
 import os
@@ -20,7 +22,7 @@ import msa  # noqa: E402
 
 OPS = torch.ops.msa
 SCALE = 0.088
-DEVICE = "cuda"  # --device cpu: the same calls on the CPU path (tests/test_sanitize_case_gpu.py checks the script so)
+DEVICE = "cuda"  # --device cpu: the same calls on the CPU path (tests/test_sanitize_case.py checks the script so)
 # (Hq, Hkv, Hi): G = Hq / Hi heads per index group; the backward's unit holds Gu = G / J heads (J = Hkv / Hi kv heads
 # per group where Hkv > Hi, else 1).
 G2 = (8, 2, 4)   # G = 2, Gu = 2: the general sm_90a output pass, the cp.async backward gather
@@ -74,8 +76,9 @@ def bwd(x, res, cu, L, bs, warmup=False, det=False):
 
 
 def step(shape, heads, full):
-    """fwd + bwd of one varlen batch; `full` adds warmup, the main branch alone, split backward items, deterministic
-    mode, non-finite inputs and the batched layout."""
+    """fwd + bwd of one varlen batch, the forward without the index gradient, both in deterministic mode too; `full`
+    adds warmup (deterministic too), the main branch alone, split backward items, non-finite inputs and the batched
+    layout."""
     dtype, D, Di, bs, topk, lengths = shape
     hq, hkv, hi = heads
     T, L = sum(lengths), max(lengths)
@@ -163,16 +166,28 @@ def main():
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--kernels", help="write the names of the kernels launched here (torch.profiler), one per line")
     ap.add_argument("--device", default="cuda", choices=["cuda", "cpu"],
-                    help="cpu: the script's calls on the CPU path (configuration 0 only: the knobs choose CUDA kernels)")
-    ap.add_argument("--configs", help=f"comma-separated numbers of CONFIGS to run (0-{len(CONFIGS) - 1}; default all)")
+                    help="cpu: the same calls on the CPU path (configuration 0 only: the knobs choose CUDA kernels)")
+    ap.add_argument("--configs", help=f"comma-separated numbers of CONFIGS (0-{len(CONFIGS) - 1}; default all)")
     args = ap.parse_args()
     if args.kernels is not None and args.device != "cuda":
         ap.error("--kernels lists CUDA kernels: it needs --device cuda")
     global DEVICE
     DEVICE = args.device
-    configs = [int(c) for c in args.configs.split(",")] if args.configs else range(len(CONFIGS))
+    try:
+        configs = [int(c) for c in args.configs.split(",")] if args.configs else list(range(len(CONFIGS)))
+    except ValueError:
+        ap.error(f"--configs: expected comma-separated numbers, got {args.configs!r}")
+    if not all(0 <= c < len(CONFIGS) for c in configs):
+        ap.error(f"--configs: expected numbers in 0-{len(CONFIGS) - 1}, got {args.configs!r}")
     if DEVICE == "cpu":
         configs = [c for c in configs if c == 0]
+        if not configs:
+            ap.error("--device cpu runs configuration 0 only")
+    cleared = sorted(k for k in os.environ if k.startswith("MSA_"))
+    for k in cleared:
+        del os.environ[k]
+    if cleared:
+        print("cleared:", " ".join(cleared), file=sys.stderr)
     if args.kernels is None:
         run(configs)
     else:
