@@ -13,7 +13,7 @@ knobs of the calling shell are cleared first: configuration 0 is the default ker
 import argparse
 import os
 import sys
-from contextlib import contextmanager
+from unittest import mock
 
 import torch
 
@@ -44,20 +44,6 @@ CONFIGS = [
     ({"MSA_BWD_WS_TMA": "1"}, [BF16], [G2], False),  # the TMA gather at Gu = 2
     ({"MSA_PARTIAL_BUDGET": str(16 << 20)}, [BF16], [G4], False),  # several query chunks of the forward
 ]
-
-
-@contextmanager
-def env(values):
-    old = {k: os.environ.get(k) for k in values}
-    os.environ.update(values)
-    try:
-        yield
-    finally:
-        for k, v in old.items():
-            if v is None:
-                del os.environ[k]
-            else:
-                os.environ[k] = v
 
 
 def randn(*shape, dtype):
@@ -99,7 +85,7 @@ def step(shape, heads, full):
     q, k, v = x[:3]
     out, lse = OPS.sparse_fwd(q, k, v, idx, cu, L, bs, SCALE)  # the main branch alone
     OPS.sparse_bwd(torch.randn_like(out), q, k, v, out, lse, idx, cu, L, bs, SCALE)
-    with env({"MSA_BWD_UNITS_PER_ITEM": "5"}):  # every key split over several backward CTAs
+    with mock.patch.dict(os.environ, {"MSA_BWD_UNITS_PER_ITEM": "5"}):  # every key split over several backward CTAs
         OPS.sparse_bwd(torch.randn_like(out), q, k, v, out, lse, idx, cu, L, bs, SCALE)
     bad = [t.clone() for t in x]  # NaN / Inf in one token of every input
     for t, val in zip(bad, (float("nan"), float("inf"), float("nan"), float("-inf"), float("nan"))):
@@ -116,7 +102,7 @@ def topk_alone():
     """The index top-k on a longer sequence (every pipeline stage reused several times), portable and Hopper, both
     CTA sizes of the Hopper kernel."""
     for knobs in ({"MSA_PORTABLE_KERNELS": "1"}, {"MSA_TOPK_WG": "2"}, {"MSA_TOPK_WG": "4"}):
-        with env(knobs):
+        with mock.patch.dict(os.environ, knobs):
             for bs in [64, 128]:
                 cu = torch.tensor([0, 4000, 4100], dtype=torch.int32, device=DEVICE)
                 qi = randn(4100, 4, 128, dtype=torch.bfloat16)
@@ -152,7 +138,7 @@ def run(configs):
         topk_alone()
     for i in configs:
         knobs, shapes, layouts, full = CONFIGS[i]
-        with env(knobs):
+        with mock.patch.dict(os.environ, knobs):
             for shape in shapes:
                 for heads in layouts:
                     step(shape, heads, full)

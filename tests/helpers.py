@@ -1,4 +1,5 @@
 """Input factories shared by the tests."""
+import importlib.util
 import os
 import shutil
 
@@ -115,6 +116,14 @@ def cuda_kernel_names(fn):
         fn()
         torch.cuda.synchronize()
     return [e.name for e in prof.events()]
+
+
+def load_file(path, name):
+    """The module in the file at `path` (a script or setup.py: not on sys.path), executed under `name`."""
+    spec = importlib.util.spec_from_file_location(name, path)
+    mod = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(mod)
+    return mod
 
 
 def find_nvcc():

@@ -4,14 +4,13 @@ Opt-in (a full kernel build takes minutes): MSA_TEST_CPP_BENCH=1 python -m pytes
 MSA_CUDA_ARCHS (default 90a) picks the archs, MSA_CUTLASS_DIR the CUTLASS headers (default: as setup.py finds
 them), MSA_TEST_CPP_BENCH_BUILD a build directory to reuse (default: a fresh temporary one).
 """
-import importlib.util
 import os
 import shutil
 import subprocess
 from pathlib import Path
 
 import pytest
-from helpers import find_nvcc
+from helpers import find_nvcc, load_file
 
 ROOT = Path(__file__).resolve().parent.parent
 BENCHES = ["index_topk", "reverse_index", "sparse_fwd", "sparse_combine", "sparse_bwd", "dense_kl"]
@@ -22,9 +21,7 @@ pytestmark = pytest.mark.skipif(os.environ.get("MSA_TEST_CPP_BENCH") != "1",
 
 def _cutlass_dir():
     """setup.py's lookup (MSA_CUTLASS_DIR, third_party/cutlass, the pinned wheel); None when it finds none."""
-    spec = importlib.util.spec_from_file_location("msa_setup", ROOT / "setup.py")
-    setup_py = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(setup_py)  # defines its helpers only: setup() runs under __main__
+    setup_py = load_file(ROOT / "setup.py", "msa_setup")  # defines its helpers only: setup() runs under __main__
     try:
         return setup_py._cutlass_dir()
     except RuntimeError:

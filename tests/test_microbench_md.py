@@ -1,10 +1,11 @@
 """scripts/microbench_md.py: the stored form of a C++ microbenchmark run (header fields and the CSV verbatim)."""
 import datetime
-import importlib.util
 import os
 import subprocess
 import sys
 from pathlib import Path
+
+from helpers import load_file
 
 ROOT = Path(__file__).resolve().parent.parent
 SCRIPT = ROOT / "scripts" / "microbench_md.py"
@@ -16,10 +17,7 @@ GPU = ("name, driver_version, clocks.current.sm [MHz], clocks.current.memory [MH
 
 
 def _module():
-    spec = importlib.util.spec_from_file_location("microbench_md", SCRIPT)
-    mod = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(mod)
-    return mod
+    return load_file(SCRIPT, "microbench_md")
 
 
 def _logdir(tmp_path):

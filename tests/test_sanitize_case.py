@@ -1,25 +1,20 @@
 """scripts/sanitize_case.py, the case compute-sanitizer runs (scripts/gpu_check.sh, MSA_SANITIZE=1), reaches every
 kernel csrc/ defines and each variant in scripts/kernel_coverage.py's VARIANTS (on an sm_90 GPU with a Hopper
 build); its calls stay in step with the ops' schemas (on the CPU path, everywhere)."""
-import importlib.util
-import os
 import subprocess
 import sys
 from pathlib import Path
 
 import pytest
 
-from helpers import sm90_kernels_run
+from helpers import load_file, sm90_kernels_run
 
 ROOT = Path(__file__).resolve().parent.parent
 CASE = ROOT / "scripts" / "sanitize_case.py"
 
 
 def _coverage():
-    spec = importlib.util.spec_from_file_location("kernel_coverage", ROOT / "scripts" / "kernel_coverage.py")
-    mod = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(mod)
-    return mod
+    return load_file(ROOT / "scripts" / "kernel_coverage.py", "kernel_coverage")
 
 
 def test_global_kernels_parsed_with_their_template_parameters():
@@ -62,9 +57,8 @@ def test_missing_names_the_gaps_and_no_stale_variants():
 
 
 def _run_case(tmp_path, *args):
-    env = {k: v for k, v in os.environ.items() if not k.startswith("MSA_")}  # the case sets its own knobs
-    r = subprocess.run([sys.executable, str(CASE), *args], capture_output=True, text=True, timeout=900, env=env,
-                       cwd=tmp_path)
+    # The case clears the shell's MSA_* knobs itself and sets its own.
+    r = subprocess.run([sys.executable, str(CASE), *args], capture_output=True, text=True, timeout=900, cwd=tmp_path)
     assert r.returncode == 0, r.stdout[-2000:] + r.stderr[-4000:]
     assert "sanitize case done" in r.stdout
 

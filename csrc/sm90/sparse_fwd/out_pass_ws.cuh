@@ -233,7 +233,8 @@ __device__ __forceinline__ void dk_warpgroup(const SparseFwdParams& p, const Fwd
   const bool two = p.di > 64;  // Di = 64: the second half of Q_idx^T is zero-filled, skipped
   for (int t = 0; t < n_tiles; ++t) {
     const int s = t % kStages, c = t % kConsumers;
-    mbar_wait(&full[t % full_bars<kConsumers>()], (t / full_bars<kConsumers>()) & 1);
+    constexpr int kFull = full_bars<kConsumers>();
+    mbar_wait(&full[t % kFull], (t / kFull) & 1);
     const uint32_t qi_addr = smem0 + L::stage0 + s * L::stage_bytes + L::s_qi + qi_t;
     uint32_t a[2][4];
 #pragma unroll
