@@ -10,7 +10,8 @@
 #include <torch/csrc/stable/library.h>
 
 STABLE_TORCH_LIBRARY(msa, m) {
-  // SPEC 2: int32 (Hi, T, topk) selected blocks, ascending, -1 padded.
+  // SPEC 2: int32 (Hi, T, topk) selected blocks, ascending, -1 padded. q_idx, k_idx: bf16 / fp16, or both
+  // float8_e4m3fn (index_dtype: the FP8 top-k on Hopper at Di = 128, else the same values widened to bf16).
   m.def("select_blocks(Tensor q_idx, Tensor k_idx, Tensor? cu_seqlens, SymInt max_seqlen, int topk, "
         "int block_size, float index_scale, Tensor? cu_seqlens_k=None, SymInt? max_seqlen_k=None) -> Tensor");
   // SPEC 3: out (T, Hq, D) and lse (Hq, T) over the causally visible tokens of the selected blocks.
@@ -23,10 +24,13 @@ STABLE_TORCH_LIBRARY(msa, m) {
   // indices is (Hi, T, topk); in warmup mode it is (Hi, T, 0) unless return_indices. With index_grad
   // the pass that computes kl also yields its gradient for d_kl = 1 (SPEC 4: kl is linear in d_kl):
   // kl_dq_idx (T, Hi, Di) and kl_dk_idx (T_k, Hki, Di) in fp32; without, both are empty (0,). kl_rows
-  // (Hi, T) fp32 holds each row's KL term (kl is their mean).
+  // (Hi, T) fp32 holds each row's KL term (kl is their mean). sel_q_idx / sel_k_idx: the selection's own inputs
+  // (SPEC 2 with index_dtype: float8_e4m3fn copies of q_idx / k_idx, or tensors of their dtype); the KL, lse_idx
+  // and the index gradients use q_idx / k_idx.
   m.def("msa_fwd(Tensor q, Tensor k, Tensor v, Tensor q_idx, Tensor k_idx, Tensor? cu_seqlens, "
         "SymInt max_seqlen, int topk, int block_size, float softmax_scale, float index_scale, bool warmup, "
-        "bool return_indices, bool index_grad, bool deterministic=False, Tensor? cu_seqlens_k=None, SymInt? max_seqlen_k=None) -> (Tensor out, Tensor kl, "
+        "bool return_indices, bool index_grad, bool deterministic=False, Tensor? cu_seqlens_k=None, SymInt? max_seqlen_k=None, "
+        "Tensor? sel_q_idx=None, Tensor? sel_k_idx=None) -> (Tensor out, Tensor kl, "
         "Tensor indices, Tensor lse, Tensor lse_idx, Tensor kl_dq_idx, Tensor kl_dk_idx, Tensor kl_rows)");
   // SPEC 4 gradients: dout -> dq, dk, dv; dkl -> dq_idx, dk_idx (dkl times the forward's kl_dq_idx /
   // kl_dk_idx when given, else from dkl/rows * (Pidx - P) again). A missing dout or dkl skips that part

@@ -83,6 +83,25 @@ def index_qk(q_idx, k_idx, T, Tk):
         _fail("k_idx", f"a head count dividing Hi = {q_idx.shape[1]}", k_idx.shape[1])
 
 
+# The selection's FP8 inputs (index_dtype, SPEC 2): e4m3 copies of q_idx / k_idx.
+FP8_DTYPES = (torch.float8_e4m3fn,)
+
+
+def sel_inputs(q_idx, k_idx, sel_q_idx, sel_k_idx):
+    """msa_fwd's selection inputs: (sel_q_idx, sel_k_idx), both of their index tensor's shape and device, of one
+    dtype, float8_e4m3fn or that of q_idx; or neither (None: the selection scores q_idx, k_idx)."""
+    if (sel_q_idx is None) != (sel_k_idx is None):
+        _fail("sel_q_idx, sel_k_idx", "both or neither", "one of them")
+    if sel_q_idx is None:
+        return None
+    for name, x, like in (("sel_q_idx", sel_q_idx, q_idx), ("sel_k_idx", sel_k_idx, k_idx)):
+        if x.shape != like.shape or x.device != like.device:
+            _fail(name, f"shape {tuple(like.shape)} on {like.device}", f"{_shape(x)} on {x.device}")
+        if x.dtype not in FP8_DTYPES + (like.dtype,) or x.dtype != sel_q_idx.dtype:
+            _fail(name, f"dtype float8_e4m3fn or {like.dtype}, one for both", x.dtype)
+    return sel_q_idx, sel_k_idx
+
+
 def topk(k):
     if not 1 <= k <= MAX_TOPK:
         _fail("topk", f"1..{MAX_TOPK}", k)

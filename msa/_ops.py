@@ -10,6 +10,7 @@ import torch
 
 from . import _op_checks as chk
 from . import reference as ref
+from ._op_checks import FP8_DTYPES
 
 try:
     from . import _C  # noqa: F401  (loading the library registers the schemas)
@@ -153,14 +154,16 @@ def _sparse_bwd_cpu(dout, q, k, v, out, lse, indices, cu_seqlens, max_seqlen, bl
 @torch.library.register_kernel("msa::msa_fwd", "cpu")
 @_no_autocast
 def _msa_fwd_cpu(q, k, v, q_idx, k_idx, cu_seqlens, max_seqlen, topk, block_size, softmax_scale, index_scale,
-                 warmup, return_indices, index_grad, deterministic=False, cu_seqlens_k=None, max_seqlen_k=None):
+                 warmup, return_indices, index_grad, deterministic=False, cu_seqlens_k=None, max_seqlen_k=None,
+                 sel_q_idx=None, sel_k_idx=None):
     _check_msa(q, k, v, q_idx, k_idx)
+    sel = chk.sel_inputs(q_idx, k_idx, sel_q_idx, sel_k_idx)
     chk.topk(topk)
     chk.block_size(block_size)
     cu = _seqs(cu_seqlens, q.shape[0], max_seqlen)
     cu_k = _seqs_k(cu, cu_seqlens_k, k.shape[0], max_seqlen_k)
     out, kl, indices, lse, lse_idx, kl_rows = ref.msa_fwd(q, k, v, q_idx, k_idx, cu, topk, block_size, softmax_scale,
-                                                          index_scale, warmup, return_indices, cu_k)
+                                                          index_scale, warmup, return_indices, cu_k, sel)
     acc = ref.acc_dtype(q.dtype)
     if index_grad:  # d kl / d (q_idx, k_idx) for d_kl = 1 (SPEC 4), in the accumulation dtype
         attend = None if warmup else indices
@@ -403,8 +406,9 @@ def _sparse_bwd_fake(dout, q, k, v, out, lse, indices, cu_seqlens, max_seqlen, b
 
 @torch.library.register_fake("msa::msa_fwd")
 def _msa_fwd_fake(q, k, v, q_idx, k_idx, cu_seqlens, max_seqlen, topk, block_size, softmax_scale, index_scale,
-                  warmup, return_indices, index_grad, deterministic=False, cu_seqlens_k=None, max_seqlen_k=None):
-    chk.one_device(q, k, v, q_idx, k_idx, cu_seqlens, cu_seqlens_k)
+                  warmup, return_indices, index_grad, deterministic=False, cu_seqlens_k=None, max_seqlen_k=None,
+                  sel_q_idx=None, sel_k_idx=None):
+    chk.one_device(q, k, v, q_idx, k_idx, cu_seqlens, cu_seqlens_k, sel_q_idx, sel_k_idx)
     T, Hi = q_idx.shape[0], q_idx.shape[1]
     slots = 0 if (warmup and not return_indices) else topk
     acc = ref.acc_dtype(q.dtype)
@@ -553,9 +557,9 @@ def _register_autocast(name: str, device_type: str = "cuda") -> None:
     op = getattr(ops, name).default
     key = getattr(torch._C.DispatchKey, "Autocast" + torch._C._dispatch_key_for_device(device_type))
 
-    def cast(x, dtype):
+    def cast(x, dtype):  # FP8 selection inputs (index_dtype) stay as they are
         return x.to(dtype) if isinstance(x, torch.Tensor) and x.is_floating_point() and x.device.type == device_type \
-            else x
+            and x.dtype not in FP8_DTYPES else x
 
     @op.py_impl(key)
     def _autocast(*args):

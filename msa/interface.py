@@ -247,22 +247,58 @@ def _key_layout(q, k, cu_seqlens, cu_seqlens_k, max_seqlen_k, names=("q", "k")):
     return layout
 
 
+INDEX_DTYPES = (None, torch.float8_e4m3fn)
+
+
+def _index_dtype(value):
+    if value not in INDEX_DTYPES:  # torch dtypes compare by identity; anything else is not one of them
+        _fail("index_dtype", "None or torch.float8_e4m3fn", repr(value), TypeError if not isinstance(
+            value, torch.dtype) else ValueError)
+    return value
+
+
+def fp8_index_copies(q_idx, k_idx):
+    """The e4m3 copies of (q_idx, k_idx) that the selection scores with index_dtype=torch.float8_e4m3fn (SPEC 2),
+    rounded to nearest after a power-of-two scale: per (token, head) row of q_idx and per head of k_idx (the
+    keys a row compares share it), the largest that keeps the row's / head's largest |value| within e4m3's 448.
+    A row's order of blocks does not depend on such scales, and rounding commutes with them: the copies round
+    each value as e4m3 would unscaled (outside e4m3's subnormal range), whatever else the batch holds. Zero
+    rows stay zero. Any layout whose last two dims are (H, Di)."""
+    tiny = torch.finfo(torch.float32).tiny
+
+    def pow2_scale(amax):  # 2^s, the largest with amax 2^s <= 448 = 0.875 * 2^9 (frexp: exact on every device)
+        m, e = torch.frexp(amax.float().clamp_min(tiny))
+        s = torch.where(m <= 0.875, 9 - e, 8 - e).clamp(-126, 126)
+        return torch.ldexp(torch.ones_like(m), s)
+
+    q, k = q_idx.detach(), k_idx.detach()
+    sq = pow2_scale(q.abs().amax(-1, keepdim=True))
+    sk = pow2_scale(k.abs().amax(dim=tuple(range(k.dim() - 2)) + (-1,), keepdim=True))
+    return (q.float() * sq).to(torch.float8_e4m3fn), (k.float() * sk).to(torch.float8_e4m3fn)
+
+
 def _msa(q, k, v, q_idx, k_idx, cu_seqlens, max_seqlen, topk, block_size, softmax_scale, index_scale, warmup,
-         return_indices, deterministic, key_layout=()):
+         return_indices, deterministic, key_layout=(), index_dtype=None):
     _require_kernel("msa_fwd", q)
     scale = _scale("softmax_scale", softmax_scale, q.shape[-1])
     iscale = _scale("index_scale", index_scale, q_idx.shape[-1])
+    warmup = _flag("warmup", warmup)
+    return_indices = _flag("return_indices", return_indices)
     # The KL's index gradient is computed with the KL itself when autograd will ask for it (SPEC 4).
     index_grad = torch.is_grad_enabled() and (q_idx.requires_grad or k_idx.requires_grad)
-    args = (q, k, v, q_idx, k_idx, cu_seqlens, max_seqlen, topk, block_size, scale, iscale, _flag("warmup", warmup),
-            _flag("return_indices", return_indices), index_grad, _deterministic(deterministic), *key_layout)
+    # The selection's own e4m3 inputs (index_dtype), where a selection runs; after the key layout's two slots.
+    sel = ()
+    if _index_dtype(index_dtype) is not None and (return_indices or not warmup):
+        sel = (*(tuple(key_layout) or (None, None)), *fp8_index_copies(q_idx, k_idx))
+    args = (q, k, v, q_idx, k_idx, cu_seqlens, max_seqlen, topk, block_size, scale, iscale, warmup,
+            return_indices, index_grad, _deterministic(deterministic), *(sel or key_layout))
     if eager_autograd_applies((q, k, v, q_idx, k_idx)):
         return _value_errors(MsaFunction.apply, *args)
     return _values_checked(ops.msa_fwd, *args)
 
 
 def msa_attention(q, k, v, q_idx, k_idx, *, topk=16, block_size=128, softmax_scale=None, index_scale=None,
-                  warmup=False, return_indices=False, deterministic=None):
+                  warmup=False, return_indices=False, deterministic=None, index_dtype=None):
     """MiniMax Sparse Attention, causal, batched layout.
 
     Args:
@@ -276,6 +312,9 @@ def msa_attention(q, k, v, q_idx, k_idx, *, topk=16, block_size=128, softmax_sca
         warmup: dense causal main attention, KL over the full causal set (SPEC 5).
         return_indices: also return the selection, int32 (B, Hi, N, topk), ascending, -1 padded.
         deterministic: bitwise reproducible gradients (None: torch.are_deterministic_algorithms_enabled()).
+        index_dtype: None, or torch.float8_e4m3fn: the selection scores e4m3 copies of q_idx / k_idx
+            (`fp8_index_copies`) with fp32 accumulation (the FP8 tensor cores on Hopper at Di = 128; elsewhere the
+            same values widened to bf16). The KL, its lse_idx and the index gradients stay in the inputs' dtype.
 
     Returns:
         (out, kl) or (out, kl, indices). out: (B, N, Hq, D) in the input dtype, differentiable in q, k, v.
@@ -287,7 +326,7 @@ def msa_attention(q, k, v, q_idx, k_idx, *, topk=16, block_size=128, softmax_sca
     layout = _key_layout(q, k, None, None, None)
     flat = [_flat(x) for x in (q, k, v, q_idx, k_idx)]
     out, kl, indices = _msa(*flat, None, N, topk, block_size, softmax_scale, index_scale, warmup, return_indices,
-                            deterministic, layout)[:3]
+                            deterministic, layout, index_dtype)[:3]
     out = out.view(B, N, *out.shape[1:])
     if not return_indices:
         return out, kl
@@ -297,7 +336,7 @@ def msa_attention(q, k, v, q_idx, k_idx, *, topk=16, block_size=128, softmax_sca
 
 def msa_attention_varlen(q, k, v, q_idx, k_idx, cu_seqlens, max_seqlen, *, cu_seqlens_k=None, max_seqlen_k=None,
                          topk=16, block_size=128, softmax_scale=None, index_scale=None, warmup=False,
-                         return_indices=False, deterministic=None):
+                         return_indices=False, deterministic=None, index_dtype=None):
     """MiniMax Sparse Attention on packed sequences (flash-attn's thd layout).
 
     Same as `msa_attention` with tensors (T, H, D) and `cu_seqlens` int32 (S+1,) giving each sequence's
@@ -314,18 +353,18 @@ def msa_attention_varlen(q, k, v, q_idx, k_idx, cu_seqlens, max_seqlen, *, cu_se
     max_seqlen = _check_varlen(cu_seqlens, max_seqlen, q, q.shape[0])
     layout = _key_layout(q, k, cu_seqlens, cu_seqlens_k, max_seqlen_k)
     out, kl, indices = _msa(q, k, v, q_idx, k_idx, cu_seqlens, max_seqlen, topk, block_size, softmax_scale,
-                            index_scale, warmup, return_indices, deterministic, layout)[:3]
+                            index_scale, warmup, return_indices, deterministic, layout, index_dtype)[:3]
     return (out, kl, indices) if return_indices else (out, kl)
 
 
 def select_blocks(q_idx, k_idx, *, topk=16, block_size=128, index_scale=None, cu_seqlens=None, max_seqlen=None,
-                  cu_seqlens_k=None, max_seqlen_k=None):
+                  cu_seqlens_k=None, max_seqlen_k=None, index_dtype=None):
     """The index branch alone (SPEC 2): int32 selected blocks, ascending, -1 padded.
 
     Batched (B, N, Hi, Di) / (B, N, Hki, Di) inputs give (B, Hi, N, topk). Packed (T, H, Di) inputs with
     `cu_seqlens` and `max_seqlen` give (Hi, T, topk). Not differentiable. k_idx may cover more positions
     than q_idx (N_k > N, or `cu_seqlens_k` / `max_seqlen_k`): the queries are then the last positions,
-    as in `msa_attention_varlen`.
+    as in `msa_attention_varlen`. index_dtype: as in `msa_attention`.
     """
     rank = 3 if cu_seqlens is not None else 4
     layout = "(B, N, H, Di)" if rank == 4 else "(T, H, Di)"
@@ -341,6 +380,8 @@ def select_blocks(q_idx, k_idx, *, topk=16, block_size=128, index_scale=None, cu
     topk = _check_option("topk", topk, range(1, MAX_TOPK + 1))
     _require_kernel("select_blocks", q_idx)
     iscale = _scale("index_scale", index_scale, Di)
+    if _index_dtype(index_dtype) is not None:
+        q_idx, k_idx = fp8_index_copies(q_idx, k_idx)
     if rank == 3:
         max_seqlen = _check_varlen(cu_seqlens, max_seqlen, q_idx, q_idx.shape[0])
         key = _key_layout(q_idx, k_idx, cu_seqlens, cu_seqlens_k, max_seqlen_k, ("q_idx", "k_idx"))

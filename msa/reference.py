@@ -272,14 +272,16 @@ def index_kl_bwd(dkl, q, k, lse, q_idx, k_idx, lse_idx, indices, cu_seqlens, blo
 # SPEC 2-5 together
 # ----------------------------------------------------------------------------------------------
 def msa_fwd(q, k, v, q_idx, k_idx, cu_seqlens, topk, block_size, softmax_scale, index_scale, warmup,
-            return_indices, cu_seqlens_k=None):
+            return_indices, cu_seqlens_k=None, sel=None):
     """(out, kl, indices, lse, lse_idx, kl_rows). Warmup: dense causal main branch and KL over the full
-    causal set; the selection is skipped (indices (Hi, T, 0)) unless return_indices."""
+    causal set; the selection is skipped (indices (Hi, T, 0)) unless return_indices. sel: the selection's own
+    (q_idx, k_idx) (index_dtype's e4m3 copies), None: q_idx, k_idx."""
     T, Hi = q_idx.shape[0], q_idx.shape[1]
     if warmup and not return_indices:
         indices = torch.empty(Hi, T, 0, dtype=torch.int32)
     else:
-        indices = select_blocks(q_idx, k_idx, cu_seqlens, topk, block_size, index_scale, cu_seqlens_k)
+        sq, sk = (q_idx, k_idx) if sel is None else sel
+        indices = select_blocks(sq, sk, cu_seqlens, topk, block_size, index_scale, cu_seqlens_k)
     attend = None if warmup else indices
     out, lse = sparse_fwd(q, k, v, attend, cu_seqlens, block_size, softmax_scale, cu_seqlens_k)
     kl_rows, lse_idx = index_kl_rows(q, k, lse, q_idx, k_idx, attend, cu_seqlens, block_size, softmax_scale,

@@ -10,6 +10,8 @@ import os
 import pytest
 import torch
 
+import msa
+
 from attention_check import ATOL, assert_lse_close, max_err
 from row_oracle import block_grads, check_selection, in_chunks, row_terms, selectors
 
@@ -68,10 +70,13 @@ def _sample_tokens(cu, T, n_end=64, n_rand=96, seed=0):
     return torch.unique(torch.cat([end, rand])).to(cu.device)
 
 
-@pytest.mark.parametrize("B,N,dtype", [(1, 131072, torch.bfloat16), (2, 131072, torch.bfloat16),
-                                       (1, 131072, torch.float16), (2, 131072, torch.float16),
-                                       (1, 1048576, torch.bfloat16)])
-def test_long_sequence_sampled_rows(B, N, dtype):
+@pytest.mark.parametrize("B,N,dtype,fp8", [(1, 131072, torch.bfloat16, False), (2, 131072, torch.bfloat16, False),
+                                           (1, 131072, torch.float16, False), (2, 131072, torch.float16, False),
+                                           (1, 1048576, torch.bfloat16, False), (2, 131072, torch.bfloat16, True),
+                                           (1, 1048576, torch.bfloat16, True)])
+def test_long_sequence_sampled_rows(B, N, dtype, fp8):
+    """fp8: the selection scores the e4m3 copies (index_dtype, msa.fp8_index_copies; the FP8 top-k on Hopper),
+    checked against fp32 block scores of those copies; everything else as without."""
     T = B * N
     Hi = HEADS[2]  # index groups: the KL rows are T * Hi
     dev = "cuda"
@@ -82,15 +87,17 @@ def test_long_sequence_sampled_rows(B, N, dtype):
     # scales the loss (GradScaler starts at 2^16), so that is the d_kl the fp16 cases check with.
     dkl = torch.tensor(2.0 ** 16 if dtype == torch.float16 else 1.0, device=dev)
     ops = torch.ops.msa
+    sel = msa.fp8_index_copies(x["q_idx"], x["k_idx"]) if fp8 else (x["q_idx"], x["k_idx"])
     out, kl, idx, lse, lse_idx, g_q, g_k, kl_rows = ops.msa_fwd(
-        x["q"], x["k"], x["v"], x["q_idx"], x["k_idx"], None, N, TOPK, BS, scale, iscale, False, True, True)
+        x["q"], x["k"], x["v"], x["q_idx"], x["k_idx"], None, N, TOPK, BS, scale, iscale, False, True, True, False,
+        None, None, *(sel if fp8 else (None, None)))
     dq, dk, dv, dq_idx, dk_idx = ops.msa_bwd(
         x["dout"], dkl, x["q"], x["k"], x["v"], out, lse, x["q_idx"], x["k_idx"], lse_idx, idx, g_q, g_k, None, N,
         BS, scale, iscale, False)
     del g_q, g_k
     kl_coef = dkl.item() / (T * Hi)  # SPEC 4: dS_idx = d_kl / rows * (Pidx - P)
     tokens = _sample_tokens(cu, T, seed=N + B)
-    check_selection(idx, tokens, x["q_idx"], x["k_idx"], cu, TOPK, BS, iscale)
+    check_selection(idx, tokens, *sel, cu, TOPK, BS, iscale)
 
     args = (idx, cu, BS, scale, iscale, kl_coef)
     _check_rows(x, tokens, args, dtype, out, dq, dq_idx, lse, lse_idx, kl_rows)

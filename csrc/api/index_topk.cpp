@@ -44,13 +44,53 @@ IndexTopkParams index_params(const Tensor& q, const Tensor& k, const SeqMap& seq
 
 }  // namespace
 
-Tensor select_blocks_cuda(const Tensor& q_idx, const Tensor& k_idx, const SeqMap& seqs, int64_t max_seqlen,
+namespace {
+
+// FP8 selection inputs (index_dtype, SPEC 2) on the Hopper FP8 top-k: Di = 128, rows 16-byte aligned (else a
+// contiguous copy), the plain top-k (no kept-block sums). False (nothing launched) where the kernel does not
+// apply; the caller then runs the 16-bit kernels on the inputs widened to bf16, which holds every e4m3 value
+// exactly, so the selection is the same up to the fp32 sums' order.
+bool select_blocks_fp8(const Tensor& q_idx, const Tensor& k_idx, const IndexTopkParams& base, cudaStream_t stream) {
+#ifdef MSA_WITH_SM90
+  if (!use_sm90_kernels() || q_idx.size(2) != 128) return false;
+  auto aligned16 = [](const Tensor& x) {
+    const bool ok = x.stride(2) == 1 && x.stride(0) % 16 == 0 && x.stride(1) % 16 == 0 &&
+                    reinterpret_cast<uintptr_t>(x.data_ptr()) % 16 == 0;
+    return ok ? x : contig(x);
+  };
+  const Tensor q = aligned16(q_idx), k = aligned16(k_idx);
+  IndexTopkParams p = base;
+  p.q_idx = q.data_ptr();
+  p.k_idx = k.data_ptr();
+  p.q_stride_t = q.stride(0), p.q_stride_h = q.stride(1), p.k_stride_t = k.stride(0), p.k_stride_h = k.stride(1);
+  const cudaError_t err = sm90::launch_index_topk_fp8<128>(p, stream);
+  if (err == cudaErrorNotSupported) return false;  // no TMA descriptor for this k_idx
+  MSA_LAUNCH_CHECK(err, "select_blocks (fp8)");
+  return true;
+#else
+  (void)q_idx, (void)k_idx, (void)base, (void)stream;
+  return false;
+#endif
+}
+
+}  // namespace
+
+Tensor select_blocks_cuda(const Tensor& q_idx_in, const Tensor& k_idx_in, const SeqMap& seqs, int64_t max_seqlen,
                           int64_t topk, int64_t block_size, double index_scale, std::optional<Tensor>* sel_stats) {
   HostPhases hp("select_blocks");
-  MSA_CHECK(q_idx.is_cuda() && same_device(k_idx, q_idx), "q_idx, k_idx: expected one CUDA device, got ", dev(q_idx),
-            ", ", dev(k_idx));
-  MSA_CHECK(q_idx.scalar_type() == kBFloat16 || q_idx.scalar_type() == kHalf,
-            "q_idx: expected bfloat16 or float16, got ", dtype(q_idx));
+  MSA_CHECK(q_idx_in.is_cuda() && same_device(k_idx_in, q_idx_in), "q_idx, k_idx: expected one CUDA device, got ",
+            dev(q_idx_in), ", ", dev(k_idx_in));
+  const bool fp8 = q_idx_in.scalar_type() == ScalarType::Float8_e4m3fn;
+  MSA_CHECK(q_idx_in.scalar_type() == kBFloat16 || q_idx_in.scalar_type() == kHalf || fp8,
+            "q_idx: expected bfloat16, float16 or float8_e4m3fn, got ", dtype(q_idx_in));
+  MSA_CHECK(k_idx_in.scalar_type() == q_idx_in.scalar_type(), "k_idx: expected dtype ", dtype(q_idx_in), ", got ",
+            dtype(k_idx_in));
+  MSA_CHECK(!fp8 || sel_stats == nullptr, "select_blocks: FP8 inputs give no kept-block sums");
+  // FP8 inputs the Hopper FP8 kernel does not take: widened to bf16 (exact), then as 16-bit inputs.
+  const DeviceGuard guard0(q_idx_in.get_device_index());
+  const bool fp8_kernel = fp8 && use_sm90_kernels() && q_idx_in.dim() == 3 && q_idx_in.size(2) == 128;
+  const Tensor q_idx = fp8 && !fp8_kernel ? torch::stable::to(q_idx_in, kBFloat16) : q_idx_in;
+  const Tensor k_idx = fp8 && !fp8_kernel ? torch::stable::to(k_idx_in, kBFloat16) : k_idx_in;
   MSA_CHECK(k_idx.scalar_type() == q_idx.scalar_type(), "k_idx: expected dtype ", dtype(q_idx), ", got ",
             dtype(k_idx));
   MSA_CHECK(q_idx.dim() == 3 && k_idx.dim() == 3, "q_idx, k_idx: expected (T, H, Di), got ", shape(q_idx), " and ",
@@ -71,6 +111,15 @@ Tensor select_blocks_cuda(const Tensor& q_idx, const Tensor& k_idx, const SeqMap
   Tensor indices = empty({Hi, T, topk}, kInt, q_idx);
   if (T == 0) return indices;
   hp.mark("alloc");
+  if (fp8_kernel) {
+    IndexTopkParams p = index_params(q_idx, k_idx, seqs, max_seqlen, index_scale);
+    p.indices = ptr<int32_t>(indices);
+    p.topk = int(topk);
+    p.block_size = int(block_size);
+    if (select_blocks_fp8(q_idx, k_idx, p, current_stream(q_idx))) return indices;
+    return select_blocks_cuda(torch::stable::to(q_idx, kBFloat16), torch::stable::to(k_idx, kBFloat16), seqs,
+                              max_seqlen, topk, block_size, index_scale, nullptr);
+  }
   const Tensor q = aligned_rows(q_idx), k = aligned_rows(k_idx);
   IndexTopkParams p = index_params(q, k, seqs, max_seqlen, index_scale);
   p.indices = ptr<int32_t>(indices);

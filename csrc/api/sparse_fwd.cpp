@@ -89,6 +89,21 @@ void check_index_cuda(const Tensor& q, const Tensor& k, const Tensor& qi, const 
   MSA_CHECK(Hki >= 1 && Hi % Hki == 0, "k_idx: expected Hki dividing Hi = ", Hi, ", got ", Hki);
 }
 
+// The selection's own inputs (index_dtype: e4m3 copies of q_idx, k_idx): both or neither, each of its index
+// tensor's shape and device, float8_e4m3fn or that tensor's dtype.
+void check_sel_cuda(const Tensor& qi, const Tensor& ki, const std::optional<Tensor>& sq,
+                    const std::optional<Tensor>& sk) {
+  MSA_CHECK(sq.has_value() == sk.has_value(), "sel_q_idx, sel_k_idx: expected both or neither");
+  if (!sq) return;
+  for (const auto& [name, x, like] : {std::tuple{"sel_q_idx", *sq, qi}, std::tuple{"sel_k_idx", *sk, ki}}) {
+    MSA_CHECK(same_device(x, like) && same_shape(x, like), name, ": expected the shape ", shape(like), " on ",
+              dev(like), ", got ", shape(x), " on ", dev(x));
+    MSA_CHECK(x.scalar_type() == ScalarType::Float8_e4m3fn || x.scalar_type() == like.scalar_type(), name,
+              ": expected float8_e4m3fn or ", dtype(like), ", got ", dtype(x));
+  }
+  MSA_CHECK(sq->scalar_type() == sk->scalar_type(), "sel_k_idx: expected dtype ", dtype(*sq), ", got ", dtype(*sk));
+}
+
 }  // namespace
 
 SparseForward sparse_forward_cuda(const Tensor& q_in, const Tensor& k_in, const Tensor& v_in,
@@ -429,12 +444,17 @@ msa_fwd_cuda(const Tensor& q, const Tensor& k, const Tensor& v, const Tensor& q_
              const Tensor& k_idx, const std::optional<Tensor>& cu_seqlens, int64_t max_seqlen, int64_t topk,
              int64_t block_size, double softmax_scale, double index_scale, bool warmup, bool return_indices,
              bool index_grad, bool deterministic, const std::optional<Tensor>& cu_seqlens_k,
-             std::optional<int64_t> max_seqlen_k) {
+             std::optional<int64_t> max_seqlen_k, const std::optional<Tensor>& sel_q_idx,
+             const std::optional<Tensor>& sel_k_idx) {
   HostPhases hp("msa_fwd");
   check_qkv_cuda(q, k, v, rows(k));  // the key rows against the layout: seq_map
   hp.mark("check_qkv");
   check_index_cuda(q, k, q_idx, k_idx);  // before the dense kernels of warmup, too
+  check_sel_cuda(q_idx, k_idx, sel_q_idx, sel_k_idx);
   hp.mark("check_index");
+  // The selection's inputs: the given copies (index_dtype), else the index branch itself.
+  const Tensor& sq = sel_q_idx ? *sel_q_idx : q_idx;
+  const Tensor& sk = sel_k_idx ? *sel_k_idx : k_idx;
   const SeqMap seqs = seq_map(cu_seqlens, q.size(0), max_seqlen, cu_seqlens_k, max_seqlen_k, k.size(0), q);
   hp.mark("seq_map");
   Tensor indices;
@@ -443,7 +463,7 @@ msa_fwd_cuda(const Tensor& q, const Tensor& k, const Tensor& v, const Tensor& q_
     // SPEC 5: dense causal main attention through PyTorch's cuDNN or flash kernel (it keeps the lse),
     // then the KL over the full causal set and its index gradient with our kernels in dense mode.
     const DeviceGuard guard(q.get_device_index());
-    indices = return_indices ? select_blocks_cuda(q_idx, k_idx, seqs, max_seqlen, topk, block_size, index_scale)
+    indices = return_indices ? select_blocks_cuda(sq, sk, seqs, max_seqlen, topk, block_size, index_scale)
                              : empty({q_idx.size(1), q.size(0), 0}, kInt, q);
     // lse_idx: the Hopper index kernel's logsumexp mode (deterministic: no atomics), else the dense kernel on the
     // index branch (its output unused, lse_only): both faster than our stats pass over every block. Launched before
@@ -464,9 +484,10 @@ msa_fwd_cuda(const Tensor& q, const Tensor& k, const Tensor& v, const Tensor& q_
     }
     r.out = out;  // the KL-only pass returns the given lse and no output
   } else {
+    // The kept blocks' sums (kSel) are sums of the index logits themselves: not from other selection inputs.
     std::optional<Tensor> sel;
-    indices = select_blocks_cuda(q_idx, k_idx, seqs, max_seqlen, topk, block_size, index_scale,
-                                 sel_stats_applies(seqs, block_size) ? &sel : nullptr);
+    indices = select_blocks_cuda(sq, sk, seqs, max_seqlen, topk, block_size, index_scale,
+                                 !sel_q_idx && sel_stats_applies(seqs, block_size) ? &sel : nullptr);
     hp.mark("select_blocks");
     r = sparse_forward_cuda(q, k, v, q_idx, k_idx, indices, seqs, block_size, softmax_scale, index_scale,
                             index_grad, deterministic, false, std::nullopt, std::nullopt, sel);

@@ -4,4 +4,5 @@
 namespace msa::sm90 {
 template cudaError_t launch_index_topk<__nv_bfloat16, 128>(const IndexTopkParams&, cudaStream_t);
 template cudaError_t launch_index_lse<__nv_bfloat16, 128>(const IndexTopkParams&, cudaStream_t);
+template cudaError_t launch_index_topk_fp8<128>(const IndexTopkParams&, cudaStream_t);
 }  // namespace msa::sm90

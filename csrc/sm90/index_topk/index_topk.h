@@ -12,6 +12,11 @@ namespace msa::sm90 {
 template <typename T, int D>
 cudaError_t launch_index_topk(const IndexTopkParams& p, cudaStream_t stream);
 
+// The top-k on FP8 (e4m3) q_idx / k_idx (Di = 128; p.sel_stats unused): cudaErrorInvalidValue for odd strides,
+// cudaErrorNotSupported (nothing launched) where no TMA descriptor fits k_idx.
+template <int Di>
+cudaError_t launch_index_topk_fp8(const IndexTopkParams& p, cudaStream_t stream);
+
 // The index branch's lse (warmup's lse_idx) on the same kernel: p.lse (Hi, T), natural log of the scaled logits
 // over every causally visible key. cudaErrorNotSupported (nothing launched) where no TMA descriptor fits k_idx.
 template <typename T, int D>

@@ -29,6 +29,11 @@
 // the rows' own blocks only (SparseFwdParams::idx_own_only). The sums cost an exponential per score of every
 // block a warp's row takes, almost every block scored: msa_fwd takes this mode for short sequences only
 // (api/sparse_fwd.cpp, sel_stats_applies).
+//
+// kFp8 = true (the top-k only: select_blocks on FP8 inputs, SPEC 2 with index_dtype): q_idx and k_idx hold e4m3
+// bytes. Everything but the MMA moves them as 16-bit elements (T = bf16 storage, D = Di / 2: the gather, the TMA
+// boxes, the swizzled tiles and ldmatrix see the same bytes), and each k-step of D / 16 is one m64n128k32 e4m3
+// wgmma (twice the bf16 rate) over those 32 bytes. A negative scale flips the sign bit of every byte.
 #pragma once
 #include <cuda.h>  // CUtensorMap (types only: the encoder is reached through the runtime)
 #include <cudaTypedefs.h>
@@ -147,10 +152,11 @@ __device__ __forceinline__ void block_sums(const float (&c)[64], const float (&m
   }
 }
 
-template <typename T, int D, int WG, bool kLse, bool kSel = false>
+template <typename T, int D, int WG, bool kLse, bool kSel = false, bool kFp8 = false>
 __global__ void __launch_bounds__(IndexTopkShape<WG>::kThreads, 1)
     index_topk_sm90_kernel(const IndexTopkParams p, const __grid_constant__ CUtensorMap k_map) {
   static_assert(!(kLse && kSel), "kSel is a top-k mode");
+  static_assert(!kFp8 || (std::is_same_v<T, __nv_bfloat16> && !kLse && !kSel), "kFp8: the plain top-k on bf16 storage");
   using S = IndexTopkShape<WG, kSel>;
   using KTile = KMajorSw128<S::kKeys, D>;
   using QTile = sm80::SwizzledTile<D>;
@@ -203,7 +209,7 @@ __global__ void __launch_bounds__(IndexTopkShape<WG>::kThreads, 1)
   __syncthreads();
 
   // This warp's 16 rows of Q, all of Di, in registers for the whole loop (the wgmma A operand).
-  const uint32_t flip = p.scale < 0.f ? 0x80008000u : 0u;  // negate both 16-bit halves
+  const uint32_t flip = p.scale < 0.f ? (kFp8 ? 0x80808080u : 0x80008000u) : 0u;  // negate every element
   uint32_t a[D / 16][4];
 #pragma unroll
   for (int ks = 0; ks < D / 16; ++ks) {
@@ -245,7 +251,13 @@ __global__ void __launch_bounds__(IndexTopkShape<WG>::kThreads, 1)
     const uint32_t k_addr = sm80::smem_addr(sK + (it % S::kStages) * S::kKeys * D);
     wgmma_fence();
 #pragma unroll
-    for (int ks = 0; ks < D / 16; ++ks) WgmmaRS<T, S::kKeys>::run(c, a[ks], KTile::desc(k_addr, ks), ks > 0);
+    for (int ks = 0; ks < D / 16; ++ks) {
+      if constexpr (kFp8) {
+        WgmmaRSE4m3N128::run(c, a[ks], KTile::desc(k_addr, ks), ks > 0);
+      } else {
+        WgmmaRS<T, S::kKeys>::run(c, a[ks], KTile::desc(k_addr, ks), ks > 0);
+      }
+    }
     wgmma_commit();
     wgmma_wait<0>();
     fence_regs(c);  // no use of the scores moves above the wait
@@ -339,7 +351,7 @@ inline int topk_warpgroups(int ctas4) {
   return ctas4 <= sms ? 2 : 4;
 }
 
-template <typename T, int D, int WG, bool kLse, bool kSel>
+template <typename T, int D, int WG, bool kLse, bool kSel, bool kFp8>
 cudaError_t launch_index_topk_wg(const IndexTopkParams& p, const CUtensorMap& k_map, cudaStream_t stream) {
   using S = IndexTopkShape<WG, kSel>;
   const int hr = p.num_heads / p.num_key_heads;
@@ -348,7 +360,7 @@ cudaError_t launch_index_topk_wg(const IndexTopkParams& p, const CUtensorMap& k_
   const int tiles = (p.max_seqlen + tm - 1) / tm;
   const dim3 grid(unsigned(tiles) * unsigned(p.num_seqs), unsigned(p.num_key_heads));
   constexpr int smem = S::template smem_bytes<D, T>();
-  auto kernel = index_topk_sm90_kernel<T, D, WG, kLse, kSel>;
+  auto kernel = index_topk_sm90_kernel<T, D, WG, kLse, kSel, kFp8>;
   const cudaError_t err = cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, smem);
   if (err != cudaSuccess) return err;
   kernel<<<grid, S::kThreads, smem, stream>>>(p, k_map);
@@ -357,7 +369,7 @@ cudaError_t launch_index_topk_wg(const IndexTopkParams& p, const CUtensorMap& k_
 
 // cudaErrorNotSupported (before any launch) when the TMA descriptor cannot describe k_idx (e.g. a zero
 // stride): the caller then takes the portable kernel (select_blocks) or the dense forward (lse).
-template <typename T, int D, bool kLse, bool kSel = false>
+template <typename T, int D, bool kLse, bool kSel = false, bool kFp8 = false>
 cudaError_t launch_index_scores(const IndexTopkParams& p, cudaStream_t stream) {
   const int hr = p.num_heads / p.num_key_heads;
   const int tm4 = IndexTopkShape<4>::kRows / hr;
@@ -369,8 +381,8 @@ cudaError_t launch_index_scores(const IndexTopkParams& p, cudaStream_t stream) {
   if (err != cudaSuccess) return err;
   const int64_t ctas4 = int64_t((p.max_seqlen + tm4 - 1) / tm4) * p.num_seqs * p.num_key_heads;
   return topk_warpgroups(int(std::min<int64_t>(ctas4, 1 << 30))) == 2
-             ? launch_index_topk_wg<T, D, 2, kLse, kSel>(p, k_map, stream)
-             : launch_index_topk_wg<T, D, 4, kLse, kSel>(p, k_map, stream);
+             ? launch_index_topk_wg<T, D, 2, kLse, kSel, kFp8>(p, k_map, stream)
+             : launch_index_topk_wg<T, D, 4, kLse, kSel, kFp8>(p, k_map, stream);
 }
 
 // With p.sel_stats also each row's kept blocks' (max, sum) of the index logits (kSel).
@@ -378,6 +390,19 @@ template <typename T, int D>
 cudaError_t launch_index_topk(const IndexTopkParams& p, cudaStream_t stream) {
   return p.sel_stats != nullptr ? launch_index_scores<T, D, false, true>(p, stream)
                                 : launch_index_scores<T, D, false, false>(p, stream);
+}
+
+// FP8 (e4m3) q_idx / k_idx of head dim Di (128: a 128-byte row is one swizzle panel), strides in elements (bytes):
+// the kernel reads them as bf16 rows of Di / 2 (kFp8 above), so every stride must be even.
+template <int Di>
+cudaError_t launch_index_topk_fp8(const IndexTopkParams& p, cudaStream_t stream) {
+  static_assert(Di == 128, "the FP8 top-k takes Di = 128");
+  if (p.sel_stats != nullptr || (p.q_stride_t | p.q_stride_h | p.k_stride_t | p.k_stride_h) & 1) {
+    return cudaErrorInvalidValue;
+  }
+  IndexTopkParams h = p;
+  h.q_stride_t /= 2, h.q_stride_h /= 2, h.k_stride_t /= 2, h.k_stride_h /= 2;
+  return launch_index_scores<__nv_bfloat16, Di / 2, false, false, true>(h, stream);
 }
 
 // p.lse (Hi, T) = the natural-log logsumexp of p.scale * q_idx . k_idx over each row's causal keys (p.indices,

@@ -1,0 +1,139 @@
+"""index_dtype=torch.float8_e4m3fn on the CPU path (runs in CI): msa.fp8_index_copies, the selection it makes,
+msa_attention with it, the ops' checks of their selection inputs, opcheck and torch.compile. The CUDA kernels'
+side: tests/test_index_fp8_gpu.py."""
+import math
+
+import pytest
+import torch
+
+import msa
+from msa import reference as ref
+from helpers import make_inputs, make_packed
+from topk_check import assert_valid_topk
+
+FP8 = torch.float8_e4m3fn
+ops = torch.ops.msa
+
+
+def test_fp8_index_copies():
+    """Power-of-two scales: every q_idx row's and k_idx head's largest |value| lands in [224, 448]; inputs scaled
+    by a power of two give the same bytes; zero rows stay zero; nothing is NaN; the inputs' grads are untouched."""
+    _, _, _, qi, ki = make_inputs(2, 300, (8, 2, 4, 2), 64, 128, dtype=torch.bfloat16, seed=3, requires_grad=True)
+    with torch.no_grad():
+        qi[0, 5, 1] = 0
+    q8, k8 = msa.fp8_index_copies(qi, ki)
+    assert q8.dtype == k8.dtype == FP8 and q8.shape == qi.shape and k8.shape == ki.shape
+    assert not q8.requires_grad and not k8.requires_grad
+    qa = q8.float().abs().amax(-1)
+    ka = k8.float().abs().amax(dim=(0, 1, 3))
+    assert (q8.float()[0, 5, 1] == 0).all() and qa[0, 5, 1] == 0
+    qa[0, 5, 1] = 448
+    assert ((qa >= 224) & (qa <= 448)).all() and ((ka >= 224) & (ka <= 448)).all()  # (224, 448] before rounding
+    assert not q8.float().isnan().any() and not k8.float().isnan().any()
+    q8b, k8b = msa.fp8_index_copies(qi.detach() * 32, ki.detach() / 8)
+    assert torch.equal(q8b.view(torch.uint8), q8.view(torch.uint8))
+    assert torch.equal(k8b.view(torch.uint8), k8.view(torch.uint8))
+    # The scale is a power of two: the copies equal the e4m3 rounding of the values times it.
+    ratio = q8.float()[qi.detach().abs() > 1] / qi.detach().float()[qi.detach().abs() > 1]
+    assert (ratio > 0).all() and ratio.max() / ratio.min() < 2 ** 0.25 * 256  # one scale per row, rounding +-1/16
+
+
+@pytest.mark.parametrize("Di,bs,topk", [(128, 128, 16), (64, 64, 3)])
+def test_select_blocks_fp8_cpu(Di, bs, topk):
+    """The selection with index_dtype is SPEC 2 on the copies: valid against their fp32 block scores and equal to
+    the reference given the copies; the batched and packed layouts agree."""
+    _, _, _, qi, ki, cu, mx = make_packed([700, 0, 1, 300], (8, 2, 4, 1), 64, Di, dtype=torch.bfloat16, seed=Di)
+    scale = 1 / math.sqrt(Di)
+    got = msa.select_blocks(qi, ki, topk=topk, block_size=bs, cu_seqlens=cu, max_seqlen=mx, index_dtype=FP8)
+    q8, k8 = msa.fp8_index_copies(qi, ki)
+    assert torch.equal(got, ref.select_blocks(q8, k8, cu, topk, bs, scale))
+    assert torch.equal(got, ops.select_blocks(q8, k8, cu, mx, topk, bs, scale))
+    assert_valid_topk(got, q8, k8, cu, topk, bs, scale)
+    _, _, _, qb, kb = make_inputs(2, 400, (8, 2, 4, 1), 64, Di, dtype=torch.bfloat16, seed=1)
+    batched = msa.select_blocks(qb, kb, topk=topk, block_size=bs, index_dtype=FP8)
+    cu2 = torch.tensor([0, 400, 800], dtype=torch.int32)
+    flat = msa.select_blocks(qb.reshape(800, *qb.shape[2:]), kb.reshape(800, *kb.shape[2:]), topk=topk, block_size=bs,
+                             cu_seqlens=cu2, max_seqlen=400, index_dtype=FP8)
+    # k's per-head scale spans the batch in both layouts: the same copies, the same selection.
+    assert torch.equal(batched, flat.view(4, 2, 400, topk).permute(1, 0, 2, 3))
+
+
+def test_msa_attention_fp8_cpu():
+    """msa_attention with index_dtype selects what select_blocks does with it, attends over exactly that selection
+    (out equals sparse_attention's over those indices), and its KL and index gradients use q_idx / k_idx
+    themselves; warmup takes it too (its selection only where indices are returned)."""
+    q, k, v, qi, ki = make_inputs(2, 300, (8, 2, 4, 1), 64, 64, dtype=torch.float32, seed=4, requires_grad=True)
+    out, kl, idx = msa.msa_attention(q, k, v, qi, ki, topk=3, block_size=64, return_indices=True, index_dtype=FP8)
+    assert torch.equal(idx, msa.select_blocks(qi, ki, topk=3, block_size=64, index_dtype=FP8))
+    torch.testing.assert_close(out, msa.sparse_attention(q, k, v, idx, block_size=64), rtol=0, atol=0)
+    dq_idx, dk_idx = torch.autograd.grad(kl, (qi, ki))
+    assert dq_idx.dtype == qi.dtype and torch.isfinite(dq_idx).all() and dq_idx.abs().sum() > 0
+    out_w, kl_w, idx_w = msa.msa_attention(q, k, v, qi, ki, topk=3, block_size=64, warmup=True, return_indices=True,
+                                           index_dtype=FP8)
+    assert torch.equal(idx_w, idx)
+    out_d, kl_d = msa.msa_attention(q, k, v, qi, ki, topk=3, block_size=64, warmup=True)
+    torch.testing.assert_close(out_w, out_d, rtol=0, atol=0)
+    torch.testing.assert_close(kl_w, kl_d, rtol=0, atol=0)
+
+
+def test_msa_attention_varlen_fp8_cpu():
+    q, k, v, qi, ki, cu, mx = make_packed([200, 1, 150], (8, 2, 4, 1), 64, 128, dtype=torch.float32, seed=6)
+    out, kl, idx = msa.msa_attention_varlen(q, k, v, qi, ki, cu, mx, topk=2, block_size=64, return_indices=True,
+                                            index_dtype=FP8)
+    want = msa.select_blocks(qi, ki, topk=2, block_size=64, cu_seqlens=cu, max_seqlen=mx, index_dtype=FP8)
+    assert torch.equal(idx, want)
+
+
+@pytest.mark.parametrize("bad,err", [(torch.bfloat16, ValueError), (torch.float8_e5m2, ValueError),
+                                     ("fp8", TypeError), (8, TypeError)])
+def test_index_dtype_errors(bad, err):
+    q, k, v, qi, ki = make_inputs(1, 64, (4, 4, 4, 1), 64, 64, dtype=torch.float32, seed=1)
+    with pytest.raises(err, match="index_dtype"):
+        msa.msa_attention(q, k, v, qi, ki, topk=1, block_size=64, index_dtype=bad)
+    with pytest.raises(err, match="index_dtype"):
+        msa.select_blocks(qi, ki, topk=1, block_size=64, index_dtype=bad)
+
+
+def test_msa_fwd_selection_inputs_checked():
+    """The op's sel_q_idx / sel_k_idx: both or neither, each of its index tensor's shape, FP8 or that dtype."""
+    q, k, v, qi, ki, cu, mx = make_packed([100], (8, 2, 4, 1), 64, 64, dtype=torch.float32, seed=2)
+    q8, k8 = msa.fp8_index_copies(qi, ki)
+    args = (q, k, v, qi, ki, cu, mx, 2, 64, 0.125, 0.125, False, True, False, False, None, None)
+    with pytest.raises(ValueError, match="both or neither"):
+        ops.msa_fwd(*args, q8, None)
+    with pytest.raises(ValueError, match="sel_k_idx"):
+        ops.msa_fwd(*args, q8, k8[:50])
+    with pytest.raises(ValueError, match="sel_q_idx"):
+        ops.msa_fwd(*args, q8.to(torch.float16), k8)
+    same = ops.msa_fwd(*args, qi, ki)  # the index tensors' own dtype: the selection of no copies
+    assert torch.equal(same[2], ops.msa_fwd(*args)[2])
+
+
+@pytest.mark.parametrize("warmup,ret", [(False, False), (True, True)])
+def test_opcheck_msa_fwd_fp8(warmup, ret):
+    q, k, v, qi, ki, cu, mx = make_packed([70, 30], (8, 2, 4, 1), 64, 64, dtype=torch.float32, seed=1,
+                                          requires_grad=True)
+    q8, k8 = msa.fp8_index_copies(qi, ki)
+    # opcheck's test_schema multiplies the inputs, which torch does not implement for float8 on the CPU.
+    utils = ("test_autograd_registration", "test_faketensor", "test_aot_dispatch_dynamic")
+    torch.library.opcheck(ops.msa_fwd, (q, k, v, qi, ki, cu, mx, 2, 64, 0.125, 0.125, warmup, ret, True, False,
+                                        None, None, q8, k8), test_utils=utils)
+    torch.library.opcheck(ops.select_blocks, (q8, k8, cu, mx, 2, 64, 0.125), test_utils=utils)
+
+
+def test_compile_fullgraph_fp8_index():
+    torch._dynamo.reset()
+    q, k, v, qi, ki = make_inputs(2, 100, (8, 2, 4, 1), 64, 64, dtype=torch.bfloat16, seed=2, requires_grad=True)
+
+    def step(q, k, v, qi, ki):
+        out, kl = msa.msa_attention(q, k, v, qi, ki, topk=2, block_size=64, index_dtype=torch.float8_e4m3fn)
+        return out.float().square().mean() + kl
+
+    compiled = torch.compile(step, fullgraph=True, backend="aot_eager")
+    loss_c = compiled(q, k, v, qi, ki)
+    grads_c = torch.autograd.grad(loss_c, (q, k, v, qi, ki))
+    loss_e = step(q, k, v, qi, ki)
+    grads_e = torch.autograd.grad(loss_e, (q, k, v, qi, ki))
+    torch.testing.assert_close(loss_c, loss_e)
+    for a, b in zip(grads_c, grads_e):
+        torch.testing.assert_close(a, b)

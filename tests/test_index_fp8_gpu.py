@@ -1,0 +1,132 @@
+"""index_dtype=torch.float8_e4m3fn on CUDA (issue 17 item 7): the selection scores the e4m3 copies of q_idx / k_idx
+(msa.fp8_index_copies) on the Hopper FP8 top-k at Di = 128, elsewhere on those values widened to bf16. Checked
+against SPEC 2 on the copies (fp32 block scores), the CPU reference given the same index_dtype, the op on the copies
+themselves, and msa_attention's outputs and gradients against the exact reference over the selection it made.
+The long sequences (128K, 1M) are in tests/test_long_seq_gpu.py."""
+import math
+
+import pytest
+import torch
+
+import msa
+from attention_check import assert_forward_close, assert_grads_close, reference_forward
+from helpers import cuda_kernel_names, make_inputs, make_packed, poison_allocator, sm90_kernels_run
+from topk_check import assert_valid_topk
+
+pytestmark = [pytest.mark.gpu, pytest.mark.usefixtures("kernel_choice")]
+
+FP8 = torch.float8_e4m3fn
+# The FP8 selection keeps > 95% of the bf16 one's blocks on random normal inputs (CPU reference, 8K, bench heads:
+# 96.9%); a wrong operand layout or scale would keep about topk / blocks of them.
+RECALL_MIN = 0.95
+
+
+def packed(x):
+    """(B, N, H, D) -> (B * N, H, D), detached."""
+    return x.detach().reshape(-1, *x.shape[2:])
+
+
+def _check(qi, ki, cu, mx, topk, bs, scale=None):
+    scale = 1 / math.sqrt(qi.shape[-1]) if scale is None else scale
+    kw = dict(topk=topk, block_size=bs, index_scale=scale, max_seqlen=mx)
+    poison_allocator()
+    got = msa.select_blocks(qi, ki, cu_seqlens=cu, index_dtype=FP8, **kw)
+    assert got.shape == (qi.shape[1], qi.shape[0], topk) and got.dtype == torch.int32
+    q8, k8 = msa.fp8_index_copies(qi, ki)
+    assert q8.dtype == k8.dtype == FP8
+    assert_valid_topk(got, q8, k8, cu, topk, bs, scale)
+    assert torch.equal(got, msa.select_blocks(qi, ki, cu_seqlens=cu, index_dtype=FP8, **kw)), "differs between runs"
+    # The op on the copies themselves, and the CPU reference given the same index_dtype (up to near-ties).
+    assert torch.equal(got, torch.ops.msa.select_blocks(q8, k8, cu, mx, topk, bs, scale))
+    want = msa.select_blocks(qi.cpu(), ki.cpu(), cu_seqlens=cu.cpu(), index_dtype=FP8, **kw)
+    rows_differ = (got.cpu() != want).any(-1).float().mean().item()
+    assert rows_differ < 1e-3, f"{rows_differ:.2%} rows differ from the reference"
+    return got
+
+
+@pytest.mark.parametrize("Di", [128, 64])
+@pytest.mark.parametrize("N,heads,bs,topk", [(1, (8, 2, 4, 1), 128, 16), (129, (8, 2, 4, 1), 64, 3),
+                                             (700, (16, 2, 4, 2), 128, 1), (2048, (8, 8, 8, 1), 64, 32),
+                                             (3000, (16, 2, 16, 16), 128, 16)])
+def test_select_blocks_fp8_shapes(Di, N, heads, bs, topk):
+    _, _, _, qi, ki = make_inputs(2, N, heads, 64, Di, dtype=torch.bfloat16, device="cuda", seed=N + Di)
+    cu = torch.arange(0, 3 * N, N, dtype=torch.int32, device="cuda")
+    _check(packed(qi), packed(ki), cu, N, topk, bs)
+
+
+@pytest.mark.parametrize("scale", [-0.125, 0.0])
+def test_select_blocks_fp8_varlen_negative_and_zero_scale(scale):
+    """Packed sequences (one empty, one of one token); a negative scale flips every e4m3 byte's sign in the kernel,
+    a zero one ties every block (the lowest win)."""
+    _, _, _, qi, ki, cu, mx = make_packed([2000, 0, 1, 517], (8, 2, 4, 1), 64, 128, dtype=torch.float16,
+                                          device="cuda", seed=17)
+    _check(qi, ki, cu, mx, 16, 64, scale=scale)
+
+
+def test_select_blocks_fp8_strided_and_scaled_inputs():
+    """Last-dim contiguous views give the same selection; so do inputs scaled by powers of two (the copies'
+    power-of-two scales make the rounding independent of them), which also moves k's per-head scale."""
+    _, _, _, qi, ki = make_inputs(1, 1500, (8, 2, 4, 1), 64, 128, dtype=torch.bfloat16, device="cuda", seed=4)
+    base = msa.select_blocks(qi, ki, topk=8, block_size=128, index_dtype=FP8)
+    qs = torch.empty(1, 1500, 4, 256, dtype=qi.dtype, device="cuda")[..., :128]
+    qs.copy_(qi)
+    assert torch.equal(msa.select_blocks(qs, ki, topk=8, block_size=128, index_dtype=FP8), base)
+    assert torch.equal(msa.select_blocks(qi * 8, ki / 4, topk=8, block_size=128, index_dtype=FP8), base)
+
+
+def test_select_blocks_fp8_recall():
+    """The FP8 selection against the bf16 one on the bench's random inputs (normal q_idx, k_idx: near-uniform block
+    scores, the hard case): most kept blocks agree. A looser selection would show here first."""
+    _, _, _, qi, ki = make_inputs(1, 8192, (16, 2, 4, 1), 64, 128, dtype=torch.bfloat16, device="cuda", seed=5)
+    a = msa.select_blocks(qi, ki, topk=16, block_size=128)
+    b = msa.select_blocks(qi, ki, topk=16, block_size=128, index_dtype=FP8)
+    recall = _recall(b, a)
+    assert recall > RECALL_MIN, f"recall {recall:.3f}"
+
+
+def _recall(got, want):
+    """Fraction of want's kept blocks that got keeps too (rows aligned, -1 padding ignored)."""
+    hit = (got[..., :, None] == want[..., None, :]) & (want[..., None, :] >= 0)
+    return hit.any(-2).sum().item() / (want >= 0).sum().item()
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+@pytest.mark.parametrize("Di", [128, 64])
+def test_msa_attention_fp8_index(dtype, Di):
+    """The whole op with index_dtype: its selection is select_blocks' FP8 one, and out, lse, the KL and all five
+    gradients are exact over it (the KL and the index gradients in the inputs' dtype, not FP8)."""
+    B, N, heads, D, bs = 2, 1000, (8, 2, 4, 1), 64, 64
+    scale, iscale = 1 / math.sqrt(D), 1 / math.sqrt(Di)
+    q, k, v, qi, ki = make_inputs(B, N, heads, D, Di, dtype=dtype, device="cuda", seed=Di, requires_grad=True)
+    poison_allocator()
+    out, kl, idx = msa.msa_attention(q, k, v, qi, ki, topk=4, block_size=bs, return_indices=True, index_dtype=FP8)
+    assert torch.equal(idx, msa.select_blocks(qi, ki, topk=4, block_size=bs, index_dtype=FP8))
+    dout = torch.randn_like(out)
+    dkl = torch.tensor(1.0, device="cuda")
+    grads = torch.autograd.grad((out, kl), (q, k, v, qi, ki), (dout, dkl))
+    cu = torch.arange(0, (B + 1) * N, N, dtype=torch.int32, device="cuda")
+    flat = [packed(x) for x in (q, k, v, qi, ki)]
+    pidx = idx.permute(1, 0, 2, 3).reshape(heads[2], B * N, -1)
+    exact, (lowp_out, _) = reference_forward(*flat, pidx, cu, bs, scale, iscale)
+    lse, lse_idx = _lse_of(flat, pidx, cu, N, bs, scale, iscale)
+    assert_forward_close(packed(out), kl, lse, lse_idx, exact, lowp_out)
+    assert_grads_close([packed(g) for g in grads], packed(dout), dkl, *flat, pidx, cu, bs, scale, iscale)
+
+
+def _lse_of(flat, pidx, cu, N, bs, scale, iscale):
+    """lse and lse_idx of the op itself (msa_fwd's outputs 4 and 5) given the FP8 copies."""
+    sel = msa.fp8_index_copies(flat[3], flat[4])
+    r = torch.ops.msa.msa_fwd(*flat, None, N, pidx.shape[-1], bs, scale, iscale, False, True, False, False,
+                              None, None, *sel)
+    assert torch.equal(r[2], pidx)
+    return r[3], r[4]
+
+
+def test_fp8_kernel_taken_on_hopper():
+    """At Di = 128 on an sm_90 GPU with this build's Hopper kernels, select_blocks with index_dtype launches the
+    FP8 top-k (the e4m3 wgmma variant of index_topk_sm90_kernel), not the bf16 one."""
+    if not sm90_kernels_run():
+        pytest.skip("the Hopper kernels do not run here")
+    _, _, _, qi, ki = make_inputs(1, 4096, (8, 2, 4, 1), 64, 128, dtype=torch.bfloat16, device="cuda", seed=1)
+    names = cuda_kernel_names(lambda: msa.select_blocks(qi, ki, index_dtype=FP8))
+    assert any("index_topk_sm90_kernel<__nv_bfloat16, 64," in n and "false, false, true>" in n for n in names), names
