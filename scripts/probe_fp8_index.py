@@ -40,7 +40,7 @@ def recall(got, want):
 def main(ns):
     c = CONFIG
     fp8 = torch.float8_e4m3fn
-    print(f"# {torch.cuda.get_device_name()}; heads Hi {c["Hi"]} Hki {c["Hki"]}, Di {c["Di"]}, topk {c['topk']}, "
+    print(f"# {torch.cuda.get_device_name()}; heads Hi {c['Hi']} Hki {c['Hki']}, Di {c['Di']}, topk {c['topk']}, "
           f"block {c['block_size']}")
     print("N,bf16_ms,fp8_ms,fp8_with_copies_ms,copies_ms,recall")
     for n in ns:
