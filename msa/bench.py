@@ -121,15 +121,30 @@ def msa_fwd(q, k, v, qi, ki):
         msa.msa_attention(q, k, v, qi, ki, topk=CONFIG["topk"], block_size=CONFIG["block_size"])
 
 
-def msa_fwd_bwd(q, k, v, qi, ki, deterministic=False, warmup=False):
+def msa_fwd_bwd(q, k, v, qi, ki, deterministic=False, warmup=False, index_dtype=None):
     out, kl = msa.msa_attention(q, k, v, qi, ki, topk=CONFIG["topk"], block_size=CONFIG["block_size"],
-                                deterministic=deterministic, warmup=warmup)
+                                deterministic=deterministic, warmup=warmup, index_dtype=index_dtype)
     torch.autograd.grad((out, kl), (q, k, v, qi, ki), (torch.ones_like(out), torch.ones_like(kl)))
 
 
 def msa_fwd_bwd_warmup(q, k, v, qi, ki):
     """fwd+bwd in warmup mode (SPEC 5): dense main branch, KL over the full causal set."""
     msa_fwd_bwd(q, k, v, qi, ki, warmup=True)
+
+
+def msa_fwd_bwd_fp8(q, k, v, qi, ki):
+    """fwd+bwd with the FP8 selection (index_dtype=torch.float8_e4m3fn: the copies, then the FP8 top-k)."""
+    msa_fwd_bwd(q, k, v, qi, ki, index_dtype=torch.float8_e4m3fn)
+
+
+def selection_recall(got, want, rows=4096):
+    """The fraction of want's kept blocks that got keeps too ((..., T, topk) selections, -1 padded), in row chunks."""
+    hit = kept = 0
+    for i in range(0, want.shape[-2], rows):
+        w, g = want[..., i:i + rows, :], got[..., i:i + rows, :]
+        hit += ((g[..., :, None] == w[..., None, :]) & (w[..., None, :] >= 0)).any(-2).sum().item()
+        kept += (w >= 0).sum().item()
+    return hit / max(kept, 1)
 
 
 def msa_fwd_bwd_det(q, k, v, qi, ki):
@@ -170,8 +185,12 @@ def sparse_fwd(q, k, v, idx, cu, N):
     torch.ops.msa.sparse_fwd(q, k, v, idx, cu, N, CONFIG["block_size"], CONFIG["D"] ** -0.5)
 
 
-def select_fn(qi, ki):
-    msa.select_blocks(qi, ki, topk=CONFIG["topk"], block_size=CONFIG["block_size"])
+def select_fn(qi, ki, index_dtype=None):
+    msa.select_blocks(qi, ki, topk=CONFIG["topk"], block_size=CONFIG["block_size"], index_dtype=index_dtype)
+
+
+def select_fn_fp8(qi, ki):
+    select_fn(qi, ki, torch.float8_e4m3fn)
 
 
 def synthetic_indices(N, device, seed):
@@ -279,6 +298,14 @@ def run(args, peak_tflops=None):
                 progress(f"[{step}/{steps}] N={N}: msa fwd+bwd, warmup=True")
                 row["msa_fwdbwd_warmup"] = timer(msa_fwd_bwd_warmup, sets)
                 row["warmup_over_dense"] = row["msa_fwdbwd_warmup"] / row["dense_fwdbwd"]
+                progress(f"[{step}/{steps}] N={N}: msa fwd+bwd, index_dtype=float8_e4m3fn")
+                row["msa_fwdbwd_fp8"] = timer(msa_fwd_bwd_fp8, sets)
+                row["ratio_fp8"] = row["dense_fwdbwd"] / row["msa_fwdbwd_fp8"]
+                with torch.no_grad():
+                    idx8 = msa.select_blocks(sets[0][3], sets[0][4], topk=c["topk"], block_size=c["block_size"],
+                                             index_dtype=torch.float8_e4m3fn)
+                row["fp8_recall"] = selection_recall(idx8, idx)
+                del idx8
                 progress(f"[{step}/{steps}] N={N}: msa fwd+bwd, queries the last N/2 of the keys")
                 row["msa_fwdbwd_suffix"] = timer(msa_fwd_bwd, [suffix_inputs(x) for x in sets])
                 if on_gpu:
@@ -321,6 +348,8 @@ def run(args, peak_tflops=None):
             progress(f"[{step}/{steps}] N={N}: index top-k")
             row["index_topk"] = timer(select_fn, [(x[3].detach(), x[4].detach()) for x in sets])
             row["index_tflops"] = 2 * c["Di"] * c["Hi"] * N * (N + 1) / 2 / row["index_topk"] / 1e9
+            progress(f"[{step}/{steps}] N={N}: index top-k, index_dtype=float8_e4m3fn")
+            row["index_topk_fp8"] = timer(select_fn_fp8, [(x[3].detach(), x[4].detach()) for x in sets])
         if on_gpu and msa.has_cuda_kernel("reverse_index"):
             progress(f"[{step}/{steps}] N={N}: reverse index")
             idx = synthetic_indices(N, device, seed=N)
@@ -345,11 +374,14 @@ def table(rows, device):
             ("dense/msa fwd+bwd", "ratio", ".2f"), ("msa fwd+bwd deterministic ms", "msa_fwdbwd_det", ".3f"),
             ("deterministic cost", "det_cost", ".1%"), ("msa fwd+bwd warmup ms", "msa_fwdbwd_warmup", ".3f"),
             ("warmup / dense fwd+bwd", "warmup_over_dense", ".2f"),
-            ("msa fwd+bwd, last N/2 queries ms", "msa_fwdbwd_suffix", ".3f")]
+            ("msa fwd+bwd, last N/2 queries ms", "msa_fwdbwd_suffix", ".3f"),
+            ("msa fwd+bwd, fp8 index ms", "msa_fwdbwd_fp8", ".3f"), ("dense/msa fwd+bwd, fp8 index", "ratio_fp8", ".2f"),
+            ("fp8 selection recall", "fp8_recall", ".4f")]
     if device.type == "cuda":
         cols += [("msa fwd+bwd, CUDA graph ms", "msa_fwdbwd_graph", ".3f"),
                  ("dense fwd+bwd, CUDA graph ms", "dense_fwdbwd_graph", ".3f"),
                  ("msa fwd+bwd from (B,H,N,D) views ms", "msa_fwdbwd_bhnd", ".3f"), ("index top-k ms", "index_topk", ".3f"), ("index TFLOP/s", "index_tflops", ".3g"),
+                 ("index top-k, fp8 ms", "index_topk_fp8", ".3f"),
                  ("reverse index ms", "reverse_index", ".3f"), ("sparse fwd ms", "sparse_fwd", ".3f"),
                  ("sparse fwd TFLOP/s", "sparse_fwd_tflops", ".3g"), ("sparse bwd ms", "sparse_bwd", ".3f"),
                  ("sparse bwd TFLOP/s", "sparse_bwd_tflops", ".3g"), ("sparse bwd, sink ms", "sparse_bwd_sink", ".3f"), ("msa fwd+bwd peak above inputs GiB", "peak_extra_gib", ".2f"),
@@ -388,7 +420,10 @@ def header(device, argv, peak_tflops=None):
         f"queries = msa fwd+bwd of queries N/2..N-1 over all N keys (suffix queries, bottom-right causal: a query "
         f"shard of context parallelism; dk, dv, dk_idx over all N); CUDA graph = the same fwd+bwd captured once "
         f"(torch.cuda.graph) and replayed on each input set copied into the captured tensors: the GPU time without "
-        f"the host's launch costs; floor = the step's useful FLOPs (attended "
+        f"the host's launch costs; fp8 index = msa fwd+bwd with index_dtype=torch.float8_e4m3fn (the selection scores "
+        f"e4m3 copies of q_idx, k_idx: msa.fp8_index_copies, then the FP8 top-k; KL and gradients unchanged), its "
+        f"recall = the fraction of the bf16 selection's kept blocks it keeps (these random inputs), index top-k, fp8 "
+        f"= select_blocks with it (the copies included); floor = the step's useful FLOPs (attended "
         f"fwd+bwd, index scoring, and the KL's index-branch GEMMs 6*Di*sum over (i, r) |T(i, r)|: msa.bench."
         f"msa_step_flops) at the matmul peak below, floor / msa fwd+bwd = the fraction of it reached",
         "- matmul peak (this run): " + (f"{peak_tflops:.0f} TFLOP/s (bf16 torch.matmul, best of 8192^3 and 16384^3)"

@@ -10,7 +10,7 @@ import sys
 import torch
 
 import msa
-from msa.bench import CONFIG
+from msa.bench import CONFIG, selection_recall as recall
 
 
 def _time(fn, reps=20):
@@ -25,16 +25,6 @@ def _time(fn, reps=20):
         torch.cuda.synchronize()
         times.append(a.elapsed_time(b))
     return sorted(times)[len(times) // 2]
-
-
-def recall(got, want):
-    """Fraction of want's kept blocks that got keeps too, (Hi, T, topk) each, in row chunks."""
-    hit = kept = 0
-    for i in range(0, want.shape[1], 4096):
-        w, g = want[:, i:i + 4096], got[:, i:i + 4096]
-        hit += ((g[..., :, None] == w[..., None, :]) & (w[..., None, :] >= 0)).any(-2).sum().item()
-        kept += (w >= 0).sum().item()
-    return hit / kept
 
 
 def main(ns):
