@@ -288,7 +288,8 @@ def _check_ranks_agree(group, q, k, q_idx, k_idx, layout, mode, topk, block_size
 
 
 def msa_attention_cp(q, k, v, q_idx, k_idx, *, group=None, layout="zigzag", mode="auto", topk=16, block_size=128,
-                     softmax_scale=None, index_scale=None, warmup=False, deterministic=None, check_ranks=True):
+                     softmax_scale=None, index_scale=None, warmup=False, deterministic=None, check_ranks=True,
+                     index_dtype=None):
     """`msa_attention` over a sequence sharded across the ranks of `group` (module docstring).
 
     q (B, N/P, Hq, D), k, v (B, N/P, Hkv, D), q_idx (B, N/P, Hi, Di), k_idx (B, N/P, Hki, Di): this rank's
@@ -297,6 +298,8 @@ def msa_attention_cp(q, k, v, q_idx, k_idx, *, group=None, layout="zigzag", mode
     mean over all B * N * Hi rows (the same value on every rank). Every rank must use out and kl the same
     way in its loss (the backward runs collectives too). check_ranks: first compare the shapes and options
     of every rank (one small all-reduce and a read back; pass False inside CUDA graphs or compiled steps).
+    index_dtype: as in `msa_attention` (each rank quantizes the keys it holds: power-of-two scales, so the copies
+    round as on one GPU).
     """
     P, rank = _world(group)
     for name, x in (("k", k), ("v", v), ("q_idx", q_idx), ("k_idx", k_idx)):
@@ -331,7 +334,7 @@ def msa_attention_cp(q, k, v, q_idx, k_idx, *, group=None, layout="zigzag", mode
     kil = _scatter_heads(k_idx, group, rank, owned, k_pos, hki_of)
 
     kw = dict(topk=topk, block_size=block_size, softmax_scale=softmax_scale, index_scale=index_scale, warmup=warmup,
-              deterministic=deterministic)
+              deterministic=deterministic, index_dtype=index_dtype)
     runs = q_pos[rank]
     if len(runs) == 1:  # one range [a, e): the square call (a = 0) or its suffix form
         out, kl_local = msa_attention(ql, kl_, vl, qil, kil, **kw)

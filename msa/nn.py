@@ -116,6 +116,8 @@ class MSAAttention(nn.Module):
         bias: bias in the q/k/v/o projections (the index projections have none).
         compute_dtype: the kernels' dtype for float32 activations on CUDA outside autocast (bf16).
         deterministic: passed to msa_attention (None follows torch.use_deterministic_algorithms).
+        index_dtype: passed to msa_attention (torch.float8_e4m3fn: the selection scores e4m3 copies of the index
+            branch; None: its own dtype).
         cp_group, cp_layout, cp_mode: context parallelism (msa.distributed, README "Long sequences on several
             GPUs"): with a process group (torch.distributed.group.WORLD for every rank), x is this rank's
             (B, N / P, hidden) shard in cp_layout, the
@@ -136,7 +138,7 @@ class MSAAttention(nn.Module):
                  rope_theta: float = 10000.0, rope_dim: int | None = None, index_rope_dim: int | None = None,
                  softmax_scale: float | None = None, index_scale: float | None = None, bias: bool = False,
                  norm_eps: float = 1e-6, compute_dtype: torch.dtype = torch.bfloat16, deterministic=None,
-                 cp_group=None, cp_layout: str = "zigzag", cp_mode: str = "auto", device=None, dtype=None):
+                 index_dtype: torch.dtype | None = None, cp_group=None, cp_layout: str = "zigzag", cp_mode: str = "auto", device=None, dtype=None):
         super().__init__()
         _check_layer_args(hidden, num_heads, num_kv_heads, head_dim, index_heads, index_head_dim, index_key_heads,
                           rope_dim, index_rope_dim, topk, block_size)
@@ -145,7 +147,7 @@ class MSAAttention(nn.Module):
         self.index_heads, self.index_head_dim, self.index_key_heads = index_heads, index_head_dim, index_key_heads
         self.topk, self.block_size = topk, block_size
         self.softmax_scale, self.index_scale = softmax_scale, index_scale
-        self.compute_dtype, self.deterministic = compute_dtype, deterministic
+        self.compute_dtype, self.deterministic, self.index_dtype = compute_dtype, deterministic, index_dtype
         self.warmup = False
         self.msa_kl = None
         self.set_context_parallel(cp_group, cp_layout, cp_mode)
@@ -221,7 +223,8 @@ class MSAAttention(nn.Module):
         if q.is_cuda and not torch.is_autocast_enabled("cuda") and dtype not in (torch.bfloat16, torch.float16):
             q, k, v, qi, ki = (t.to(self.compute_dtype) for t in (q, k, v, qi, ki))
         kw = dict(topk=self.topk, block_size=self.block_size, softmax_scale=self.softmax_scale,
-                  index_scale=self.index_scale, warmup=bool(self.warmup), deterministic=self.deterministic)
+                  index_scale=self.index_scale, warmup=bool(self.warmup), deterministic=self.deterministic,
+                  index_dtype=self.index_dtype)
         if self.cp_group is not None:
             out, kl = msa_attention_cp(q, k, v, qi, ki, group=self.cp_group, layout=self.cp_layout, mode=self.cp_mode,
                                        **kw)

@@ -74,7 +74,7 @@ def test_cpu_bench_table_has_the_floor_columns(capsys):
     assert "deterministic columns n/a" in out
     assert all(v != "n/a" for c, v in cell.items() if c not in untimed), cell
     ms = {c: float(v) for c, v in cell.items() if c.endswith(" ms") and c not in untimed}
-    assert len(ms) == 6 and all(v > 0 for v in ms.values()), ms
+    assert len(ms) == 7 and all(v > 0 for v in ms.values()), ms
 
     def within(shown, slack, f, a, b):
         lo, hi = f(ms[a] - 5e-4, ms[b] + 5e-4), f(ms[a] + 5e-4, ms[b] - 5e-4)
@@ -86,6 +86,8 @@ def test_cpu_bench_table_has_the_floor_columns(capsys):
     within(float(cell["dense/msa fwd"]), 5e-3, ratio, "dense fwd ms", "msa fwd ms")
     within(float(cell["dense/msa fwd+bwd"]), 5e-3, ratio, "dense fwd+bwd ms", "msa fwd+bwd ms")
     within(float(cell["warmup / dense fwd+bwd"]), 5e-3, ratio, "msa fwd+bwd warmup ms", "dense fwd+bwd ms")
+    within(float(cell["dense/msa fwd+bwd, fp8 index"]), 5e-3, ratio, "dense fwd+bwd ms", "msa fwd+bwd, fp8 index ms")
+    assert 0 < float(cell["fp8 selection recall"]) <= 1
     c = bench.CONFIG
     tflops = float(cell["dense TFLOP/s"])  # 3 significant digits
     within(tflops, 5e-3 * tflops, lambda x, _: 3.5 * 2 * 256 ** 2 * c["D"] * c["Hq"] / x / 1e9,

@@ -137,3 +137,18 @@ def test_compile_fullgraph_fp8_index():
     torch.testing.assert_close(loss_c, loss_e)
     for a, b in zip(grads_c, grads_e):
         torch.testing.assert_close(a, b)
+
+
+def test_layer_index_dtype():
+    """msa.nn.MSAAttention passes index_dtype on: the layer's step runs with the FP8 selection (the same as its
+    own msa_attention call with it) and its KL is differentiable in the index projections."""
+    torch.manual_seed(0)
+    layer = msa.nn.MSAAttention(256, 4, 2, 64, 2, 64, topk=2, block_size=64, index_dtype=FP8)
+    x = torch.randn(1, 200, 256)
+    y, kl = layer(x)
+    assert torch.isfinite(y).all() and torch.isfinite(kl)
+    kl.backward()
+    assert layer.q_idx_proj.weight.grad is not None and layer.q_idx_proj.weight.grad.abs().sum() > 0
+    layer.index_dtype = torch.bfloat16
+    with pytest.raises(ValueError, match="index_dtype"):
+        layer(x)
