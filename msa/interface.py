@@ -271,10 +271,15 @@ def fp8_index_copies(q_idx, k_idx):
         s = torch.where(m <= 0.875, 9 - e, 8 - e).clamp(-126, 126)
         return torch.ldexp(torch.ones_like(m), s)
 
+    def rounded(x, scale):  # x * 2^s is exact in bf16 / fp32 / fp64 (fp16's range is too small: fp32 then)
+        work = x.dtype if x.dtype in (torch.bfloat16, torch.float32, torch.float64) else torch.float32
+        return (x.to(work) * scale.to(work)).to(torch.float8_e4m3fn)
+
     q, k = q_idx.detach(), k_idx.detach()
-    sq = pow2_scale(q.abs().amax(-1, keepdim=True))
+    lo, hi = torch.aminmax(q, dim=-1, keepdim=True)
+    sq = pow2_scale(torch.maximum(hi, -lo))
     sk = pow2_scale(k.abs().amax(dim=tuple(range(k.dim() - 2)) + (-1,), keepdim=True))
-    return (q.float() * sq).to(torch.float8_e4m3fn), (k.float() * sk).to(torch.float8_e4m3fn)
+    return rounded(q, sq), rounded(k, sk)
 
 
 def _msa(q, k, v, q_idx, k_idx, cu_seqlens, max_seqlen, topk, block_size, softmax_scale, index_scale, warmup,

@@ -7,6 +7,7 @@ import pytest
 import torch
 
 import msa
+import msa.nn
 from msa import reference as ref
 from helpers import make_inputs, make_packed
 from topk_check import assert_valid_topk
