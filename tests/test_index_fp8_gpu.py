@@ -21,6 +21,13 @@ FP8 = torch.float8_e4m3fn
 RECALL_MIN = 0.95
 
 
+def fp8_rel_tol(di):
+    """The near-tie tolerance of the FP8 selection: Hopper's FP8 tensor cores accumulate with fewer bits than fp32
+    (about 14 kept in each step's alignment), so scores within ~1e-3 of each other may swap (first H100 run: 33 of
+    96000 rows beyond 1e-5); the widened bf16 path accumulates in fp32 (SPEC 2's 1e-5)."""
+    return 2e-3 if di == 128 and sm90_kernels_run() else 1e-5
+
+
 def packed(x):
     """(B, N, H, D) -> (B * N, H, D), detached."""
     return x.detach().reshape(-1, *x.shape[2:])
@@ -34,7 +41,7 @@ def _check(qi, ki, cu, mx, topk, bs, scale=None):
     assert got.shape == (qi.shape[1], qi.shape[0], topk) and got.dtype == torch.int32
     q8, k8 = msa.fp8_index_copies(qi, ki)
     assert q8.dtype == k8.dtype == FP8
-    assert_valid_topk(got, q8, k8, cu, topk, bs, scale)
+    assert_valid_topk(got, q8, k8, cu, topk, bs, scale, rel_tol=fp8_rel_tol(qi.shape[-1]))
     assert torch.equal(got, msa.select_blocks(qi, ki, cu_seqlens=cu, index_dtype=FP8, **kw)), "differs between runs"
     # The op on the copies themselves, and the CPU reference given the same index_dtype (up to near-ties).
     assert torch.equal(got, torch.ops.msa.select_blocks(q8, k8, cu, mx, topk, bs, scale))

@@ -97,7 +97,9 @@ def test_long_sequence_sampled_rows(B, N, dtype, fp8):
     del g_q, g_k
     kl_coef = dkl.item() / (T * Hi)  # SPEC 4: dS_idx = d_kl / rows * (Pidx - P)
     tokens = _sample_tokens(cu, T, seed=N + B)
-    check_selection(idx, tokens, *sel, cu, TOPK, BS, iscale)
+    # The FP8 tensor cores' accumulation keeps fewer bits than fp32: near-ties within 2e-3 may swap
+    # (tests/test_index_fp8_gpu.py, fp8_rel_tol).
+    check_selection(idx, tokens, *sel, cu, TOPK, BS, iscale, rel_tol=2e-3 if fp8 else 1e-5)
 
     args = (idx, cu, BS, scale, iscale, kl_coef)
     _check_rows(x, tokens, args, dtype, out, dq, dq_idx, lse, lse_idx, kl_rows)
