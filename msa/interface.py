@@ -318,8 +318,9 @@ def msa_attention(q, k, v, q_idx, k_idx, *, topk=16, block_size=128, softmax_sca
         return_indices: also return the selection, int32 (B, Hi, N, topk), ascending, -1 padded.
         deterministic: bitwise reproducible gradients (None: torch.are_deterministic_algorithms_enabled()).
         index_dtype: None, or torch.float8_e4m3fn: the selection scores e4m3 copies of q_idx / k_idx
-            (`fp8_index_copies`) with fp32 accumulation (the FP8 tensor cores on Hopper at Di = 128; elsewhere the
-            same values widened to bf16). The KL, its lse_idx and the index gradients stay in the inputs' dtype.
+            (`fp8_index_copies`): the FP8 tensor cores on Hopper at Di = 128 (whose accumulation keeps fewer bits
+            than fp32), elsewhere the same values widened to bf16 (fp32 sums). The KL, its lse_idx and the index
+            gradients stay exact in the inputs' dtype (docs/semantics.md).
 
     Returns:
         (out, kl) or (out, kl, indices). out: (B, N, Hq, D) in the input dtype, differentiable in q, k, v.

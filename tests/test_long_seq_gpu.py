@@ -70,10 +70,13 @@ def _sample_tokens(cu, T, n_end=64, n_rand=96, seed=0):
     return torch.unique(torch.cat([end, rand])).to(cu.device)
 
 
-@pytest.mark.parametrize("B,N,dtype,fp8", [(1, 131072, torch.bfloat16, False), (2, 131072, torch.bfloat16, False),
-                                           (1, 131072, torch.float16, False), (2, 131072, torch.float16, False),
-                                           (1, 1048576, torch.bfloat16, False), (2, 131072, torch.bfloat16, True),
-                                           (1, 1048576, torch.bfloat16, True)])
+_LONG = [(1, 131072, torch.bfloat16, False), (2, 131072, torch.bfloat16, False), (1, 131072, torch.float16, False),
+         (2, 131072, torch.float16, False), (1, 1048576, torch.bfloat16, False), (2, 131072, torch.bfloat16, True),
+         (1, 1048576, torch.bfloat16, True)]
+
+
+@pytest.mark.parametrize("B,N,dtype,fp8", _LONG, ids=[f"{b}x{n}-{str(d)[6:]}{'-fp8_index' if f else ''}"
+                                                      for b, n, d, f in _LONG])
 def test_long_sequence_sampled_rows(B, N, dtype, fp8):
     """fp8: the selection scores the e4m3 copies (index_dtype, msa.fp8_index_copies; the FP8 top-k on Hopper),
     checked against fp32 block scores of those copies; everything else as without."""
