@@ -1,6 +1,6 @@
 """index_dtype=torch.float8_e4m3fn on the CPU path (runs in CI): msa.fp8_index_copies, the selection it makes,
-msa_attention with it, the ops' checks of their selection inputs, opcheck and torch.compile. The CUDA kernels'
-side: tests/test_index_fp8_gpu.py."""
+msa_attention with it, the ops' checks of their selection inputs, opcheck (torch.compile: tests/test_ops.py).
+The CUDA kernels' side: tests/test_index_fp8_gpu.py."""
 import math
 
 import pytest
@@ -120,24 +120,6 @@ def test_opcheck_msa_fwd_fp8(warmup, ret):
     torch.library.opcheck(ops.msa_fwd, (q, k, v, qi, ki, cu, mx, 2, 64, 0.125, 0.125, warmup, ret, True, False,
                                         None, None, q8, k8), test_utils=utils)
     torch.library.opcheck(ops.select_blocks, (q8, k8, cu, mx, 2, 64, 0.125), test_utils=utils)
-
-
-def test_compile_fullgraph_fp8_index():
-    torch._dynamo.reset()
-    q, k, v, qi, ki = make_inputs(2, 100, (8, 2, 4, 1), 64, 64, dtype=torch.bfloat16, seed=2, requires_grad=True)
-
-    def step(q, k, v, qi, ki):
-        out, kl = msa.msa_attention(q, k, v, qi, ki, topk=2, block_size=64, index_dtype=torch.float8_e4m3fn)
-        return out.float().square().mean() + kl
-
-    compiled = torch.compile(step, fullgraph=True, backend="aot_eager")
-    loss_c = compiled(q, k, v, qi, ki)
-    grads_c = torch.autograd.grad(loss_c, (q, k, v, qi, ki))
-    loss_e = step(q, k, v, qi, ki)
-    grads_e = torch.autograd.grad(loss_e, (q, k, v, qi, ki))
-    torch.testing.assert_close(loss_c, loss_e)
-    for a, b in zip(grads_c, grads_e):
-        torch.testing.assert_close(a, b)
 
 
 def test_layer_index_dtype():

@@ -71,14 +71,14 @@ def test_opcheck_select_sparse_reverse():
     torch.library.opcheck(ops.reverse_index, (idx, cu, mx, 64))
 
 
-@pytest.mark.parametrize("warmup", [False, True])
-def test_compile_fullgraph_msa_attention(warmup):
+@pytest.mark.parametrize("warmup,index_dtype", [(False, None), (True, None), (False, torch.float8_e4m3fn)])
+def test_compile_fullgraph_msa_attention(warmup, index_dtype):
     torch._dynamo.reset()
     from helpers import make_inputs
     q, k, v, qi, ki = make_inputs(2, 100, (8, 2, 4, 1), 64, 64, dtype=torch.bfloat16, seed=2, requires_grad=True)
 
     def step(q, k, v, qi, ki):
-        out, kl = msa.msa_attention(q, k, v, qi, ki, topk=2, block_size=64, warmup=warmup)
+        out, kl = msa.msa_attention(q, k, v, qi, ki, topk=2, block_size=64, warmup=warmup, index_dtype=index_dtype)
         return out.float().square().mean() + kl
 
     compiled = torch.compile(step, fullgraph=True, backend="aot_eager")
