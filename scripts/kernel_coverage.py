@@ -21,6 +21,7 @@ VARIANTS = [
     ("index_topk_sm90_kernel", {"WG": "4", "kLse": "false", "kSel": "false"}),
     ("index_topk_sm90_kernel", {"kLse": "false", "kSel": "true"}),
     ("index_topk_sm90_kernel", {"kLse": "true"}),
+    ("index_topk_sm90_kernel", {"kFp8": "true"}),  # the FP8 top-k (index_dtype)
     ("out_pass_ws_kernel", {"T": "__nv_bfloat16", "D": "128", "kDsi": "true"}),
     ("out_pass_ws_kernel", {"T": "__half", "D": "64", "kDsi": "true"}),
     ("out_pass_ws_kernel", {"T": "__nv_bfloat16", "D": "128", "kDsi": "false"}),

@@ -96,11 +96,13 @@ def step(shape, heads, full):
     b = [randn(2, n, h, d, dtype=dtype).requires_grad_() for h, d in ((hq, D), (hkv, D), (hkv, D), (hi, Di), (1, Di))]
     out, kl = msa.msa_attention(*b, topk=min(topk, 2), block_size=bs)
     (out.float().square().mean() + kl).backward()
+    out, kl = msa.msa_attention(*b, topk=min(topk, 2), block_size=bs, index_dtype=torch.float8_e4m3fn)
+    (out.float().square().mean() + kl).backward()  # msa_fwd given the selection's FP8 inputs
 
 
 def topk_alone():
     """The index top-k on a longer sequence (every pipeline stage reused several times), portable and Hopper, both
-    CTA sizes of the Hopper kernel."""
+    CTA sizes of the Hopper kernel, with and without index_dtype."""
     for knobs in ({"MSA_PORTABLE_KERNELS": "1"}, {"MSA_TOPK_WG": "2"}, {"MSA_TOPK_WG": "4"}):
         with mock.patch.dict(os.environ, knobs):
             for bs in [64, 128]:
@@ -108,6 +110,10 @@ def topk_alone():
                 qi = randn(4100, 4, 128, dtype=torch.bfloat16)
                 ki = randn(4100, 1, 128, dtype=torch.bfloat16)
                 msa.select_blocks(qi, ki, topk=16, block_size=bs, cu_seqlens=cu, max_seqlen=4000)
+                # The FP8 selection (index_dtype): its copies kernel, then the FP8 top-k (the widened copies on the
+                # portable path).
+                msa.select_blocks(qi, ki, topk=16, block_size=bs, cu_seqlens=cu, max_seqlen=4000,
+                                  index_dtype=torch.float8_e4m3fn)
 
 
 def suffix_queries():
