@@ -14,9 +14,6 @@ STABLE_TORCH_LIBRARY(msa, m) {
   // float8_e4m3fn (index_dtype: the FP8 top-k on Hopper at Di = 128, else the same values widened to bf16).
   m.def("select_blocks(Tensor q_idx, Tensor k_idx, Tensor? cu_seqlens, SymInt max_seqlen, int topk, "
         "int block_size, float index_scale, Tensor? cu_seqlens_k=None, SymInt? max_seqlen_k=None) -> Tensor");
-  // index_dtype's e4m3 copies of q_idx (T, Hi, Di) and k_idx (T_k, Hki, Di) (msa.fp8_index_copies has the rule),
-  // contiguous; the selection's inputs (select_blocks, msa_fwd's sel_q_idx / sel_k_idx).
-  m.def("fp8_index_copies(Tensor q_idx, Tensor k_idx) -> (Tensor, Tensor)");
   // SPEC 3: out (T, Hq, D) and lse (Hq, T) over the causally visible tokens of the selected blocks.
   m.def("sparse_fwd(Tensor q, Tensor k, Tensor v, Tensor indices, Tensor? cu_seqlens, SymInt max_seqlen, "
         "int block_size, float softmax_scale, bool deterministic=False, Tensor? cu_seqlens_k=None, SymInt? max_seqlen_k=None) -> (Tensor out, Tensor lse)");

@@ -29,7 +29,7 @@ ops = torch.ops.msa
 # The ops with a compiled CUDA kernel, read once: the kernels register when _C loads, and a lookup in
 # a set is traceable by torch.compile (the dispatcher query itself is not).
 _CUDA_OPS = frozenset(name for name in ("select_blocks", "sparse_fwd", "sparse_bwd", "msa_fwd", "msa_bwd",
-                                        "reverse_index", "validate_cu_seqlens", "device_config", "fp8_index_copies")
+                                        "reverse_index", "validate_cu_seqlens", "device_config")
                       if torch._C._dispatch_has_kernel_for_dispatch_key(f"msa::{name}", "CUDA"))
 
 
@@ -122,33 +122,6 @@ def _select_blocks_cpu(q_idx, k_idx, cu_seqlens, max_seqlen, topk, block_size, i
     cu = _seqs(cu_seqlens, q_idx.shape[0], max_seqlen)
     cu_k = _seqs_k(cu, cu_seqlens_k, k_idx.shape[0], max_seqlen_k)
     return ref.select_blocks(q_idx, k_idx, cu, topk, block_size, index_scale, cu_k)
-
-
-def fp8_copies_torch(q_idx, k_idx):
-    """The e4m3 copies of (q_idx, k_idx) in PyTorch ops (the CPU kernel of msa::fp8_index_copies, and the CUDA path
-    for other dtypes or head dims): msa.fp8_index_copies has the rule. Any layout whose last two dims are (H, Di)."""
-    tiny = torch.finfo(torch.float32).tiny
-
-    def pow2_scale(amax):  # 2^s, the largest with amax 2^s <= 448 = 0.875 * 2^9 (frexp: exact on every device)
-        m, e = torch.frexp(amax.float().clamp_min(tiny))
-        s = torch.where(m <= 0.875, 9 - e, 8 - e).clamp(-126, 126)
-        return torch.ldexp(torch.ones_like(m), s)
-
-    def rounded(x, scale):  # x * 2^s is exact in bf16 / fp32 / fp64 (fp16's range is too small: fp32 then)
-        work = x.dtype if x.dtype in (torch.bfloat16, torch.float32, torch.float64) else torch.float32
-        return (x.to(work) * scale.to(work)).to(torch.float8_e4m3fn)
-
-    q, k = q_idx.detach(), k_idx.detach()
-    lo, hi = torch.aminmax(q, dim=-1, keepdim=True)
-    sq = pow2_scale(torch.maximum(hi, -lo))
-    sk = pow2_scale(k.abs().amax(dim=tuple(range(k.dim() - 2)) + (-1,), keepdim=True))
-    return rounded(q, sq), rounded(k, sk)
-
-
-@torch.library.register_kernel("msa::fp8_index_copies", "cpu")
-@_no_autocast
-def _fp8_index_copies_cpu(q_idx, k_idx):
-    return fp8_copies_torch(q_idx, k_idx)
 
 
 @torch.library.register_kernel("msa::sparse_fwd", "cpu")
@@ -411,13 +384,6 @@ def _select_blocks_fake(q_idx, k_idx, cu_seqlens, max_seqlen, topk, block_size, 
                         max_seqlen_k=None):
     chk.one_device(q_idx, k_idx, cu_seqlens, cu_seqlens_k)
     return q_idx.new_empty(q_idx.shape[1], q_idx.shape[0], topk, dtype=torch.int32)
-
-
-@torch.library.register_fake("msa::fp8_index_copies")
-def _fp8_index_copies_fake(q_idx, k_idx):
-    chk.one_device(q_idx, k_idx)
-    return (torch.empty_like(q_idx, dtype=torch.float8_e4m3fn, memory_format=torch.contiguous_format),
-            torch.empty_like(k_idx, dtype=torch.float8_e4m3fn, memory_format=torch.contiguous_format))
 
 
 def _lse_like(x, heads):

@@ -18,7 +18,7 @@ import sys
 import torch
 
 from ._op_checks import MAX_TOPK, _fail, check_heads as _check_heads, is_int
-from ._ops import MsaFunction, eager_autograd_applies, fp8_copies_torch, has_cuda_kernel, ops
+from ._ops import MsaFunction, eager_autograd_applies, has_cuda_kernel, ops
 
 HEAD_DIMS = (64, 128)
 BLOCK_SIZES = (64, 128)
@@ -263,14 +263,23 @@ def fp8_index_copies(q_idx, k_idx):
     keys a row compares share it), the largest that keeps the row's / head's largest |value| within e4m3's 448.
     A row's order of blocks does not depend on such scales, and rounding commutes with them: the copies round
     each value as e4m3 would unscaled (outside e4m3's subnormal range), whatever else the batch holds. Zero
-    rows stay zero. Any layout whose last two dims are (H, Di). On CUDA (bf16 / fp16, Di 64 / 128) one fused op
-    (msa::fp8_index_copies, two launches) makes them, elsewhere PyTorch ops: the same bytes."""
+    rows stay zero. Any layout whose last two dims are (H, Di)."""
+    tiny = torch.finfo(torch.float32).tiny
+
+    def pow2_scale(amax):  # 2^s, the largest with amax 2^s <= 448 = 0.875 * 2^9 (frexp: exact on every device)
+        m, e = torch.frexp(amax.float().clamp_min(tiny))
+        s = torch.where(m <= 0.875, 9 - e, 8 - e).clamp(-126, 126)
+        return torch.ldexp(torch.ones_like(m), s)
+
+    def rounded(x, scale):  # x * 2^s is exact in bf16 / fp32 / fp64 (fp16's range is too small: fp32 then)
+        work = x.dtype if x.dtype in (torch.bfloat16, torch.float32, torch.float64) else torch.float32
+        return (x.to(work) * scale.to(work)).to(torch.float8_e4m3fn)
+
     q, k = q_idx.detach(), k_idx.detach()
-    if (q.is_cuda and q.dtype in GPU_DTYPES and k.dtype == q.dtype and q.shape[-1] in HEAD_DIMS
-            and k.shape[-1] == q.shape[-1] and q.dim() == k.dim() >= 3 and has_cuda_kernel("fp8_index_copies")):
-        q8, k8 = ops.fp8_index_copies(q.reshape(-1, *q.shape[-2:]), k.reshape(-1, *k.shape[-2:]))
-        return q8.view(q.shape), k8.view(k.shape)
-    return fp8_copies_torch(q, k)
+    lo, hi = torch.aminmax(q, dim=-1, keepdim=True)
+    sq = pow2_scale(torch.maximum(hi, -lo))
+    sk = pow2_scale(k.abs().amax(dim=tuple(range(k.dim() - 2)) + (-1,), keepdim=True))
+    return rounded(q, sq), rounded(k, sk)
 
 
 def _msa(q, k, v, q_idx, k_idx, cu_seqlens, max_seqlen, topk, block_size, softmax_scale, index_scale, warmup,

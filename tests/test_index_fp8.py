@@ -120,7 +120,6 @@ def test_opcheck_msa_fwd_fp8(warmup, ret):
     torch.library.opcheck(ops.msa_fwd, (q, k, v, qi, ki, cu, mx, 2, 64, 0.125, 0.125, warmup, ret, True, False,
                                         None, None, q8, k8), test_utils=utils)
     torch.library.opcheck(ops.select_blocks, (q8, k8, cu, mx, 2, 64, 0.125), test_utils=utils)
-    torch.library.opcheck(ops.fp8_index_copies, (qi.detach(), ki.detach()))
 
 
 def test_layer_index_dtype():
