@@ -21,8 +21,8 @@ from torch import nn
 from .distributed import LAYOUTS, MODES, msa_attention_cp, shard_positions
 from .interface import msa_attention, msa_attention_varlen
 
-__all__ = ["MSAAttention", "RotaryEmbedding", "apply_rotary", "kl_loss", "warmup", "set_warmup", "register_msa_module",
-           "positions_from_cu_seqlens"]
+__all__ = ["MSAAttention", "RotaryEmbedding", "apply_rotary", "kl_loss", "warmup", "set_warmup", "set_index_dtype",
+           "register_msa_module", "positions_from_cu_seqlens"]
 
 
 def positions_from_cu_seqlens(cu_seqlens: torch.Tensor, total: int) -> torch.Tensor:
@@ -246,7 +246,8 @@ def _positions_fit(positions, x, packed) -> bool:
 
 
 # Predicates of other modules that run msa (registered by msa.integrations: a MiniMax-M3 sparse
-# attention, a converted Hugging Face attention). Such a module keeps its KL in `msa_kl` and reads `warmup`.
+# attention, a converted Hugging Face attention). Such a module keeps its KL in `msa_kl` and reads `warmup` and
+# `index_dtype`.
 _MSA_MODULE_TESTS = []
 
 
@@ -305,5 +306,17 @@ def set_warmup(model: nn.Module, enabled: bool) -> int:
     mods = _msa_modules(model)
     for m in mods:
         m.warmup = bool(enabled)
+    return len(mods)
+
+
+def set_index_dtype(model: nn.Module, index_dtype) -> int:
+    """Set `index_dtype` (None, or torch.float8_e4m3fn: the FP8 selection, msa.msa_attention) of every msa layer of
+    `model`, converted Hugging Face layers included (their decode steps select on the same e4m3 copies); returns how
+    many layers were set."""
+    from .interface import _index_dtype
+    _index_dtype(index_dtype)
+    mods = _msa_modules(model)
+    for m in mods:
+        m.index_dtype = index_dtype
     return len(mods)
 

@@ -754,6 +754,24 @@ def test_convert_generate(kind, monkeypatch):
     assert (logits_w - logits).abs().max() > 1e-3      # the sparse model was sparse
 
 
+def test_convert_generate_fp8_index(monkeypatch):
+    """msa.nn.set_index_dtype reaches converted layers: the prefill selects on the e4m3 copies (msa_attention's
+    index_dtype) and the cached decode steps score the same copies, so cached greedy decoding equals cache-free."""
+    model = converted(gqa_model("llama"), warmup=False)
+    assert msa.nn.set_index_dtype(model, torch.float8_e4m3fn) == 2
+    seen = []
+    dec = mt._decode
+    monkeypatch.setattr(mt, "_decode", lambda *a, **kw: seen.append(a[-1]) or dec(*a, **kw))
+    ids = _ids(2, 250, seed=13)
+    seq, logits = greedy(model, ids, 6)
+    assert seen and all(d is torch.float8_e4m3fn for d in seen)
+    seq_nc, logits_nc = greedy(model, ids, 6, use_cache=False)
+    assert torch.equal(seq, seq_nc)
+    torch.testing.assert_close(logits, logits_nc, atol=1e-5, rtol=1e-5)
+    with pytest.raises(ValueError, match="index_dtype"):
+        msa.nn.set_index_dtype(model, torch.float16)
+
+
 def test_convert_beam_search():
     """Beam search reorders the KV cache: the index keys follow (cached beams and scores == cache-free ones).
     Prompt 180 + 24: the generated tokens' index keys fill block 2, which the queries of block 3 then rank

@@ -37,7 +37,7 @@ from transformers.masking_utils import AttentionMaskInterface, causal_mask_funct
 from transformers.utils.import_utils import is_torchdynamo_compiling
 
 from .. import nn as msa_nn
-from ..interface import BLOCK_SIZES, HEAD_DIMS, MAX_TOPK, msa_attention
+from ..interface import BLOCK_SIZES, HEAD_DIMS, MAX_TOPK, fp8_index_copies, msa_attention
 
 __all__ = ["NAME", "convert", "IndexBranch", "layer_kl", "msa_attention_forward"]
 
@@ -67,16 +67,19 @@ def _prefill(module, query, key, value, q_idx, k_idx, topk, block_size, scaling,
     q, k, v = (t.transpose(1, 2) for t in (query, key, value))
     q, k, v, qi, ki = _to_kernel_dtype([q, k, v, q_idx, k_idx])
     out, kl = msa_attention(q, k, v, qi, ki, topk=topk, block_size=block_size, softmax_scale=scaling,
-                            index_scale=index_scale, warmup=bool(getattr(module, "warmup", False)))
+                            index_scale=index_scale, warmup=bool(getattr(module, "warmup", False)),
+                            index_dtype=getattr(module, "index_dtype", None))
     return out.to(dtype), kl
 
 
-def _decode(query, key, value, q_idx, k_idx, positions, topk, block_size, scaling, index_scale, warmup=False):
+def _decode(query, key, value, q_idx, k_idx, positions, topk, block_size, scaling, index_scale, warmup=False,
+            index_dtype=None):
     """Exact attention of Sq new tokens over the blocks the index branch selects for them (SPEC 2-3), or over
     every earlier token in warmup mode (SPEC 5: dense, as the warmup prefill).
 
     query (B, H, Sq, D), key/value (B, Hkv, Sk, D), q_idx (B, Sq, Hi, Di), k_idx (B, Sk, Hki, Di), positions
-    (B, Sq): the new tokens' positions among the Sk keys. Memory O(Sq * Sk): meant for decode steps.
+    (B, Sq): the new tokens' positions among the Sk keys. Memory O(Sq * Sk): meant for decode steps. index_dtype
+    (torch.float8_e4m3fn): the scores of the e4m3 copies, as the prefill selects (msa.fp8_index_copies).
     """
     B, H, Sq, _ = query.shape
     Sk = key.shape[2]
@@ -84,6 +87,8 @@ def _decode(query, key, value, q_idx, k_idx, positions, topk, block_size, scalin
     visible = torch.arange(Sk, device=query.device)[None, None, :] <= positions[:, :, None]   # B, Sq, Sk
     if warmup:
         return _attend(query, key, value, visible[:, None].expand(B, H, Sq, Sk), scaling)
+    if index_dtype is not None:
+        q_idx, k_idx = fp8_index_copies(q_idx, k_idx)
     qi = q_idx.float().transpose(1, 2)
     ki = k_idx.float().transpose(1, 2).repeat_interleave(Hi // Hki, dim=1)
     scores = index_scale * (qi @ ki.transpose(-1, -2))                                  # B, Hi, Sq, Sk
@@ -150,7 +155,7 @@ def _sparse_layer(module, query, key, value, attention_mask, scaling, dropout, q
         return out, None
     module.msa_kl = None
     return _decode(query, key, value, q_idx, k_idx, pos, topk, block_size, scaling, index_scale,
-                   bool(getattr(module, "warmup", False))), None
+                   bool(getattr(module, "warmup", False)), getattr(module, "index_dtype", None)), None
 
 
 def msa_attention_forward(module, query, key, value, attention_mask, scaling=None, dropout=0.0, **kwargs):
