@@ -6,6 +6,8 @@ registered once, at import.
 from __future__ import annotations
 
 
+from typing import Optional
+
 import torch
 
 from . import _op_checks as chk
@@ -122,6 +124,52 @@ def _select_blocks_cpu(q_idx, k_idx, cu_seqlens, max_seqlen, topk, block_size, i
     cu = _seqs(cu_seqlens, q_idx.shape[0], max_seqlen)
     cu_k = _seqs_k(cu, cu_seqlens_k, k_idx.shape[0], max_seqlen_k)
     return ref.select_blocks(q_idx, k_idx, cu, topk, block_size, index_scale, cu_k)
+
+
+def fp8_copies_torch(q_idx, k_idx, cu_seqlens_k=None):
+    """The e4m3 copies of (q_idx, k_idx) (msa.fp8_index_copies has the rule) in PyTorch ops: q_idx (..., H, Di) per
+    row; k_idx (B, N, H, Di) per (batch element, head), (T, H, Di) per (sequence of cu_seqlens_k, head), or per head
+    without cu_seqlens_k. No host synchronisation (CUDA-graph safe)."""
+    tiny = torch.finfo(torch.float32).tiny
+
+    def pow2_scale(amax):  # 2^s, the largest with amax 2^s <= 448 = 0.875 * 2^9 (frexp: exact on every device)
+        m, e = torch.frexp(amax.float().clamp_min(tiny))
+        s = torch.where(m <= 0.875, 9 - e, 8 - e).clamp(-126, 126)
+        return torch.ldexp(torch.ones_like(m), s)
+
+    def rounded(x, scale):  # x * 2^s is exact in bf16 / fp32 / fp64 (fp16's range is too small: fp32 then)
+        work = x.dtype if x.dtype in (torch.bfloat16, torch.float32, torch.float64) else torch.float32
+        return (x.to(work) * scale.to(work)).to(torch.float8_e4m3fn).contiguous()
+
+    q, k = q_idx.detach(), k_idx.detach()
+    lo, hi = torch.aminmax(q, dim=-1, keepdim=True)
+    q8 = rounded(q, pow2_scale(torch.maximum(hi, -lo)))
+    row_max = k.abs().amax(-1)  # (..., H)
+    if cu_seqlens_k is not None and k.dim() == 3:
+        T, H = row_max.shape
+        seq = torch.searchsorted(cu_seqlens_k[1:].long(), torch.arange(T, device=k.device), right=True)
+        per_seq = torch.zeros(cu_seqlens_k.shape[0] - 1, H, dtype=row_max.dtype, device=k.device)
+        per_seq = per_seq.scatter_reduce(0, seq[:, None].expand(T, H), row_max, "amax")
+        amax = per_seq[seq]  # (T, H): each token's sequence's maximum
+    else:  # 4 dims: per batch element; 3 dims: one sequence
+        amax = row_max.amax(dim=tuple(range(1 if k.dim() == 4 else 0, k.dim() - 2)), keepdim=True)
+    return q8, rounded(k, pow2_scale(amax)[..., None])
+
+
+# One opaque op (not traced into): Inductor would otherwise lower its float8 cast to Triton, which GPUs below sm_89
+# refuse; and a fused CUDA kernel can replace its CUDA implementation without changing callers.
+@torch.library.custom_op("msa::fp8_index_copies", mutates_args=())
+def _fp8_index_copies_op(q_idx: torch.Tensor, k_idx: torch.Tensor,
+                         cu_seqlens_k: Optional[torch.Tensor] = None) -> tuple[torch.Tensor, torch.Tensor]:
+    with torch.autocast(q_idx.device.type, enabled=False):
+        return fp8_copies_torch(q_idx, k_idx, cu_seqlens_k)
+
+
+@_fp8_index_copies_op.register_fake
+def _fp8_index_copies_fake(q_idx, k_idx, cu_seqlens_k=None):
+    chk.one_device(q_idx, k_idx, cu_seqlens_k)
+    return (q_idx.new_empty(q_idx.shape, dtype=torch.float8_e4m3fn),
+            k_idx.new_empty(k_idx.shape, dtype=torch.float8_e4m3fn))
 
 
 @torch.library.register_kernel("msa::sparse_fwd", "cpu")

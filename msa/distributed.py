@@ -43,7 +43,7 @@ import torch.distributed as dist
 # without an active exception": tests/test_distributed.py's flaky CI failure).
 import torch.distributed.nn.functional  # noqa: F401
 
-from .interface import _check_heads, msa_attention, msa_attention_varlen
+from .interface import _check_heads, _index_dtype, msa_attention, msa_attention_varlen
 
 LAYOUTS = ("zigzag", "contiguous")
 MODES = ("auto", "head", "query")
@@ -268,20 +268,20 @@ def _head_shards(P, mode, hq, hkv, hi, hki):
     return max(ph for ph in range(1, P + 1) if P % ph == 0 and fits(ph))
 
 
-def _check_ranks_agree(group, q, k, q_idx, k_idx, layout, mode, topk, block_size, warmup):
+def _check_ranks_agree(group, q, k, q_idx, k_idx, layout, mode, topk, block_size, warmup, index_dtype=None):
     """One all-reduce of the call's signature (shapes, dtype, options): ranks that disagree would route
     different plans (a hang or a wrong answer); here every rank raises the same ValueError instead."""
     dtypes = (torch.bfloat16, torch.float16, torch.float32, torch.float64)
     sig = [*q.shape, *k.shape, *q_idx.shape, *k_idx.shape, LAYOUTS.index(layout) if layout in LAYOUTS else -1,
            MODES.index(mode) if mode in MODES else -1, int(topk), int(block_size), int(bool(warmup)),
-           dtypes.index(q.dtype) if q.dtype in dtypes else -1]
+           dtypes.index(q.dtype) if q.dtype in dtypes else -1, int(index_dtype is not None)]
     dev = q.device if dist.get_backend(group) == "nccl" else torch.device("cpu")
     x = torch.tensor(sig + [-v for v in sig], dtype=torch.int64, device=dev)
     dist.all_reduce(x, op=dist.ReduceOp.MAX, group=group)
     hi, lo = x[:len(sig)].tolist(), [-v for v in x[len(sig):].tolist()]
     if hi != lo:
         names = ["q"] * 4 + ["k"] * 4 + ["q_idx"] * 4 + ["k_idx"] * 4 + ["layout", "mode", "topk", "block_size",
-                                                                          "warmup", "dtype"]
+                                                                          "warmup", "dtype", "index_dtype"]
         bad = sorted({n for n, a, b in zip(names, lo, hi) if a != b})
         raise ValueError(f"{', '.join(bad)}: expected the same on every rank of the group (shapes, dtype and options "
                          f"of msa_attention_cp), got different values on different ranks")
@@ -298,9 +298,11 @@ def msa_attention_cp(q, k, v, q_idx, k_idx, *, group=None, layout="zigzag", mode
     mean over all B * N * Hi rows (the same value on every rank). Every rank must use out and kl the same
     way in its loss (the backward runs collectives too). check_ranks: first compare the shapes and options
     of every rank (one small all-reduce and a read back; pass False inside CUDA graphs or compiled steps).
-    index_dtype: as in `msa_attention` (each rank quantizes the keys it holds: power-of-two scales, so the copies
-    round as on one GPU).
+    index_dtype: as in `msa_attention`. Each rank scales the keys it holds (a prefix of each sequence) by their own
+    power of two: values within e4m3's normal range of it round as on one GPU, smaller ones (subnormal, 2^-6 of
+    the prefix's largest) may round differently, so a few near-tie selections may differ from one GPU's.
     """
+    _index_dtype(index_dtype)
     P, rank = _world(group)
     for name, x in (("k", k), ("v", v), ("q_idx", q_idx), ("k_idx", k_idx)):
         if not isinstance(x, torch.Tensor) or x.dim() != 4 or x.shape[:2] != q.shape[:2]:
@@ -309,7 +311,7 @@ def msa_attention_cp(q, k, v, q_idx, k_idx, *, group=None, layout="zigzag", mode
     if q.dim() != 4:
         raise ValueError(f"q: expected a (B, N/P, Hq, D) shard, got shape {tuple(q.shape)}")
     if check_ranks:
-        _check_ranks_agree(group, q, k, q_idx, k_idx, layout, mode, topk, block_size, warmup)
+        _check_ranks_agree(group, q, k, q_idx, k_idx, layout, mode, topk, block_size, warmup, index_dtype)
     B, n = q.shape[:2]
     _check_layout(layout, n)
     N = n * P

@@ -257,29 +257,29 @@ def _index_dtype(value):
     return value
 
 
-def fp8_index_copies(q_idx, k_idx):
-    """The e4m3 copies of (q_idx, k_idx) that the selection scores with index_dtype=torch.float8_e4m3fn (SPEC 2),
-    rounded to nearest after a power-of-two scale: per (token, head) row of q_idx and per head of k_idx (the
-    keys a row compares share it), the largest that keeps the row's / head's largest |value| within e4m3's 448.
-    A row's order of blocks does not depend on such scales, and rounding commutes with them: the copies round
-    each value as e4m3 would unscaled (outside e4m3's subnormal range), whatever else the batch holds. Zero
-    rows stay zero. Any layout whose last two dims are (H, Di)."""
-    tiny = torch.finfo(torch.float32).tiny
+def fp8_index_copies(q_idx, k_idx, cu_seqlens_k=None):
+    """The e4m3 copies of (q_idx, k_idx) that the selection scores with index_dtype=torch.float8_e4m3fn (SPEC 2):
+    each value times a power of two, rounded to nearest. The scale of a q_idx (token, head) row is the largest power
+    of two that keeps the row's largest |value| within e4m3's 448; that of k_idx is the same per (sequence, head):
+    (B, N, H, Di) per batch element, packed (T, H, Di) per sequence of `cu_seqlens_k`, (T, H, Di) without it as one
+    sequence. A row's order of blocks depends on neither scale (the keys it compares share one), and rounding
+    commutes with them: each value rounds as e4m3 would round it unscaled, except those below e4m3's normal range
+    relative to their row's / head's largest (2^-6 of it: subnormal, or zero below 2^-9), so one sequence's copies
+    do not depend on the others of the batch; an outlier key does coarsen its own sequence's small keys. Zero rows
+    stay zero. One opaque op (msa::fp8_index_copies), no host synchronisation."""
+    _check_tensor("q_idx", q_idx, q_idx.dim(), "(..., H, Di)")
+    _check_tensor("k_idx", k_idx, k_idx.dim(), "(..., H, Di)")
+    return ops.fp8_index_copies(q_idx.detach(), k_idx.detach(), cu_seqlens_k)
 
-    def pow2_scale(amax):  # 2^s, the largest with amax 2^s <= 448 = 0.875 * 2^9 (frexp: exact on every device)
-        m, e = torch.frexp(amax.float().clamp_min(tiny))
-        s = torch.where(m <= 0.875, 9 - e, 8 - e).clamp(-126, 126)
-        return torch.ldexp(torch.ones_like(m), s)
 
-    def rounded(x, scale):  # x * 2^s is exact in bf16 / fp32 / fp64 (fp16's range is too small: fp32 then)
-        work = x.dtype if x.dtype in (torch.bfloat16, torch.float32, torch.float64) else torch.float32
-        return (x.to(work) * scale.to(work)).to(torch.float8_e4m3fn)
-
-    q, k = q_idx.detach(), k_idx.detach()
-    lo, hi = torch.aminmax(q, dim=-1, keepdim=True)
-    sq = pow2_scale(torch.maximum(hi, -lo))
-    sk = pow2_scale(k.abs().amax(dim=tuple(range(k.dim() - 2)) + (-1,), keepdim=True))
-    return rounded(q, sq), rounded(k, sk)
+def _fp8_selection(q_idx, k_idx, cu_seqlens, max_seqlen, key_layout):
+    """fp8_index_copies of the ops' flat (T, H, Di) index tensors, k per sequence: the key layout's cu_seqlens_k,
+    else the queries' cu_seqlens, else (batched) T / max_seqlen sequences of equal length."""
+    if cu_seqlens is not None:
+        return fp8_index_copies(q_idx, k_idx, key_layout[0] if key_layout else cu_seqlens)
+    B = q_idx.shape[0] // max_seqlen
+    q8, k8 = fp8_index_copies(q_idx, k_idx.view(B, k_idx.shape[0] // B, *k_idx.shape[1:]))
+    return q8, k8.view(k_idx.shape)
 
 
 def _msa(q, k, v, q_idx, k_idx, cu_seqlens, max_seqlen, topk, block_size, softmax_scale, index_scale, warmup,
@@ -294,7 +294,8 @@ def _msa(q, k, v, q_idx, k_idx, cu_seqlens, max_seqlen, topk, block_size, softma
     # The selection's own e4m3 inputs (index_dtype), where a selection runs; after the key layout's two slots.
     sel = ()
     if _index_dtype(index_dtype) is not None and (return_indices or not warmup):
-        sel = (*(tuple(key_layout) or (None, None)), *fp8_index_copies(q_idx, k_idx))
+        sel = (*(tuple(key_layout) or (None, None)),
+               *_fp8_selection(q_idx, k_idx, cu_seqlens, max_seqlen, key_layout))
     args = (q, k, v, q_idx, k_idx, cu_seqlens, max_seqlen, topk, block_size, scale, iscale, warmup,
             return_indices, index_grad, _deterministic(deterministic), *(sel or key_layout))
     if eager_autograd_applies((q, k, v, q_idx, k_idx)):
@@ -386,15 +387,18 @@ def select_blocks(q_idx, k_idx, *, topk=16, block_size=128, index_scale=None, cu
     topk = _check_option("topk", topk, range(1, MAX_TOPK + 1))
     _require_kernel("select_blocks", q_idx)
     iscale = _scale("index_scale", index_scale, Di)
-    if _index_dtype(index_dtype) is not None:
-        q_idx, k_idx = fp8_index_copies(q_idx, k_idx)
+    fp8 = _index_dtype(index_dtype) is not None  # the copies' k scales per sequence (fp8_index_copies)
     if rank == 3:
         max_seqlen = _check_varlen(cu_seqlens, max_seqlen, q_idx, q_idx.shape[0])
         key = _key_layout(q_idx, k_idx, cu_seqlens, cu_seqlens_k, max_seqlen_k, ("q_idx", "k_idx"))
+        if fp8:
+            q_idx, k_idx = fp8_index_copies(q_idx, k_idx, cu_seqlens_k if cu_seqlens_k is not None else cu_seqlens)
         return _values_checked(ops.select_blocks, q_idx, k_idx, cu_seqlens, max_seqlen, topk, block_size, iscale, *key)
     _check_batched(max_seqlen, "q_idx")
     B, N, Hi = q_idx.shape[:3]
     key = _key_layout(q_idx, k_idx, None, cu_seqlens_k, max_seqlen_k, ("q_idx", "k_idx"))
+    if fp8:
+        q_idx, k_idx = fp8_index_copies(q_idx, k_idx)
     idx = ops.select_blocks(_flat(q_idx), _flat(k_idx), None, N, topk, block_size, iscale, *key)
     return idx.view(Hi, B, N, topk).permute(1, 0, 2, 3).contiguous()
 

@@ -19,7 +19,7 @@ import torch
 from torch import nn
 
 from .distributed import LAYOUTS, MODES, msa_attention_cp, shard_positions
-from .interface import msa_attention, msa_attention_varlen
+from .interface import _index_dtype, msa_attention, msa_attention_varlen
 
 __all__ = ["MSAAttention", "RotaryEmbedding", "apply_rotary", "kl_loss", "warmup", "set_warmup", "set_index_dtype",
            "register_msa_module", "positions_from_cu_seqlens"]
@@ -147,7 +147,7 @@ class MSAAttention(nn.Module):
         self.index_heads, self.index_head_dim, self.index_key_heads = index_heads, index_head_dim, index_key_heads
         self.topk, self.block_size = topk, block_size
         self.softmax_scale, self.index_scale = softmax_scale, index_scale
-        self.compute_dtype, self.deterministic, self.index_dtype = compute_dtype, deterministic, index_dtype
+        self.compute_dtype, self.deterministic, self.index_dtype = compute_dtype, deterministic, _index_dtype(index_dtype)
         self.warmup = False
         self.msa_kl = None
         self.set_context_parallel(cp_group, cp_layout, cp_mode)
@@ -313,7 +313,6 @@ def set_index_dtype(model: nn.Module, index_dtype) -> int:
     """Set `index_dtype` (None, or torch.float8_e4m3fn: the FP8 selection, msa.msa_attention) of every msa layer of
     `model`, converted Hugging Face layers included (their decode steps select on the same e4m3 copies); returns how
     many layers were set."""
-    from .interface import _index_dtype
     _index_dtype(index_dtype)
     mods = _msa_modules(model)
     for m in mods:

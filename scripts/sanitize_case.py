@@ -110,7 +110,7 @@ def topk_alone():
                 qi = randn(4100, 4, 128, dtype=torch.bfloat16)
                 ki = randn(4100, 1, 128, dtype=torch.bfloat16)
                 msa.select_blocks(qi, ki, topk=16, block_size=bs, cu_seqlens=cu, max_seqlen=4000)
-                # The FP8 selection (index_dtype): its copies kernel, then the FP8 top-k (the widened copies on the
+                # The FP8 selection (index_dtype): the e4m3 copies, then the FP8 top-k (the widened copies on the
                 # portable path).
                 msa.select_blocks(qi, ki, topk=16, block_size=bs, cu_seqlens=cu, max_seqlen=4000,
                                   index_dtype=torch.float8_e4m3fn)

@@ -16,40 +16,58 @@ FP8 = torch.float8_e4m3fn
 ops = torch.ops.msa
 
 
+def _pow2_rounded(x, amax):
+    """The rule, computed here independently (float64, Python's frexp): x times 2^s, s the largest with
+    amax 2^s <= 448, rounded to e4m3 (amax: broadcast to x)."""
+    amax = amax.double().clamp_min(2.0 ** -126)
+    m, e = torch.frexp(amax)
+    s = torch.where(m <= 0.875, 9 - e, 8 - e).clamp(-126, 126)
+    return (x.double() * torch.pow(2.0, s.double())).to(FP8)
+
+
 def test_fp8_index_copies():
-    """Power-of-two scales: every q_idx row's and k_idx head's largest |value| lands in [224, 448]; inputs scaled
-    by a power of two give the same bytes; zero rows stay zero; nothing is NaN; the inputs' grads are untouched."""
+    """Each q_idx row's scale is its own, each k_idx head's its batch element's (batched) or sequence's (packed):
+    the bytes equal the rule computed independently; a zero row stays zero; nothing is NaN; no grad; sequences
+    of very different magnitudes get the same copies packed together as alone."""
     _, _, _, qi, ki = make_inputs(2, 300, (8, 2, 4, 2), 64, 128, dtype=torch.bfloat16, seed=3, requires_grad=True)
     with torch.no_grad():
         qi[0, 5, 1] = 0
+        ki[1] *= 1e4  # batch element 1's keys 10^4 times element 0's
     q8, k8 = msa.fp8_index_copies(qi, ki)
     assert q8.dtype == k8.dtype == FP8 and q8.shape == qi.shape and k8.shape == ki.shape
     assert not q8.requires_grad and not k8.requires_grad
-    qa = q8.float().abs().amax(-1)
-    ka = k8.float().abs().amax(dim=(0, 1, 3))
-    assert (q8.float()[0, 5, 1] == 0).all() and qa[0, 5, 1] == 0
-    qa[0, 5, 1] = 448
-    assert ((qa >= 224) & (qa <= 448)).all() and ((ka >= 224) & (ka <= 448)).all()  # (224, 448] before rounding
-    assert not q8.float().isnan().any() and not k8.float().isnan().any()
-    q8b, k8b = msa.fp8_index_copies(qi.detach() * 32, ki.detach() / 8)
-    assert torch.equal(q8b.view(torch.uint8), q8.view(torch.uint8))
-    assert torch.equal(k8b.view(torch.uint8), k8.view(torch.uint8))
-    # The scale is a power of two: the copies equal the e4m3 rounding of the values times it.
-    ratio = q8.float()[qi.detach().abs() > 1] / qi.detach().float()[qi.detach().abs() > 1]
-    assert (ratio > 0).all() and ratio.max() / ratio.min() < 2 ** 0.25 * 256  # one scale per row, rounding +-1/16
+    q, k = qi.detach(), ki.detach()
+    assert torch.equal(q8.view(torch.uint8), _pow2_rounded(q, q.abs().amax(-1, keepdim=True)).view(torch.uint8))
+    assert torch.equal(k8.view(torch.uint8), _pow2_rounded(k, k.abs().amax(dim=(1, 3), keepdim=True)).view(torch.uint8))
+    assert (q8.float()[0, 5, 1] == 0).all() and not q8.float().isnan().any() and not k8.float().isnan().any()
+    # Packed: the same two sequences with cu_seqlens_k, and each alone.
+    flat_q, flat_k = q.reshape(600, 4, 128), k.reshape(600, 2, 128)
+    cu = torch.tensor([0, 300, 600], dtype=torch.int32)
+    p8, pk8 = msa.fp8_index_copies(flat_q, flat_k, cu)
+    assert torch.equal(pk8.view(torch.uint8), k8.reshape(600, 2, 128).view(torch.uint8))
+    alone = msa.fp8_index_copies(flat_q[:300], flat_k[:300])[1]
+    assert torch.equal(pk8[:300].view(torch.uint8), alone.view(torch.uint8))
+    one = msa.fp8_index_copies(flat_q, flat_k)[1]  # no cu_seqlens_k: one sequence, sequence 0 coarsened
+    assert not torch.equal(one[:300].view(torch.uint8), alone.view(torch.uint8))
+    # Powers of two in the inputs change nothing.
+    q8b, k8b = msa.fp8_index_copies(q * 32, k / 8)
+    assert torch.equal(q8b.view(torch.uint8), q8.view(torch.uint8)) and torch.equal(k8b.view(torch.uint8),
+                                                                                    k8.view(torch.uint8))
 
 
-@pytest.mark.parametrize("Di,bs,topk", [(128, 128, 16), (64, 64, 3)])
-def test_select_blocks_fp8_cpu(Di, bs, topk):
-    """The selection with index_dtype is SPEC 2 on the copies: valid against their fp32 block scores and equal to
-    the reference given the copies; the batched and packed layouts agree."""
-    _, _, _, qi, ki, cu, mx = make_packed([700, 0, 1, 300], (8, 2, 4, 1), 64, Di, dtype=torch.bfloat16, seed=Di)
+@pytest.mark.parametrize("Di,bs,topk,heads", [(128, 128, 4, (8, 2, 4, 1)), (64, 64, 3, (8, 2, 4, 2))])
+def test_select_blocks_fp8_cpu(Di, bs, topk, heads):
+    """The selection with index_dtype is SPEC 2 on the copies (k scaled per sequence): valid against their fp32 block
+    scores, and equal to the op given the copies; it differs from the bf16 selection somewhere (topk below the
+    blocks: the copies rank); the batched and packed layouts agree."""
+    _, _, _, qi, ki, cu, mx = make_packed([1500, 0, 1, 900], heads, 64, Di, dtype=torch.bfloat16, seed=Di)
     scale = 1 / math.sqrt(Di)
     got = msa.select_blocks(qi, ki, topk=topk, block_size=bs, cu_seqlens=cu, max_seqlen=mx, index_dtype=FP8)
-    q8, k8 = msa.fp8_index_copies(qi, ki)
-    assert torch.equal(got, ref.select_blocks(q8, k8, cu, topk, bs, scale))
+    q8, k8 = msa.fp8_index_copies(qi, ki, cu)
     assert torch.equal(got, ops.select_blocks(q8, k8, cu, mx, topk, bs, scale))
     assert_valid_topk(got, q8, k8, cu, topk, bs, scale)
+    bf16 = msa.select_blocks(qi, ki, topk=topk, block_size=bs, cu_seqlens=cu, max_seqlen=mx)
+    assert not torch.equal(got, bf16)
     _, _, _, qb, kb = make_inputs(2, 400, (8, 2, 4, 1), 64, Di, dtype=torch.bfloat16, seed=1)
     batched = msa.select_blocks(qb, kb, topk=topk, block_size=bs, index_dtype=FP8)
     cu2 = torch.tensor([0, 400, 800], dtype=torch.int32)
@@ -135,3 +153,32 @@ def test_layer_index_dtype():
     layer.index_dtype = torch.bfloat16
     with pytest.raises(ValueError, match="index_dtype"):
         layer(x)
+
+
+def test_msa_fwd_selection_follows_sel_and_kl_follows_q_idx():
+    """Given selection inputs that differ from q_idx / k_idx (here: the index branch of another seed), the op's
+    indices are the selection of those inputs, while out, lse, the KL rows and lse_idx are those of q_idx / k_idx
+    over that selection."""
+    q, k, v, qi, ki, cu, mx = make_packed([300, 200], (8, 2, 4, 1), 64, 64, dtype=torch.float32, seed=8)
+    other = make_packed([300, 200], (8, 2, 4, 1), 64, 64, dtype=torch.float32, seed=9)
+    sq, sk = msa.fp8_index_copies(other[3], other[4], cu)
+    r = ops.msa_fwd(q, k, v, qi, ki, cu, mx, 2, 64, 0.125, 0.125, False, True, False, False, None, None, sq, sk)
+    idx = r[2]
+    assert torch.equal(idx, ops.select_blocks(sq, sk, cu, mx, 2, 64, 0.125))
+    assert not torch.equal(idx, ops.select_blocks(qi, ki, cu, mx, 2, 64, 0.125))
+    out, lse = ops.sparse_fwd(q, k, v, idx, cu, mx, 64, 0.125)
+    torch.testing.assert_close(r[0], out, rtol=0, atol=0)
+    kl_rows, lse_idx = ref.index_kl_rows(q, k, lse, qi, ki, idx, cu, 64, 0.125, 0.125)
+    torch.testing.assert_close(r[7], kl_rows, rtol=0, atol=0)
+    torch.testing.assert_close(r[4], lse_idx, rtol=0, atol=0)
+
+
+def test_fp8_index_under_autocast_cpu():
+    """Under torch.autocast the ops cast their floating inputs to the autocast dtype, but not the FP8 copies: the
+    selection is that of the copies of the inputs as given."""
+    q, k, v, qi, ki = make_inputs(1, 400, (8, 2, 4, 1), 64, 64, dtype=torch.float32, seed=10)
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        out, kl, idx = msa.msa_attention(q, k, v, qi, ki, topk=2, block_size=64, return_indices=True,
+                                         index_dtype=FP8)
+    assert out.dtype == torch.bfloat16
+    assert torch.equal(idx, msa.select_blocks(qi, ki, topk=2, block_size=64, index_dtype=FP8))

@@ -64,7 +64,9 @@ bool select_blocks_fp8(const Tensor& q_idx, const Tensor& k_idx, const IndexTopk
   p.k_idx = k.data_ptr();
   p.q_stride_t = q.stride(0), p.q_stride_h = q.stride(1), p.k_stride_t = k.stride(0), p.k_stride_h = k.stride(1);
   const cudaError_t err = sm90::launch_index_topk_fp8<128>(p, stream);
-  if (err == cudaErrorNotSupported) return false;  // no TMA descriptor for this k_idx
+  // No TMA descriptor for this k_idx, or an odd stride left (a size-1 dim's, which contig() keeps): nothing
+  // launched, the widened inputs take it.
+  if (err == cudaErrorNotSupported || err == cudaErrorInvalidValue) return false;
   MSA_LAUNCH_CHECK(err, "select_blocks (fp8)");
   return true;
 #else
@@ -86,25 +88,23 @@ Tensor select_blocks_cuda(const Tensor& q_idx_in, const Tensor& k_idx_in, const 
   MSA_CHECK(k_idx_in.scalar_type() == q_idx_in.scalar_type(), "k_idx: expected dtype ", dtype(q_idx_in), ", got ",
             dtype(k_idx_in));
   MSA_CHECK(!fp8 || sel_stats == nullptr, "select_blocks: FP8 inputs give no kept-block sums");
-  // FP8 inputs the Hopper FP8 kernel does not take: widened to bf16 (exact), then as 16-bit inputs.
-  const DeviceGuard guard0(q_idx_in.get_device_index());
-  const bool fp8_kernel = fp8 && use_sm90_kernels() && q_idx_in.dim() == 3 && q_idx_in.size(2) == 128;
-  const Tensor q_idx = fp8 && !fp8_kernel ? torch::stable::to(q_idx_in, kBFloat16) : q_idx_in;
-  const Tensor k_idx = fp8 && !fp8_kernel ? torch::stable::to(k_idx_in, kBFloat16) : k_idx_in;
-  MSA_CHECK(k_idx.scalar_type() == q_idx.scalar_type(), "k_idx: expected dtype ", dtype(q_idx), ", got ",
-            dtype(k_idx));
-  MSA_CHECK(q_idx.dim() == 3 && k_idx.dim() == 3, "q_idx, k_idx: expected (T, H, Di), got ", shape(q_idx), " and ",
-            shape(k_idx));
-  const int64_t T = q_idx.size(0), Hi = q_idx.size(1), Di = q_idx.size(2), Hki = k_idx.size(1);
+  MSA_CHECK(q_idx_in.dim() == 3 && k_idx_in.dim() == 3, "q_idx, k_idx: expected (T, H, Di), got ", shape(q_idx_in),
+            " and ", shape(k_idx_in));
+  const int64_t T = q_idx_in.size(0), Hi = q_idx_in.size(1), Di = q_idx_in.size(2), Hki = k_idx_in.size(1);
   const int64_t Tk = seqs.total_k;
-  MSA_CHECK(k_idx.size(0) == Tk && k_idx.size(2) == Di, "k_idx: expected (", Tk, ", Hki, ", Di, "), got ",
-                    shape(k_idx));
+  MSA_CHECK(k_idx_in.size(0) == Tk && k_idx_in.size(2) == Di, "k_idx: expected (", Tk, ", Hki, ", Di, "), got ",
+            shape(k_idx_in));
   MSA_CHECK(Di == 64 || Di == 128, "q_idx: expected head dim 64 or 128, got ", Di);
   MSA_CHECK(Hki >= 1 && Hi % Hki == 0 && Hi / Hki <= 64, "k_idx: expected Hki dividing Hi = ", Hi,
-                    " with Hi / Hki <= 64, got Hki = ", Hki);
+            " with Hi / Hki <= 64, got Hki = ", Hki);
   MSA_CHECK(topk >= 1 && topk <= 32, "topk: expected 1..32, got ", topk);
   MSA_CHECK(block_size == 64 || block_size == 128, "block_size: expected 64 or 128, got ", block_size);
-  MSA_CHECK(q_idx.stride(2) == 1 && k_idx.stride(2) == 1, "q_idx, k_idx: expected a contiguous last dim");
+  MSA_CHECK(q_idx_in.stride(2) == 1 && k_idx_in.stride(2) == 1, "q_idx, k_idx: expected a contiguous last dim");
+  // FP8 inputs the Hopper FP8 kernel does not take: widened to bf16 (exact), then as 16-bit inputs.
+  const DeviceGuard guard0(q_idx_in.get_device_index());
+  const bool fp8_kernel = fp8 && use_sm90_kernels() && Di == 128;
+  const Tensor q_idx = fp8 && !fp8_kernel ? torch::stable::to(q_idx_in, kBFloat16) : q_idx_in;
+  const Tensor k_idx = fp8 && !fp8_kernel ? torch::stable::to(k_idx_in, kBFloat16) : k_idx_in;
 
   hp.mark("checks");
   const DeviceGuard guard(q_idx.get_device_index());
