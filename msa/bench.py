@@ -375,7 +375,8 @@ def table(rows, device):
             ("deterministic cost", "det_cost", ".1%"), ("msa fwd+bwd warmup ms", "msa_fwdbwd_warmup", ".3f"),
             ("warmup / dense fwd+bwd", "warmup_over_dense", ".2f"),
             ("msa fwd+bwd, last N/2 queries ms", "msa_fwdbwd_suffix", ".3f"),
-            ("msa fwd+bwd, fp8 index ms", "msa_fwdbwd_fp8", ".3f"), ("dense/msa fwd+bwd, fp8 index", "ratio_fp8", ".2f"),
+            ("msa fwd+bwd, fp8 index ms", "msa_fwdbwd_fp8", ".3f"),
+            ("dense/msa fwd+bwd, fp8 index", "ratio_fp8", ".2f"),
             ("fp8 selection recall", "fp8_recall", ".4f")]
     if device.type == "cuda":
         cols += [("msa fwd+bwd, CUDA graph ms", "msa_fwdbwd_graph", ".3f"),

@@ -263,10 +263,11 @@ def fp8_index_copies(q_idx, k_idx, cu_seqlens_k=None):
     of two that keeps the row's largest |value| within e4m3's 448; that of k_idx is the same per (sequence, head):
     (B, N, H, Di) per batch element, packed (T, H, Di) per sequence of `cu_seqlens_k`, (T, H, Di) without it as one
     sequence. A row's order of blocks depends on neither scale (the keys it compares share one), and rounding
-    commutes with them: each value rounds as e4m3 would round it unscaled, except those below e4m3's normal range
-    relative to their row's / head's largest (2^-6 of it: subnormal, or zero below 2^-9), so one sequence's copies
-    do not depend on the others of the batch; an outlier key does coarsen its own sequence's small keys. Zero rows
-    stay zero. One opaque op (msa::fp8_index_copies), no host synchronisation."""
+    commutes with them: each value keeps e4m3's 4 significant bits, rounded to nearest, whatever the power of two,
+    except those that scale below e4m3's normal range (2^-6; about 2^-14 of their row's / head's largest: subnormal,
+    about 2^-18: zero). So one sequence's copies do not depend on the others of the batch; an outlier key does
+    coarsen its own sequence's small keys. Zero rows stay zero. One opaque op (msa::fp8_index_copies), no host
+    synchronisation."""
     _check_tensor("q_idx", q_idx, q_idx.dim(), "(..., H, Di)")
     _check_tensor("k_idx", k_idx, k_idx.dim(), "(..., H, Di)")
     return ops.fp8_index_copies(q_idx.detach(), k_idx.detach(), cu_seqlens_k)

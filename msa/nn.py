@@ -138,7 +138,8 @@ class MSAAttention(nn.Module):
                  rope_theta: float = 10000.0, rope_dim: int | None = None, index_rope_dim: int | None = None,
                  softmax_scale: float | None = None, index_scale: float | None = None, bias: bool = False,
                  norm_eps: float = 1e-6, compute_dtype: torch.dtype = torch.bfloat16, deterministic=None,
-                 index_dtype: torch.dtype | None = None, cp_group=None, cp_layout: str = "zigzag", cp_mode: str = "auto", device=None, dtype=None):
+                 index_dtype: torch.dtype | None = None, cp_group=None, cp_layout: str = "zigzag", cp_mode: str = "auto",
+                 device=None, dtype=None):
         super().__init__()
         _check_layer_args(hidden, num_heads, num_kv_heads, head_dim, index_heads, index_head_dim, index_key_heads,
                           rope_dim, index_rope_dim, topk, block_size)
@@ -147,7 +148,8 @@ class MSAAttention(nn.Module):
         self.index_heads, self.index_head_dim, self.index_key_heads = index_heads, index_head_dim, index_key_heads
         self.topk, self.block_size = topk, block_size
         self.softmax_scale, self.index_scale = softmax_scale, index_scale
-        self.compute_dtype, self.deterministic, self.index_dtype = compute_dtype, deterministic, _index_dtype(index_dtype)
+        self.compute_dtype, self.deterministic = compute_dtype, deterministic
+        self.index_dtype = _index_dtype(index_dtype)
         self.warmup = False
         self.msa_kl = None
         self.set_context_parallel(cp_group, cp_layout, cp_mode)
