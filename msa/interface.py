@@ -388,19 +388,20 @@ def select_blocks(q_idx, k_idx, *, topk=16, block_size=128, index_scale=None, cu
     topk = _check_option("topk", topk, range(1, MAX_TOPK + 1))
     _require_kernel("select_blocks", q_idx)
     iscale = _scale("index_scale", index_scale, Di)
-    fp8 = _index_dtype(index_dtype) is not None  # the copies' k scales per sequence (fp8_index_copies)
+    fp8 = _index_dtype(index_dtype) is not None
     if rank == 3:
         max_seqlen = _check_varlen(cu_seqlens, max_seqlen, q_idx, q_idx.shape[0])
         key = _key_layout(q_idx, k_idx, cu_seqlens, cu_seqlens_k, max_seqlen_k, ("q_idx", "k_idx"))
         if fp8:
-            q_idx, k_idx = fp8_index_copies(q_idx, k_idx, cu_seqlens_k if cu_seqlens_k is not None else cu_seqlens)
+            q_idx, k_idx = _fp8_selection(q_idx, k_idx, cu_seqlens, max_seqlen, key)
         return _values_checked(ops.select_blocks, q_idx, k_idx, cu_seqlens, max_seqlen, topk, block_size, iscale, *key)
     _check_batched(max_seqlen, "q_idx")
     B, N, Hi = q_idx.shape[:3]
     key = _key_layout(q_idx, k_idx, None, cu_seqlens_k, max_seqlen_k, ("q_idx", "k_idx"))
+    q_idx, k_idx = _flat(q_idx), _flat(k_idx)
     if fp8:
-        q_idx, k_idx = fp8_index_copies(q_idx, k_idx)
-    idx = ops.select_blocks(_flat(q_idx), _flat(k_idx), None, N, topk, block_size, iscale, *key)
+        q_idx, k_idx = _fp8_selection(q_idx, k_idx, None, N, key)
+    idx = ops.select_blocks(q_idx, k_idx, None, N, topk, block_size, iscale, *key)
     return idx.view(Hi, B, N, topk).permute(1, 0, 2, 3).contiguous()
 
 

@@ -1,5 +1,5 @@
 """The FP8 selection against the bf16 one on the bench configuration's index branch (CUDA): per N, the top-k's
-time (median of CUDA-event timed calls; the FP8 figure with and without msa.fp8_index_copies' quantization), and
+time (median of CUDA-event timed calls, msa.bench.Timer; the FP8 figure with and without msa.fp8_index_copies' quantization), and
 the recall of the FP8 selection (the fraction of the bf16 selection's kept blocks it keeps too) on the bench's
 random inputs.
 
@@ -10,26 +10,17 @@ import sys
 import torch
 
 import msa
-from msa.bench import CONFIG, selection_recall as recall
-
-
-def _time(fn, reps=20):
-    fn()
-    torch.cuda.synchronize()
-    times = []
-    for _ in range(reps):
-        a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        a.record()
-        fn()
-        b.record()
-        torch.cuda.synchronize()
-        times.append(a.elapsed_time(b))
-    return sorted(times)[len(times) // 2]
+from msa.bench import CONFIG, Timer, selection_recall as recall
 
 
 def main(ns):
     c = CONFIG
     fp8 = torch.float8_e4m3fn
+    timer = Timer(torch.device("cuda"), reps=20, warmup=1)
+
+    def _time(fn):  # median ms of CUDA-event timed calls (msa.bench's timer)
+        return timer(fn, [()])
+
     print(f"# {torch.cuda.get_device_name()}; heads Hi {c['Hi']} Hki {c['Hki']}, Di {c['Di']}, topk {c['topk']}, "
           f"block {c['block_size']}")
     print("N,bf16_ms,fp8_ms,fp8_with_copies_ms,copies_ms,recall")

@@ -9,6 +9,7 @@ import pytest
 import torch
 
 import msa
+from msa.bench import selection_recall
 from attention_check import assert_forward_close, assert_grads_close, reference_forward
 from helpers import cuda_kernel_names, make_inputs, make_packed, poison_allocator, sm90_kernels_run
 from topk_check import assert_valid_topk
@@ -89,14 +90,8 @@ def test_select_blocks_fp8_recall():
     _, _, _, qi, ki = make_inputs(1, 8192, (16, 2, 4, 1), 64, 128, dtype=torch.bfloat16, device="cuda", seed=5)
     a = msa.select_blocks(qi, ki, topk=16, block_size=128)
     b = msa.select_blocks(qi, ki, topk=16, block_size=128, index_dtype=FP8)
-    recall = _recall(b, a)
+    recall = selection_recall(b, a)
     assert recall > RECALL_MIN, f"recall {recall:.3f}"
-
-
-def _recall(got, want):
-    """Fraction of want's kept blocks that got keeps too (rows aligned, -1 padding ignored)."""
-    hit = (got[..., :, None] == want[..., None, :]) & (want[..., None, :] >= 0)
-    return hit.any(-2).sum().item() / (want >= 0).sum().item()
 
 
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])

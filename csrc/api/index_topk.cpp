@@ -53,12 +53,7 @@ namespace {
 bool select_blocks_fp8(const Tensor& q_idx, const Tensor& k_idx, const IndexTopkParams& base, cudaStream_t stream) {
 #ifdef MSA_WITH_SM90
   if (!use_sm90_kernels() || q_idx.size(2) != 128) return false;
-  auto aligned16 = [](const Tensor& x) {
-    const bool ok = x.stride(2) == 1 && x.stride(0) % 16 == 0 && x.stride(1) % 16 == 0 &&
-                    reinterpret_cast<uintptr_t>(x.data_ptr()) % 16 == 0;
-    return ok ? x : contig(x);
-  };
-  const Tensor q = aligned16(q_idx), k = aligned16(k_idx);
+  const Tensor q = aligned_rows(q_idx, 1), k = aligned_rows(k_idx, 1);
   IndexTopkParams p = base;
   p.q_idx = q.data_ptr();
   p.k_idx = k.data_ptr();
@@ -101,13 +96,12 @@ Tensor select_blocks_cuda(const Tensor& q_idx_in, const Tensor& k_idx_in, const 
   MSA_CHECK(block_size == 64 || block_size == 128, "block_size: expected 64 or 128, got ", block_size);
   MSA_CHECK(q_idx_in.stride(2) == 1 && k_idx_in.stride(2) == 1, "q_idx, k_idx: expected a contiguous last dim");
   // FP8 inputs the Hopper FP8 kernel does not take: widened to bf16 (exact), then as 16-bit inputs.
-  const DeviceGuard guard0(q_idx_in.get_device_index());
+  const DeviceGuard guard(q_idx_in.get_device_index());
   const bool fp8_kernel = fp8 && use_sm90_kernels() && Di == 128;
   const Tensor q_idx = fp8 && !fp8_kernel ? torch::stable::to(q_idx_in, kBFloat16) : q_idx_in;
   const Tensor k_idx = fp8 && !fp8_kernel ? torch::stable::to(k_idx_in, kBFloat16) : k_idx_in;
 
   hp.mark("checks");
-  const DeviceGuard guard(q_idx.get_device_index());
   Tensor indices = empty({Hi, T, topk}, kInt, q_idx);
   if (T == 0) return indices;
   hp.mark("alloc");

@@ -127,9 +127,11 @@ bool small_smem_config(const Tensor& x, int64_t D);
 // The same for the portable backward (at D = 64 its default fits 99 KB; the forward's output pass does not).
 bool small_smem_bwd_config(const Tensor& x, int64_t D);
 
-// Rows must be 16-byte aligned for cp.async; otherwise work on a contiguous copy.
-inline Tensor aligned_rows(const Tensor& x) {
-  const bool ok = x.stride(2) == 1 && x.stride(0) % 8 == 0 && x.stride(1) % 8 == 0 &&
+// Rows must be 16-byte aligned for cp.async and TMA; otherwise work on a contiguous copy. elem_bytes: the dtype's
+// size (2 for bf16 / fp16, 1 for the FP8 selection inputs).
+inline Tensor aligned_rows(const Tensor& x, int64_t elem_bytes = 2) {
+  const int64_t per16 = 16 / elem_bytes;  // elements per 16 bytes
+  const bool ok = x.stride(2) == 1 && x.stride(0) % per16 == 0 && x.stride(1) % per16 == 0 &&
                   reinterpret_cast<uintptr_t>(x.data_ptr()) % 16 == 0;
   return ok ? x : contig(x);
 }
