@@ -14,6 +14,9 @@ STABLE_TORCH_LIBRARY(msa, m) {
   // float8_e4m3fn (index_dtype: the FP8 top-k on Hopper at Di = 128, else the same values widened to bf16).
   m.def("select_blocks(Tensor q_idx, Tensor k_idx, Tensor? cu_seqlens, SymInt max_seqlen, int topk, "
         "int block_size, float index_scale, Tensor? cu_seqlens_k=None, SymInt? max_seqlen_k=None) -> Tensor");
+  // The CUDA body of msa::fp8_index_copies (msa/_ops.py, index_dtype's e4m3 copies): q_idx (T, Hi, Di) per row,
+  // k_idx (T_k, Hki, Di) per (sequence, head), its sequences cu_seqlens_k or runs of seq_len_k rows; contiguous.
+  m.def("_fp8_copies_cuda(Tensor q_idx, Tensor k_idx, Tensor? cu_seqlens_k, int seq_len_k) -> (Tensor, Tensor)");
   // SPEC 3: out (T, Hq, D) and lse (Hq, T) over the causally visible tokens of the selected blocks.
   m.def("sparse_fwd(Tensor q, Tensor k, Tensor v, Tensor indices, Tensor? cu_seqlens, SymInt max_seqlen, "
         "int block_size, float softmax_scale, bool deterministic=False, Tensor? cu_seqlens_k=None, SymInt? max_seqlen_k=None) -> (Tensor out, Tensor lse)");

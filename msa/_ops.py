@@ -31,7 +31,7 @@ ops = torch.ops.msa
 # The ops with a compiled CUDA kernel, read once: the kernels register when _C loads, and a lookup in
 # a set is traceable by torch.compile (the dispatcher query itself is not).
 _CUDA_OPS = frozenset(name for name in ("select_blocks", "sparse_fwd", "sparse_bwd", "msa_fwd", "msa_bwd",
-                                        "reverse_index", "validate_cu_seqlens", "device_config")
+                                        "reverse_index", "validate_cu_seqlens", "device_config", "_fp8_copies_cuda")
                       if torch._C._dispatch_has_kernel_for_dispatch_key(f"msa::{name}", "CUDA"))
 
 
@@ -161,6 +161,13 @@ def fp8_copies_torch(q_idx, k_idx, cu_seqlens_k=None):
 @torch.library.custom_op("msa::fp8_index_copies", mutates_args=())
 def _fp8_index_copies_op(q_idx: torch.Tensor, k_idx: torch.Tensor,
                          cu_seqlens_k: Optional[torch.Tensor] = None) -> tuple[torch.Tensor, torch.Tensor]:
+    if (q_idx.is_cuda and q_idx.dtype in (torch.bfloat16, torch.float16) and k_idx.dtype == q_idx.dtype
+            and q_idx.shape[-1] in (64, 128) and k_idx.shape[-1] == q_idx.shape[-1] and k_idx.dim() in (3, 4)
+            and has_cuda_kernel("_fp8_copies_cuda")):  # the fused kernel: two launches, the same bytes
+        q, k = q_idx.reshape(-1, *q_idx.shape[-2:]), k_idx.reshape(-1, *k_idx.shape[-2:])
+        seq_len = k_idx.shape[1] if k_idx.dim() == 4 else k.shape[0]  # batched: per batch element
+        q8, k8 = ops._fp8_copies_cuda(q, k, cu_seqlens_k if k_idx.dim() == 3 else None, max(seq_len, 1))
+        return q8.view(q_idx.shape), k8.view(k_idx.shape)
     with torch.autocast(q_idx.device.type, enabled=False):
         return fp8_copies_torch(q_idx, k_idx, cu_seqlens_k)
 

@@ -135,3 +135,29 @@ def test_fp8_kernel_taken_on_hopper():
     names = cuda_kernel_names(lambda: msa.select_blocks(qi, ki, index_dtype=FP8))
     assert any("index_topk_sm90_kernel<__nv_bfloat16, 64," in n and "false, false, true>" in n for n in names), names
 
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+@pytest.mark.parametrize("Di", [128, 64])
+def test_fp8_copies_kernel_matches_the_formula(dtype, Di):
+    """The fused CUDA copies (msa::_fp8_copies_cuda, through msa.fp8_index_copies) give the PyTorch formula's bytes:
+    strided rows, a zero row, tiny and large values (subnormal e4m3 results, a scale below one), two key heads; k per
+    batch element (batched), per sequence (packed, an empty one among them) and as one sequence."""
+    from msa._ops import fp8_copies_torch
+    _, _, _, qi, ki = make_inputs(2, 333, (8, 2, 4, 2), 64, Di, dtype=dtype, device="cuda", seed=Di)
+    qs = torch.empty(2, 333, 4, 2 * Di, dtype=dtype, device="cuda")[..., :Di]
+    qs.copy_(qi)
+    qs[0, 3, 1] = 0
+    qs[1, 7, 2] *= 1e-3
+    ki[1] *= 600 if dtype == torch.bfloat16 else 60
+    flat_q, flat_k = qs.reshape(666, 4, Di), ki.reshape(666, 2, Di)
+    cu = torch.tensor([0, 300, 300, 666], dtype=torch.int32, device="cuda")
+    for args in ((qs, ki), (flat_q, flat_k, cu), (flat_q, flat_k)):
+        poison_allocator()
+        q8, k8 = msa.fp8_index_copies(*args)
+        w8, v8 = fp8_copies_torch(*args)
+        assert q8.is_contiguous() and q8.shape == args[0].shape and k8.shape == args[1].shape
+        assert torch.equal(q8.view(torch.uint8), w8.view(torch.uint8))
+        assert torch.equal(k8.view(torch.uint8), v8.view(torch.uint8))
+    names = cuda_kernel_names(lambda: msa.fp8_index_copies(flat_q, flat_k, cu))
+    assert any("quantize_kernel" in n for n in names), names
