@@ -17,14 +17,17 @@ import msa
 import msa.nn
 from helpers import make_inputs
 
-# (heads (Hq, Hkv, Hi, Hki), mode, layout, dtype, warmup)
+B, N, TOPK, BS = 2, 512, 3, 64
+# (heads (Hq, Hkv, Hi, Hki), mode, layout, dtype, warmup[, device, n, d, index_dtype])
 CONFIGS = {
     2: [((8, 2, 4, 1), "head", "zigzag", torch.float64, False),
         ((8, 2, 4, 1), "query", "zigzag", torch.float64, False),
         ((8, 2, 4, 1), "query", "contiguous", torch.bfloat16, False),
         ((8, 4, 2, 1), "auto", "contiguous", torch.float64, True),
         ((4, 1, 1, 1), "auto", "zigzag", torch.float64, False),     # Hi = 1 < P: query-split
-        ((8, 2, 4, 1), "auto", "zigzag", torch.float32, False)],
+        ((8, 2, 4, 1), "auto", "zigzag", torch.float32, False),
+        ((8, 2, 4, 1), "query", "zigzag", torch.bfloat16, False, "cpu", N, 64, torch.float8_e4m3fn),  # FP8 selection
+        ((8, 2, 4, 1), "head", "contiguous", torch.bfloat16, False, "cpu", N, 64, torch.float8_e4m3fn)],
     4: [((8, 2, 4, 1), "head", "zigzag", torch.float64, False),     # kv heads replicated over 2 ranks each
         ((8, 4, 2, 1), "auto", "zigzag", torch.float64, False),     # 2 head shards x 2 query shards
         ((8, 2, 4, 1), "query", "zigzag", torch.bfloat16, False),
@@ -32,7 +35,6 @@ CONFIGS = {
         ((8, 4, 2, 1), "auto", "contiguous", torch.float64, False)],   # 2 x 2 in the contiguous layout
     3: [((8, 2, 4, 1), "auto", "zigzag", torch.float64, False, "cpu", 576)],   # 3 does not divide Hi = 4: query-split
 }
-B, N, TOPK, BS = 2, 512, 3, 64
 
 
 def _close(got, want, dtype, what):
@@ -46,11 +48,17 @@ def _close(got, want, dtype, what):
         raise AssertionError(f"{what}: {e}") from None
 
 
-def _check(rank, P, heads, mode, layout, dtype, warmup, device="cpu", n=N, d=64):
+def _check(rank, P, heads, mode, layout, dtype, warmup, device="cpu", n=N, d=64, index_dtype=None):
+    """index_dtype (the FP8 selection): each rank scales the key prefix it holds by its own power of two, so the
+    largest |k_idx| of each (sequence, head) is put at position 0, which every rank's prefix holds: the copies, and
+    so the selection, are then those of the single-process call."""
     full = make_inputs(B, n, heads, d, d, dtype=dtype, device=device, seed=17, requires_grad=True)
+    if index_dtype is not None:
+        with torch.no_grad():
+            full[4][:, 0, :, 0] = 2 * full[4].abs().amax(dim=(1, 3))
     g = torch.randn(B, n, heads[0], d, generator=torch.Generator().manual_seed(3), dtype=torch.float64)
     g = g.to(dtype=dtype, device=device)
-    kw = dict(topk=TOPK, block_size=BS, warmup=warmup)
+    kw = dict(topk=TOPK, block_size=BS, warmup=warmup, index_dtype=index_dtype)
     out, kl = msa.msa_attention(*full, **kw)
     ((out * g).sum() + kl).backward()
     want = [x.grad.clone() for x in full]
@@ -60,7 +68,7 @@ def _check(rank, P, heads, mode, layout, dtype, warmup, device="cpu", n=N, d=64)
     out_r, kl_r = msa.distributed.msa_attention_cp(*shards, layout=layout, mode=mode, **kw)
     g_r = msa.distributed.shard_sequence(g, layout=layout)
     ((out_r * g_r).sum() + kl_r / P).backward()
-    name = f"P={P} heads={heads} mode={mode} layout={layout} {dtype} warmup={warmup}"
+    name = f"P={P} heads={heads} mode={mode} layout={layout} {dtype} warmup={warmup} index_dtype={index_dtype}"
     _close(msa.distributed.gather_sequence(out_r.detach(), layout=layout), out.detach(), dtype, f"{name}: out")
     assert abs(kl_r.item() - kl.item()) <= (1e-12 if dtype == torch.float64 else 1e-4) * max(1.0, abs(kl.item())), \
         f"{name}: kl {kl_r.item()} vs {kl.item()}"
