@@ -13,6 +13,7 @@ knobs of the calling shell are cleared first: configuration 0 is the default ker
 import argparse
 import os
 import sys
+import time
 from unittest import mock
 
 import torch
@@ -136,22 +137,36 @@ def sync():
         torch.cuda.synchronize()
 
 
+T0 = time.monotonic()
+
+
+def progress(what):
+    """A line on stderr before each part, with the seconds since the start: a sanitizer run cut by its timeout
+    (gpu_check.sh's MSA_SANITIZE_TIMEOUT) then shows which part it was in and how long the parts before took."""
+    print(f"[{time.monotonic() - T0:7.1f} s] {what}", file=sys.stderr, flush=True)
+
+
 def run(configs):
     """The configurations numbered in `configs` (0: the default kernels, with the top-k alone and the suffix
     queries)."""
     torch.manual_seed(0)
     if 0 in configs:
+        progress("top-k alone")
         topk_alone()
     for i in configs:
         knobs, shapes, layouts, full = CONFIGS[i]
         with mock.patch.dict(os.environ, knobs):
             for shape in shapes:
                 for heads in layouts:
+                    progress(f"config {i}{' ' + str(knobs) if knobs else ''} {str(shape[0]).replace('torch.', '')} D={shape[1]} "
+                             f"heads={heads}")
                     step(shape, heads, full)
                     sync()
     if 0 in configs:
+        progress("suffix queries")
         suffix_queries()
     sync()
+    progress("all parts ran")
 
 
 def main():
