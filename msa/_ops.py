@@ -161,9 +161,15 @@ def fp8_copies_torch(q_idx, k_idx, cu_seqlens_k=None):
 @torch.library.custom_op("msa::fp8_index_copies", mutates_args=())
 def _fp8_index_copies_op(q_idx: torch.Tensor, k_idx: torch.Tensor,
                          cu_seqlens_k: Optional[torch.Tensor] = None) -> tuple[torch.Tensor, torch.Tensor]:
-    if (q_idx.is_cuda and q_idx.dtype in (torch.bfloat16, torch.float16) and k_idx.dtype == q_idx.dtype
-            and q_idx.shape[-1] in (64, 128) and k_idx.shape[-1] == q_idx.shape[-1] and k_idx.dim() in (3, 4)
-            and has_cuda_kernel("_fp8_copies_cuda")):  # the fused kernel: two launches, the same bytes
+    # The fused kernel (two launches; the same bytes for finite inputs) where its checks hold, else the formula, which
+    # takes any dtype of cu_seqlens_k and a NaN into the scale as torch's max does (the kernel's fmaxf drops it).
+    cu_ok = cu_seqlens_k is None or k_idx.dim() == 4 or (
+        cu_seqlens_k.device == q_idx.device and cu_seqlens_k.dtype == torch.int32 and cu_seqlens_k.dim() == 1
+        and cu_seqlens_k.is_contiguous())
+    if (q_idx.is_cuda and k_idx.device == q_idx.device and q_idx.dtype in (torch.bfloat16, torch.float16)
+            and k_idx.dtype == q_idx.dtype and q_idx.dim() >= 2 and q_idx.shape[-1] in (64, 128)
+            and k_idx.shape[-1] == q_idx.shape[-1] and k_idx.dim() in (3, 4) and cu_ok
+            and has_cuda_kernel("_fp8_copies_cuda")):
         q, k = q_idx.reshape(-1, *q_idx.shape[-2:]), k_idx.reshape(-1, *k_idx.shape[-2:])
         seq_len = k_idx.shape[1] if k_idx.dim() == 4 else k.shape[0]  # batched: per batch element
         q8, k8 = ops._fp8_copies_cuda(q, k, cu_seqlens_k if k_idx.dim() == 3 else None, max(seq_len, 1))

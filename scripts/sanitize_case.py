@@ -158,8 +158,8 @@ def run(configs):
         with mock.patch.dict(os.environ, knobs):
             for shape in shapes:
                 for heads in layouts:
-                    progress(f"config {i}{' ' + str(knobs) if knobs else ''} {str(shape[0]).replace('torch.', '')} D={shape[1]} "
-                             f"heads={heads}")
+                    dtype = str(shape[0]).replace("torch.", "")
+                    progress(f"config {i}{' ' + str(knobs) if knobs else ''} {dtype} D={shape[1]} heads={heads}")
                     step(shape, heads, full)
                     sync()
     if 0 in configs:

@@ -22,15 +22,16 @@ def test_cp_one_gpu_is_the_plain_call():
 def test_cp_gloo_ranks_on_one_gpu(P):
     """Both modes on the CUDA kernels with the ranks sharing one GPU (gloo's collectives take CUDA tensors;
     NCCL needs a GPU per rank): each rank's share of the work (head shards, query shards as suffix queries
-    of the keys, warmup, the FP8 selection) runs on the H200 and matches the single-GPU call's out, kl and gradients. What it
-    cannot show is NCCL and the speed of several GPUs (test_cp_nccl_* below)."""
+    of the keys, warmup, the FP8 selection) runs on the GPU and matches the single-GPU call's out, kl and
+    gradients. What it cannot show is NCCL and the speed of several GPUs (test_cp_nccl_* below)."""
     spawn(P, [((16, 2, 4, 1), "query", "zigzag", torch.bfloat16, False, "cuda", 4096, 128),
               ((16, 2, 4, 1), "query", "contiguous", torch.bfloat16, True, "cuda", 4096, 128),
               ((8, 4, 2, 1), "auto", "zigzag", torch.float16, False, "cuda", 2048, 64),
               ((8, 4, 2, 1), "query", "contiguous", torch.float16, True, "cuda", 2048, 64),
               ((16, 2, 4, 1), "head", "zigzag", torch.bfloat16, False, "cuda", 4096, 128),
               ((16, 2, 4, 1), "query", "zigzag", torch.bfloat16, False, "cuda", 4096, 128, torch.float8_e4m3fn),
-              ((16, 2, 4, 1), "head", "contiguous", torch.bfloat16, False, "cuda", 4096, 128, torch.float8_e4m3fn)],
+              ((16, 2, 4, 1), "head", "contiguous", torch.bfloat16, False, "cuda", 4096, 128,
+               torch.float8_e4m3fn)],
           backend="gloo")
 
 

@@ -136,7 +136,6 @@ def test_fp8_kernel_taken_on_hopper():
     assert any("index_topk_sm90_kernel<__nv_bfloat16, 64," in n and "false, false, true>" in n for n in names), names
 
 
-
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
 @pytest.mark.parametrize("Di", [128, 64])
 def test_fp8_copies_kernel_matches_the_formula(dtype, Di):
@@ -152,7 +151,8 @@ def test_fp8_copies_kernel_matches_the_formula(dtype, Di):
     ki[1] *= 600 if dtype == torch.bfloat16 else 60
     flat_q, flat_k = qs.reshape(666, 4, Di), ki.reshape(666, 2, Di)
     cu = torch.tensor([0, 300, 300, 666], dtype=torch.int32, device="cuda")
-    for args in ((qs, ki), (flat_q, flat_k, cu), (flat_q, flat_k)):
+    # cu_seqlens_k as int64: not the kernel's (int32 only), the formula's (no error)
+    for args in ((qs, ki), (flat_q, flat_k, cu), (flat_q, flat_k), (flat_q, flat_k, cu.long())):
         poison_allocator()
         q8, k8 = msa.fp8_index_copies(*args)
         w8, v8 = fp8_copies_torch(*args)

@@ -1,6 +1,6 @@
 // msa::_fp8_copies_cuda: the e4m3 copies of (q_idx, k_idx) the FP8 selection scores (index_dtype, SPEC 2) in two
 // launches (smxx/fp8_copies) instead of ~30 PyTorch kernels. msa::fp8_index_copies (msa/_ops.py) calls it for CUDA
-// bf16 / fp16 inputs of Di 64 / 128 and runs the PyTorch formula elsewhere: the same bytes.
+// bf16 / fp16 inputs of Di 64 / 128 and runs the PyTorch formula elsewhere: the same bytes for finite inputs.
 #include "api/checks.h"
 #include "api/dispatch.h"
 #include "api/ops.h"

@@ -1,7 +1,7 @@
 // e4m3 copies of q_idx / k_idx for the FP8 selection: one warp per (token, head) row of D = 64 or 128 values (2 or
 // 4 per lane); k's scales per (sequence, head). The power-of-two scale is exact in fp32 and the conversion rounds
-// to nearest even, as PyTorch's float -> float8_e4m3fn does: the bytes equal the PyTorch formula's
-// (msa/_ops.py fp8_copies_torch).
+// to nearest even, as PyTorch's float -> float8_e4m3fn does: for finite inputs the bytes equal the PyTorch formula's
+// (msa/_ops.py fp8_copies_torch; fmaxf drops a NaN from a maximum, torch's max keeps it).
 #include <cuda_bf16.h>
 #include <cuda_fp16.h>
 #include <cuda_fp8.h>
@@ -20,7 +20,7 @@ __device__ __forceinline__ float to_float(T v) {
   if constexpr (std::is_same_v<T, __half>) return __half2float(v); else return __bfloat162float(v);
 }
 
-// Lane `lane`'s values of a row: D / 32 consecutive elements (one 4- or 8-byte load).
+// Lane `lane`'s values of a row: D / 32 consecutive elements (2-byte loads; the warp's together coalesced).
 template <typename T, int kPer>
 __device__ __forceinline__ void load_row(const T* row, int lane, float (&v)[kPer]) {
 #pragma unroll

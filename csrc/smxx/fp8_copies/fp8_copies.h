@@ -1,6 +1,6 @@
 // The FP8 selection's inputs (index_dtype, SPEC 2): e4m3 copies of q_idx / k_idx, each q_idx row scaled by its own
 // power of two and each k_idx (sequence, head) by its own (msa.fp8_index_copies has the rule; PyTorch ops compute the
-// same bytes elsewhere: msa/_ops.py fp8_copies_torch).
+// same bytes elsewhere for finite inputs: msa/_ops.py fp8_copies_torch).
 #pragma once
 #include <cuda_runtime_api.h>
 
