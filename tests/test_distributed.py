@@ -49,9 +49,10 @@ def _close(got, want, dtype, what):
 
 
 def _check(rank, P, heads, mode, layout, dtype, warmup, device="cpu", n=N, d=64, index_dtype=None):
-    """index_dtype (the FP8 selection): each rank scales the key prefix it holds by its own power of two, so the
-    largest |k_idx| of each (sequence, head) is put at position 0, which every rank's prefix holds: the copies, and
-    so the selection, are then those of the single-process call."""
+    """index_dtype (the FP8 selection): each rank scales the key prefix it holds by its own power of two, which can
+    round a value below e4m3's normal range differently; the largest |k_idx| of each (sequence, head) is put at
+    position 0, which every rank's prefix holds, so the copies, and the selection, are exactly the single-process
+    call's."""
     full = make_inputs(B, n, heads, d, d, dtype=dtype, device=device, seed=17, requires_grad=True)
     if index_dtype is not None:
         with torch.no_grad():
