@@ -138,8 +138,8 @@ class MSAAttention(nn.Module):
                  rope_theta: float = 10000.0, rope_dim: int | None = None, index_rope_dim: int | None = None,
                  softmax_scale: float | None = None, index_scale: float | None = None, bias: bool = False,
                  norm_eps: float = 1e-6, compute_dtype: torch.dtype = torch.bfloat16, deterministic=None,
-                 index_dtype: torch.dtype | None = None, cp_group=None, cp_layout: str = "zigzag", cp_mode: str = "auto",
-                 device=None, dtype=None):
+                 index_dtype: torch.dtype | None = None, cp_group=None, cp_layout: str = "zigzag",
+                 cp_mode: str = "auto", device=None, dtype=None):
         super().__init__()
         _check_layer_args(hidden, num_heads, num_kv_heads, head_dim, index_heads, index_head_dim, index_key_heads,
                           rope_dim, index_rope_dim, topk, block_size)

@@ -1,7 +1,7 @@
 """The FP8 selection against the bf16 one on the bench configuration's index branch (CUDA): per N, the top-k's
-time (median of CUDA-event timed calls, msa.bench.Timer; the FP8 figure with and without msa.fp8_index_copies' quantization), and
-the recall of the FP8 selection (the fraction of the bf16 selection's kept blocks it keeps too) on the bench's
-random inputs.
+time (median of CUDA-event timed calls, msa.bench.Timer; the FP8 figure with and without msa.fp8_index_copies'
+quantization), the copies' own time, and the recall of the FP8 selection (the fraction of the bf16 selection's kept
+blocks it keeps too) on the bench's random inputs.
 
     python scripts/probe_fp8_index.py [N ...]      (default 8192 32768 131072)
 """

@@ -73,7 +73,7 @@ def test_select_blocks_fp8_cpu(Di, bs, topk, heads):
     cu2 = torch.tensor([0, 400, 800], dtype=torch.int32)
     flat = msa.select_blocks(qb.reshape(800, *qb.shape[2:]), kb.reshape(800, *kb.shape[2:]), topk=topk, block_size=bs,
                              cu_seqlens=cu2, max_seqlen=400, index_dtype=FP8)
-    # k's per-head scale spans the batch in both layouts: the same copies, the same selection.
+    # k's scale per (batch element, head) batched, per (sequence, head) packed: the same copies, the same selection.
     assert torch.equal(batched, flat.view(4, 2, 400, topk).permute(1, 0, 2, 3))
 
 
