@@ -110,6 +110,13 @@ def sm90_kernels_run():
     return int(torch.ops.msa.device_config(torch.empty(0, device="cuda"))[1]) == 1
 
 
+def fp8_rel_tol(di):
+    """The near-tie tolerance of the FP8 selection: Hopper's FP8 tensor cores accumulate with fewer bits than fp32
+    (about 14 kept in each step's alignment), so scores within ~1e-3 of each other may swap (first H100 run: 33 of
+    96000 rows beyond 1e-5); the widened bf16 path accumulates in fp32 (SPEC 2's 1e-5)."""
+    return 2e-3 if di == 128 and sm90_kernels_run() else 1e-5
+
+
 def cuda_kernel_names(fn):
     """The names of the CUDA activities (kernels, memsets) that fn() ran, from the profiler, in order."""
     with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CUDA]) as prof:

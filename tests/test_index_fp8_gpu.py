@@ -11,7 +11,7 @@ import torch
 import msa
 from msa.bench import selection_recall
 from attention_check import assert_forward_close, assert_grads_close, reference_forward
-from helpers import cuda_kernel_names, make_inputs, make_packed, poison_allocator, sm90_kernels_run
+from helpers import cuda_kernel_names, fp8_rel_tol, make_inputs, make_packed, poison_allocator, sm90_kernels_run
 from topk_check import assert_valid_topk
 
 pytestmark = [pytest.mark.gpu, pytest.mark.usefixtures("kernel_choice")]
@@ -20,13 +20,6 @@ FP8 = torch.float8_e4m3fn
 # The FP8 selection keeps > 95% of the bf16 one's blocks on random normal inputs (CPU reference, 8K, bench heads:
 # 96.9%); a wrong operand layout or scale would keep about topk / blocks of them.
 RECALL_MIN = 0.95
-
-
-def fp8_rel_tol(di):
-    """The near-tie tolerance of the FP8 selection: Hopper's FP8 tensor cores accumulate with fewer bits than fp32
-    (about 14 kept in each step's alignment), so scores within ~1e-3 of each other may swap (first H100 run: 33 of
-    96000 rows beyond 1e-5); the widened bf16 path accumulates in fp32 (SPEC 2's 1e-5)."""
-    return 2e-3 if di == 128 and sm90_kernels_run() else 1e-5
 
 
 def packed(x):

@@ -95,24 +95,24 @@ Tensor select_blocks_cuda(const Tensor& q_idx_in, const Tensor& k_idx_in, const 
   MSA_CHECK(topk >= 1 && topk <= 32, "topk: expected 1..32, got ", topk);
   MSA_CHECK(block_size == 64 || block_size == 128, "block_size: expected 64 or 128, got ", block_size);
   MSA_CHECK(q_idx_in.stride(2) == 1 && k_idx_in.stride(2) == 1, "q_idx, k_idx: expected a contiguous last dim");
-  // FP8 inputs the Hopper FP8 kernel does not take: widened to bf16 (exact), then as 16-bit inputs.
   const DeviceGuard guard(q_idx_in.get_device_index());
-  const bool fp8_kernel = fp8 && use_sm90_kernels() && Di == 128;
-  const Tensor q_idx = fp8 && !fp8_kernel ? torch::stable::to(q_idx_in, kBFloat16) : q_idx_in;
-  const Tensor k_idx = fp8 && !fp8_kernel ? torch::stable::to(k_idx_in, kBFloat16) : k_idx_in;
-
   hp.mark("checks");
-  Tensor indices = empty({Hi, T, topk}, kInt, q_idx);
+  Tensor indices = empty({Hi, T, topk}, kInt, q_idx_in);
   if (T == 0) return indices;
   hp.mark("alloc");
-  if (fp8_kernel) {
-    IndexTopkParams p = index_params(q_idx, k_idx, seqs, max_seqlen, index_scale);
-    p.indices = ptr<int32_t>(indices);
-    p.topk = int(topk);
-    p.block_size = int(block_size);
-    if (select_blocks_fp8(q_idx, k_idx, p, current_stream(q_idx))) return indices;
-    return select_blocks_cuda(torch::stable::to(q_idx, kBFloat16), torch::stable::to(k_idx, kBFloat16), seqs,
-                              max_seqlen, topk, block_size, index_scale, nullptr);
+  Tensor q_idx = q_idx_in, k_idx = k_idx_in;
+  if (fp8) {
+    if (use_sm90_kernels() && Di == 128) {
+      IndexTopkParams p = index_params(q_idx, k_idx, seqs, max_seqlen, index_scale);
+      p.indices = ptr<int32_t>(indices);
+      p.topk = int(topk);
+      p.block_size = int(block_size);
+      if (select_blocks_fp8(q_idx, k_idx, p, current_stream(q_idx))) return indices;
+    }
+    // FP8 inputs the Hopper FP8 kernel does not take (Di = 64, other GPUs, no TMA descriptor): widened to bf16
+    // (exact), then as 16-bit inputs.
+    q_idx = torch::stable::to(q_idx_in, kBFloat16);
+    k_idx = torch::stable::to(k_idx_in, kBFloat16);
   }
   const Tensor q = aligned_rows(q_idx), k = aligned_rows(k_idx);
   IndexTopkParams p = index_params(q, k, seqs, max_seqlen, index_scale);
