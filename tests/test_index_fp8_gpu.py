@@ -144,8 +144,11 @@ def test_fp8_copies_kernel_matches_the_formula(dtype, Di):
     ki[1] *= 600 if dtype == torch.bfloat16 else 60
     flat_q, flat_k = qs.reshape(666, 4, Di), ki.reshape(666, 2, Di)
     cu = torch.tensor([0, 300, 300, 666], dtype=torch.int32, device="cuda")
+    # sequences shorter than a warp's run of 32 key rows, empty ones first, between and last
+    short = torch.tensor([0, 0, 5, 5, 17, 40, 41, 300, 666, 666], dtype=torch.int32, device="cuda")
     # cu_seqlens_k as int64: not the kernel's (int32 only), the formula's (no error)
-    for args in ((qs, ki), (flat_q, flat_k, cu), (flat_q, flat_k), (flat_q, flat_k, cu.long())):
+    for args in ((qs, ki), (flat_q, flat_k, cu), (flat_q, flat_k), (flat_q, flat_k, short),
+                 (flat_q, flat_k, cu.long())):
         poison_allocator()
         q8, k8 = msa.fp8_index_copies(*args)
         w8, v8 = fp8_copies_torch(*args)
