@@ -180,7 +180,6 @@ __global__ void __launch_bounds__(IndexTopkShape<WG>::kThreads, 1)
   const int total = kLse ? last_pos / S::kKeys + 1 : (blocks + nb - 1) / nb;
 
   const int tid = threadIdx.x, warp = tid / 32, lane = tid % 32;
-  const int wgi = warp / 4;  // this thread's warpgroup
 
   gather_index_q<T, D>(sQ, p, tl, S::kRows, tid, S::kThreads);
   sm80::cp_async_commit();
@@ -250,11 +249,6 @@ __global__ void __launch_bounds__(IndexTopkShape<WG>::kThreads, 1)
     }
     mbar_wait(full + it % S::kStages, (it / S::kStages) & 1);
     const uint32_t k_addr = sm80::smem_addr(sK + (it % S::kStages) * S::kKeys * D);
-    // Issue in turn: warpgroup w issues sub-tile it after warpgroup w - 1 has issued it (named barrier 1 + w: w's
-    // threads sync, w - 1's arrive; the last group's arrival opens group 0's next turn), so the tensor cores take
-    // the groups' wgmmas one group after another and a group's epilogue runs under the next groups' MMAs instead of
-    // every group finishing together and running its epilogue at the same time.
-    if (!(wgi == 0 && it == 0)) asm volatile("bar.sync %0, 256;\n" ::"r"(1 + wgi) : "memory");
     wgmma_fence();
 #pragma unroll
     for (int ks = 0; ks < D / 16; ++ks) {
@@ -265,9 +259,6 @@ __global__ void __launch_bounds__(IndexTopkShape<WG>::kThreads, 1)
       }
     }
     wgmma_commit();
-    if (!(wgi == S::kWarpgroups - 1 && it == total - 1)) {
-      asm volatile("bar.arrive %0, 256;\n" ::"r"(1 + (wgi + 1) % S::kWarpgroups) : "memory");
-    }
     wgmma_wait<0>();
     fence_regs(c);  // no use of the scores moves above the wait
     if (lane == 0) mbar_arrive(empty + it % S::kStages);  // this warp is done reading the stage
