@@ -47,25 +47,27 @@ IndexTopkParams index_params(const Tensor& q, const Tensor& k, const SeqMap& seq
 namespace {
 
 // FP8 selection inputs (index_dtype, SPEC 2) on the Hopper FP8 top-k: Di = 128, rows 16-byte aligned (else a
-// contiguous copy), the plain top-k (no kept-block sums). False (nothing launched) where the kernel does not
-// apply; the caller then runs the 16-bit kernels on the inputs widened to bf16, which holds every e4m3 value
+// contiguous copy), the plain top-k (no kept-block sums) into `indices`. False (nothing launched) where the kernel
+// does not apply; the caller then runs the 16-bit kernels on the inputs widened to bf16, which holds every e4m3 value
 // exactly, so the selection is the same up to the fp32 sums' order.
-bool select_blocks_fp8(const Tensor& q_idx, const Tensor& k_idx, const IndexTopkParams& base, cudaStream_t stream) {
+bool select_blocks_fp8(const Tensor& q_idx, const Tensor& k_idx, const SeqMap& seqs, int64_t max_seqlen, int64_t topk,
+                       int64_t block_size, double index_scale, const Tensor& indices) {
 #ifdef MSA_WITH_SM90
   if (!use_sm90_kernels() || q_idx.size(2) != 128) return false;
   const Tensor q = aligned_rows(q_idx, 1), k = aligned_rows(k_idx, 1);
-  IndexTopkParams p = base;
-  p.q_idx = q.data_ptr();
-  p.k_idx = k.data_ptr();
-  p.q_stride_t = q.stride(0), p.q_stride_h = q.stride(1), p.k_stride_t = k.stride(0), p.k_stride_h = k.stride(1);
-  const cudaError_t err = sm90::launch_index_topk_fp8<128>(p, stream);
+  IndexTopkParams p = index_params(q, k, seqs, max_seqlen, index_scale);
+  p.indices = ptr<int32_t>(indices);
+  p.topk = int(topk);
+  p.block_size = int(block_size);
+  const cudaError_t err = sm90::launch_index_topk_fp8<128>(p, current_stream(q));
   // No TMA descriptor for this k_idx, or an odd stride left (a size-1 dim's, which contig() keeps): nothing
   // launched, the widened inputs take it.
   if (err == cudaErrorNotSupported || err == cudaErrorInvalidValue) return false;
   MSA_LAUNCH_CHECK(err, "select_blocks (fp8)");
   return true;
 #else
-  (void)q_idx, (void)k_idx, (void)base, (void)stream;
+  (void)q_idx, (void)k_idx, (void)seqs, (void)max_seqlen, (void)topk, (void)block_size, (void)index_scale,
+      (void)indices;
   return false;
 #endif
 }
@@ -102,13 +104,7 @@ Tensor select_blocks_cuda(const Tensor& q_idx_in, const Tensor& k_idx_in, const 
   hp.mark("alloc");
   Tensor q_idx = q_idx_in, k_idx = k_idx_in;
   if (fp8) {
-    if (use_sm90_kernels() && Di == 128) {
-      IndexTopkParams p = index_params(q_idx, k_idx, seqs, max_seqlen, index_scale);
-      p.indices = ptr<int32_t>(indices);
-      p.topk = int(topk);
-      p.block_size = int(block_size);
-      if (select_blocks_fp8(q_idx, k_idx, p, current_stream(q_idx))) return indices;
-    }
+    if (select_blocks_fp8(q_idx, k_idx, seqs, max_seqlen, topk, block_size, index_scale, indices)) return indices;
     // FP8 inputs the Hopper FP8 kernel does not take (Di = 64, other GPUs, no TMA descriptor): widened to bf16
     // (exact), then as 16-bit inputs.
     q_idx = torch::stable::to(q_idx_in, kBFloat16);
