@@ -1,4 +1,5 @@
 """Input factories shared by the tests."""
+import functools
 import importlib.util
 import os
 import shutil
@@ -131,6 +132,18 @@ def load_file(path, name):
     mod = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(mod)
     return mod
+
+
+@functools.lru_cache(maxsize=None)
+def kernel_coverage():
+    """scripts/kernel_coverage.py as a module, loaded once (read-only: its parsers and VARIANTS)."""
+    return load_file(os.path.join(os.path.dirname(__file__), "..", "scripts", "kernel_coverage.py"), "kernel_coverage")
+
+
+def launched_kernel(name):
+    """(kernel, [template arguments]) of a launched kernel's demangled name (scripts/kernel_coverage.py's
+    parse_launched), e.g. ("index_topk_sm90_kernel", ["__nv_bfloat16", "64", "4", "false", "false", "true"])."""
+    return kernel_coverage().parse_launched(name)
 
 
 def find_nvcc():

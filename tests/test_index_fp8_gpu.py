@@ -11,7 +11,8 @@ import torch
 import msa
 from msa.bench import selection_recall
 from attention_check import assert_forward_close, assert_grads_close, reference_forward
-from helpers import cuda_kernel_names, fp8_rel_tol, make_inputs, make_packed, poison_allocator, sm90_kernels_run
+from helpers import (cuda_kernel_names, fp8_rel_tol, launched_kernel, make_inputs, make_packed, poison_allocator,
+                     sm90_kernels_run)
 from topk_check import assert_valid_topk
 
 pytestmark = [pytest.mark.gpu, pytest.mark.usefixtures("kernel_choice")]
@@ -126,7 +127,8 @@ def test_fp8_kernel_taken_on_hopper():
         pytest.skip("the Hopper kernels do not run here")
     _, _, _, qi, ki = make_inputs(1, 4096, (8, 2, 4, 1), 64, 128, dtype=torch.bfloat16, device="cuda", seed=1)
     names = cuda_kernel_names(lambda: msa.select_blocks(qi, ki, index_dtype=FP8))
-    assert any("index_topk_sm90_kernel<__nv_bfloat16, 64," in n and "false, false, true>" in n for n in names), names
+    want = ("index_topk_sm90_kernel", ["__nv_bfloat16", "64", "false", "false", "true"])  # T, D, kLse, kSel, kFp8
+    assert any((k, a[:2] + a[3:]) == want for k, a in map(launched_kernel, names)), names
 
 
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])

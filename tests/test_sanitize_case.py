@@ -7,18 +7,14 @@ from pathlib import Path
 
 import pytest
 
-from helpers import load_file, sm90_kernels_run
+from helpers import kernel_coverage, sm90_kernels_run
 
 ROOT = Path(__file__).resolve().parent.parent
 CASE = ROOT / "scripts" / "sanitize_case.py"
 
 
-def _coverage():
-    return load_file(ROOT / "scripts" / "kernel_coverage.py", "kernel_coverage")
-
-
 def test_global_kernels_parsed_with_their_template_parameters():
-    kernels = _coverage().global_kernels()
+    kernels = kernel_coverage().global_kernels()
     assert len(kernels) >= 20, sorted(kernels)
     assert kernels["out_pass_ws_kernel"] == ["T", "D", "kDsi"]
     assert kernels["sparse_fwd_kernel"] == ["Mma", "T", "D", "kOut", "kRows", "kGu", "kSmall"]
@@ -26,7 +22,7 @@ def test_global_kernels_parsed_with_their_template_parameters():
 
 
 def test_parse_launched_names():
-    cov = _coverage()
+    cov = kernel_coverage()
     assert cov.parse_launched("void msa::sm90::out_ws::out_pass_ws_kernel<__nv_bfloat16, 128, true>"
                               "(msa::SparseFwdParams, CUtensorMap_st)") == ("out_pass_ws_kernel",
                                                                            ["__nv_bfloat16", "128", "true"])
@@ -37,7 +33,7 @@ def test_parse_launched_names():
 
 
 def test_missing_names_the_gaps_and_no_stale_variants():
-    cov = _coverage()
+    cov = kernel_coverage()
     kernels = cov.global_kernels()
     gaps = cov.missing([])
     assert not [g for g in gaps if "stale" in g], gaps
@@ -75,4 +71,4 @@ def test_case_reaches_every_kernel_and_variant(tmp_path, monkeypatch):
     out = tmp_path / "kernels.txt"
     _run_case(tmp_path, "--kernels", str(out))
     names = [n for n in out.read_text().splitlines() if n]
-    assert _coverage().missing(names) == [], "\n".join(names)
+    assert kernel_coverage().missing(names) == [], "\n".join(names)

@@ -13,7 +13,7 @@ import torch
 
 from attention_check import assert_close_style, assert_forward_close, low_precision, reference_forward, run_ref
 from msa import reference as ref
-from helpers import cuda_kernel_names, make_packed, poison_allocator, sm90_kernels_run, suffix_packed
+from helpers import cuda_kernel_names, launched_kernel, make_packed, poison_allocator, sm90_kernels_run, suffix_packed
 
 pytestmark = pytest.mark.gpu
 ops = torch.ops.msa
@@ -83,7 +83,7 @@ def _kernels(fn):
 
 def _modes(name):
     """(kLse, kSel, kFp8) of an index_topk_sm90_kernel<T, D, WG, kLse, kSel, kFp8> launch name."""
-    args = name.replace(" ", "").split("<", 1)[1].split(">(", 1)[0].split(",")
+    _, args = launched_kernel(name)
     assert len(args) == 6, name  # the kernel's template changed: update this parser with it
     return tuple(a == "true" for a in args[3:])
 
