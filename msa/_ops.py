@@ -132,9 +132,9 @@ def fp8_copies_torch(q_idx, k_idx, cu_seqlens_k=None):
     without cu_seqlens_k. No host synchronisation (CUDA-graph safe)."""
     tiny = torch.finfo(torch.float32).tiny
 
-    def pow2_scale(amax):  # 2^s, the largest with amax 2^s <= 448 = 0.875 * 2^9 (frexp: exact on every device)
+    def pow2_scale(amax):  # 2^s, the largest with amax 2^s <= 16 = 0.5 * 2^5 (frexp: exact on every device)
         m, e = torch.frexp(amax.float().clamp_min(tiny))
-        s = torch.where(m <= 0.875, 9 - e, 8 - e).clamp(-126, 126)
+        s = torch.where(m <= 0.5, 5 - e, 4 - e).clamp(-126, 126)
         return torch.ldexp(torch.ones_like(m), s)
 
     def rounded(x, scale):  # x * 2^s is exact in bf16 / fp32 / fp64 (fp16's range is too small: fp32 then)

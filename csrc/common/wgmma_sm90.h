@@ -32,6 +32,11 @@ __device__ __forceinline__ void fence_regs(float (&r)[N]) {
 #pragma unroll
   for (int i = 0; i < N; ++i) asm volatile("" : "+f"(r[i])::"memory");
 }
+template <int N>
+__device__ __forceinline__ void fence_regs(uint32_t (&r)[N]) {
+#pragma unroll
+  for (int i = 0; i < N; ++i) asm volatile("" : "+r"(r[i])::"memory");
+}
 // mbarrier (shared memory, 8 bytes) and TMA tensor loads, for a CTA without clusters.
 __device__ __forceinline__ void mbar_init(uint64_t* bar, int count) {
   asm volatile("mbarrier.init.shared::cta.b64 [%0], %1;\n" ::"r"(static_cast<uint32_t>(__cvta_generic_to_shared(bar))),
@@ -247,6 +252,21 @@ struct WgmmaRSE4m3N128 {
                  "wgmma.mma_async.sync.aligned.m64n128k32.f32.e4m3.e4m3 "
                  "{" MSA_WGMMA_D_64 "}, {%64,%65,%66,%67}, %68, p, 1, 1;\n}\n"
                  : MSA_WGMMA_ACC_64 : MSA_WGMMA_ARGS);
+  }
+};
+// The same with f16 accumulators (64 x 128 f16: 32 registers, each two adjacent columns of one row, the fp32
+// form's c[2 i], c[2 i + 1] as its register i). The caller keeps every partial sum within f16's range.
+struct WgmmaRSE4m3N128F16 {
+  __device__ __forceinline__ static void run(uint32_t (&d)[32], const uint32_t (&a)[4], uint64_t desc_b, bool accumulate) {
+    asm volatile("{\n.reg .pred p;\nsetp.ne.b32 p, %37, 0;\n"
+                 "wgmma.mma_async.sync.aligned.m64n128k32.f16.e4m3.e4m3 "
+                 "{" MSA_WGMMA_D_32 "}, {%32,%33,%34,%35}, %36, p, 1, 1;\n}\n"
+                 : "+r"(d[0]), "+r"(d[1]), "+r"(d[2]), "+r"(d[3]), "+r"(d[4]), "+r"(d[5]), "+r"(d[6]), "+r"(d[7]),
+                   "+r"(d[8]), "+r"(d[9]), "+r"(d[10]), "+r"(d[11]), "+r"(d[12]), "+r"(d[13]), "+r"(d[14]),
+                   "+r"(d[15]), "+r"(d[16]), "+r"(d[17]), "+r"(d[18]), "+r"(d[19]), "+r"(d[20]), "+r"(d[21]),
+                   "+r"(d[22]), "+r"(d[23]), "+r"(d[24]), "+r"(d[25]), "+r"(d[26]), "+r"(d[27]), "+r"(d[28]),
+                   "+r"(d[29]), "+r"(d[30]), "+r"(d[31])
+                 : MSA_WGMMA_ARGS);
   }
 };
 #undef MSA_WGMMA_ARGS

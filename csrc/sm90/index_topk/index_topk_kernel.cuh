@@ -37,6 +37,7 @@
 #pragma once
 #include <cuda.h>  // CUtensorMap (types only: the encoder is reached through the runtime)
 #include <cudaTypedefs.h>
+#include <cuda_fp16.h>
 #include <cuda_runtime.h>
 
 #include <algorithm>
@@ -238,6 +239,11 @@ __global__ void __launch_bounds__(IndexTopkShape<WG>::kThreads, 1)
   float c[S::kKeys / 2];
 #pragma unroll
   for (int e = 0; e < S::kKeys / 2; ++e) c[e] = 0.f;
+  // kFp8: the scores in f16 (register i = the fp32 form's c[2 i], c[2 i + 1]); the copies' scales keep every
+  // partial sum within f16's range (fp8_copies: |value| <= 16 each, so |sum| <= Di 256).
+  uint32_t c16[kFp8 ? S::kKeys / 4 : 1];
+#pragma unroll
+  for (int e = 0; e < (kFp8 ? S::kKeys / 4 : 1); ++e) c16[e] = 0u;
   for (int it = 0; it < total; ++it) {
     // Thread 0 refills the stage of sub-tile it - 1 with it + kStages - 1 once every warp has released
     // it - 1 (use (it - 1) / kStages of that stage's empty barrier); then every warp waits for
@@ -253,14 +259,18 @@ __global__ void __launch_bounds__(IndexTopkShape<WG>::kThreads, 1)
 #pragma unroll
     for (int ks = 0; ks < D / 16; ++ks) {
       if constexpr (kFp8) {
-        WgmmaRSE4m3N128::run(c, a[ks], KTile::desc(k_addr, ks), ks > 0);
+        WgmmaRSE4m3N128F16::run(c16, a[ks], KTile::desc(k_addr, ks), ks > 0);
       } else {
         WgmmaRS<T, S::kKeys>::run(c, a[ks], KTile::desc(k_addr, ks), ks > 0);
       }
     }
     wgmma_commit();
     wgmma_wait<0>();
-    fence_regs(c);  // no use of the scores moves above the wait
+    if constexpr (kFp8) {
+      fence_regs(c16);
+    } else {
+      fence_regs(c);  // no use of the scores moves above the wait
+    }
     if (lane == 0) mbar_arrive(empty + it % S::kStages);  // this warp is done reading the stage
     if constexpr (kLse) {
       if ((it + 1) * S::kKeys - 1 <= pos0) {  // every row sees every key of the sub-tile
@@ -275,14 +285,25 @@ __global__ void __launch_bounds__(IndexTopkShape<WG>::kThreads, 1)
       for (int h = 0; h < 2; ++h) {
 #pragma unroll
         for (int r = 0; r < 2; ++r) {  // a pairwise tree over the 16 values (short dependency chains)
-          float t[8];
+          if constexpr (kFp8) {  // 8 pairs: 7 paired maxima, then the pair's two halves
+            __half2 t[8];
 #pragma unroll
-          for (int j = 0; j < 8; ++j) t[j] = fmaxf(c[4 * (8 * h + j) + 2 * r], c[4 * (8 * h + j) + 2 * r + 1]);
+            for (int j = 0; j < 8; ++j) t[j] = *reinterpret_cast<const __half2*>(&c16[2 * (8 * h + j) + r]);
 #pragma unroll
-          for (int w = 4; w >= 1; w /= 2)
+            for (int w = 4; w >= 1; w /= 2)
 #pragma unroll
-            for (int j = 0; j < w; ++j) t[j] = fmaxf(t[j], t[j + w]);
-          m[h][r] = t[0];
+              for (int j = 0; j < w; ++j) t[j] = __hmax2(t[j], t[j + w]);
+            m[h][r] = fmaxf(__low2float(t[0]), __high2float(t[0]));
+          } else {
+            float t[8];
+#pragma unroll
+            for (int j = 0; j < 8; ++j) t[j] = fmaxf(c[4 * (8 * h + j) + 2 * r], c[4 * (8 * h + j) + 2 * r + 1]);
+#pragma unroll
+            for (int w = 4; w >= 1; w /= 2)
+#pragma unroll
+              for (int j = 0; j < w; ++j) t[j] = fmaxf(t[j], t[j + w]);
+            m[h][r] = t[0];
+          }
         }
       }
       if (nb == 1) {

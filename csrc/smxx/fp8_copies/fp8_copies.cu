@@ -27,12 +27,13 @@ __device__ __forceinline__ void load_row(const T* row, int lane, float (&v)[kPer
   for (int i = 0; i < kPer; ++i) v[i] = to_float(row[lane * kPer + i]);
 }
 
-// 2^s for the largest s with amax 2^s <= 448 = 0.875 2^9, s clamped to [-126, 126], amax raised to the smallest
-// normal float first (zero rows): torch.frexp's (m, e) with m in [0.5, 1).
+// 2^s for the largest s with amax 2^s <= 16 = 0.5 2^5 (so that a Di <= 128 dot product of two copies, and each of
+// its partial sums, stays within f16's 65504: the Hopper FP8 top-k accumulates in f16), s clamped to [-126, 126],
+// amax raised to the smallest normal float first (zero rows): torch.frexp's (m, e) with m in [0.5, 1).
 __device__ __forceinline__ float pow2_scale(float amax) {
   int e;
   const float m = frexpf(fmaxf(amax, 1.17549435e-38f), &e);
-  const int s = min(max(m <= 0.875f ? 9 - e : 8 - e, -126), 126);
+  const int s = min(max(m <= 0.5f ? 5 - e : 4 - e, -126), 126);
   return ldexpf(1.f, s);
 }
 
