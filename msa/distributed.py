@@ -299,7 +299,7 @@ def msa_attention_cp(q, k, v, q_idx, k_idx, *, group=None, layout="zigzag", mode
     way in its loss (the backward runs collectives too). check_ranks: first compare the shapes and options
     of every rank (one small all-reduce and a read back; pass False inside CUDA graphs or compiled steps).
     index_dtype: as in `msa_attention`. Each rank scales the keys it holds (a prefix of each sequence) by their own
-    power of two: values within e4m3's normal range of it round as on one GPU, smaller ones (subnormal, about 2^-14
+    power of two: values within e4m3's normal range of it round as on one GPU, smaller ones (subnormal, about 2^-10
     of the prefix's largest) may round differently, so a few near-tie selections may differ from one GPU's.
     """
     _index_dtype(index_dtype)

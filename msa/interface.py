@@ -260,12 +260,13 @@ def _index_dtype(value):
 def fp8_index_copies(q_idx, k_idx, cu_seqlens_k=None):
     """The e4m3 copies of (q_idx, k_idx) that the selection scores with index_dtype=torch.float8_e4m3fn (SPEC 2):
     each value times a power of two, rounded to nearest. The scale of a q_idx (token, head) row is the largest power
-    of two that keeps the row's largest |value| within e4m3's 448; that of k_idx is the same per (sequence, head):
+    of two that keeps the row's largest |value| within 16 (so that a Di <= 128 dot product of two copies stays within
+    f16's range: the Hopper FP8 top-k accumulates in f16); that of k_idx is the same per (sequence, head):
     (B, N, H, Di) per batch element, packed (T, H, Di) per sequence of `cu_seqlens_k`, (T, H, Di) without it as one
     sequence. A row's order of blocks depends on neither scale (the keys it compares share one), and rounding
     commutes with them: each value keeps e4m3's 4 significant bits, rounded to nearest, whatever the power of two,
-    except those that scale below e4m3's normal range (2^-6; about 2^-14 of their row's / head's largest: subnormal,
-    about 2^-18: zero). So one sequence's copies do not depend on the others of the batch; an outlier key does
+    except those that scale below e4m3's normal range (2^-6; about 2^-10 of their row's / head's largest: subnormal,
+    about 2^-14: zero). So one sequence's copies do not depend on the others of the batch; an outlier key does
     coarsen its own sequence's small keys. Zero rows stay zero. One opaque op (msa::fp8_index_copies), no host
     synchronisation."""
     _check_tensor("q_idx", q_idx, q_idx.dim(), "(..., H, Di)")

@@ -112,9 +112,10 @@ def sm90_kernels_run():
 
 
 def fp8_rel_tol(di):
-    """The near-tie tolerance of the FP8 selection: Hopper's FP8 tensor cores accumulate with fewer bits than fp32
-    (about 14 kept in each step's alignment), so scores within ~1e-3 of each other may swap (first H100 run: 33 of
-    96000 rows beyond 1e-5); the widened bf16 path accumulates in fp32 (SPEC 2's 1e-5)."""
+    """The near-tie tolerance of the FP8 selection: the Hopper FP8 top-k accumulates in f16 (11 significant bits;
+    before s66 in fp32 accumulators, whose tensor-core adds keep about 14: 33 of 96000 rows beyond 1e-5 on the first
+    H100 run, none beyond 2e-3), so scores within ~1e-3 of each other may swap; the widened bf16 path accumulates in
+    fp32 (SPEC 2's 1e-5)."""
     return 2e-3 if di == 128 and sm90_kernels_run() else 1e-5
 
 

@@ -33,7 +33,9 @@
 // kFp8 = true (the top-k only: select_blocks on FP8 inputs, SPEC 2 with index_dtype): q_idx and k_idx hold e4m3
 // bytes. Everything but the MMA moves them as 16-bit elements (T = bf16 storage, D = Di / 2: the gather, the TMA
 // boxes, the swizzled tiles and ldmatrix see the same bytes), and each k-step of D / 16 is one m64n128k32 e4m3
-// wgmma (twice the bf16 rate) over those 32 bytes. A negative scale flips the sign bit of every byte.
+// wgmma (twice the bf16 rate) over those 32 bytes, into f16 accumulators (32 registers, not 64; the row max on
+// paired f16 maxima, half the instructions). The copies keep |value| <= 16 (smxx/fp8_copies), so no sum of Di <= 128
+// products passes 32768, within f16's 65504. A negative scale flips the sign bit of every byte.
 #pragma once
 #include <cuda.h>  // CUtensorMap (types only: the encoder is reached through the runtime)
 #include <cudaTypedefs.h>
