@@ -35,7 +35,8 @@
 // boxes, the swizzled tiles and ldmatrix see the same bytes), and each k-step of D / 16 is one m64n128k32 e4m3
 // wgmma (twice the bf16 rate) over those 32 bytes, into f16 accumulators (32 registers, not 64; the row max on
 // paired f16 maxima, half the instructions). The copies keep |value| <= 16 (smxx/fp8_copies), so no sum of Di <= 128
-// products passes 32768, within f16's 65504. A negative scale flips the sign bit of every byte.
+// products passes 32768, within f16's 65504. With two accumulator sets the sub-tiles go in pairs, the second's MMA
+// under the first's epilogue (benchmarks/NOTES.md s66). A negative scale flips the sign bit of every byte.
 #pragma once
 #include <cuda.h>  // CUtensorMap (types only: the encoder is reached through the runtime)
 #include <cudaTypedefs.h>
@@ -155,6 +156,26 @@ __device__ __forceinline__ void block_sums(const float (&c)[64], const float (&m
   }
 }
 
+// kFp8, one 128-key sub-tile's f16 scores (register i = columns 2 i, 2 i + 1 of the fp32 layout's c[4 j + 2 r + e]):
+// the row max of each 64-key half, m[h][0] for row g, m[h][1] for row g + 8 (8 pairs each: 7 paired maxima, then the
+// pair's two halves).
+__device__ __forceinline__ void row_max_f16(const uint32_t (&c16)[32], float (&m)[2][2]) {
+#pragma unroll
+  for (int h = 0; h < 2; ++h) {
+#pragma unroll
+    for (int r = 0; r < 2; ++r) {
+      __half2 t[8];
+#pragma unroll
+      for (int j = 0; j < 8; ++j) t[j] = *reinterpret_cast<const __half2*>(&c16[2 * (8 * h + j) + r]);
+#pragma unroll
+      for (int w = 4; w >= 1; w /= 2)
+#pragma unroll
+        for (int j = 0; j < w; ++j) t[j] = __hmax2(t[j], t[j + w]);
+      m[h][r] = fmaxf(__low2float(t[0]), __high2float(t[0]));
+    }
+  }
+}
+
 template <typename T, int D, int WG, bool kLse, bool kSel = false, bool kFp8 = false>
 __global__ void __launch_bounds__(IndexTopkShape<WG>::kThreads, 1)
     index_topk_sm90_kernel(const IndexTopkParams p, const __grid_constant__ CUtensorMap k_map) {
@@ -238,76 +259,29 @@ __global__ void __launch_bounds__(IndexTopkShape<WG>::kThreads, 1)
   float run_m[2] = {kNegInf, kNegInf}, run_l[2] = {0.f, 0.f};
   const int pos_r[2] = {pos0 + (warp * 16 + g) / hr, pos0 + (warp * 16 + g + 8) / hr};
 
-  float c[S::kKeys / 2];
+  if constexpr (kFp8) {
+    // The scores in f16 (the copies' scales keep every partial sum within f16's range: fp8_copies, |value| <= 16
+    // each, so |sum| <= Di 256), two accumulator sets: sub-tiles in pairs, the second's MMA in flight while the
+    // warpgroup takes the first's row maxima and offers them. At the top of a pair nothing is in flight (ptxas
+    // serialises every wgmma of the kernel when one is in flight across a loop back-edge or an mbarrier wait loop,
+    // C7514, s63): thread 0 first refills the stages of the last pair with it + 2, it + 3.
+    static_assert(S::kStages == 4, "two pairs of sub-tiles in the ring: this one and the next");
+    uint32_t c0[S::kKeys / 4], c1[S::kKeys / 4];
 #pragma unroll
-  for (int e = 0; e < S::kKeys / 2; ++e) c[e] = 0.f;
-  // kFp8: the scores in f16 (register i = the fp32 form's c[2 i], c[2 i + 1]); the copies' scales keep every
-  // partial sum within f16's range (fp8_copies: |value| <= 16 each, so |sum| <= Di 256).
-  uint32_t c16[kFp8 ? S::kKeys / 4 : 1];
+    for (int e = 0; e < S::kKeys / 4; ++e) c0[e] = c1[e] = 0u;
+    auto mma = [&](uint32_t (&acc)[S::kKeys / 4], int it) {
+      const uint32_t k_addr = sm80::smem_addr(sK + (it % S::kStages) * S::kKeys * D);
+      fence_regs(acc);
+      wgmma_fence();
 #pragma unroll
-  for (int e = 0; e < (kFp8 ? S::kKeys / 4 : 1); ++e) c16[e] = 0u;
-  for (int it = 0; it < total; ++it) {
-    // Thread 0 refills the stage of sub-tile it - 1 with it + kStages - 1 once every warp has released
-    // it - 1 (use (it - 1) / kStages of that stage's empty barrier); then every warp waits for
-    // sub-tile it (use it / kStages of its stage's full barrier).
-    if (tid == 0 && it + S::kStages - 1 < total) {
-      const int next = it + S::kStages - 1, stage = next % S::kStages;
-      if (it >= 1) mbar_wait(empty + stage, ((it - 1) / S::kStages) & 1);
-      load_k(next, stage);
-    }
-    mbar_wait(full + it % S::kStages, (it / S::kStages) & 1);
-    const uint32_t k_addr = sm80::smem_addr(sK + (it % S::kStages) * S::kKeys * D);
-    wgmma_fence();
-#pragma unroll
-    for (int ks = 0; ks < D / 16; ++ks) {
-      if constexpr (kFp8) {
-        WgmmaRSE4m3N128F16::run(c16, a[ks], KTile::desc(k_addr, ks), ks > 0);
-      } else {
-        WgmmaRS<T, S::kKeys>::run(c, a[ks], KTile::desc(k_addr, ks), ks > 0);
-      }
-    }
-    wgmma_commit();
-    wgmma_wait<0>();
-    if constexpr (kFp8) {
-      fence_regs(c16);
-    } else {
-      fence_regs(c);  // no use of the scores moves above the wait
-    }
-    if (lane == 0) mbar_arrive(empty + it % S::kStages);  // this warp is done reading the stage
-    if constexpr (kLse) {
-      if ((it + 1) * S::kKeys - 1 <= pos0) {  // every row sees every key of the sub-tile
-        lse_tile_update<false>(c, run_m, run_l, sl2, it * S::kKeys + 2 * tq, pos_r);
-      } else {
-        lse_tile_update<true>(c, run_m, run_l, sl2, it * S::kKeys + 2 * tq, pos_r);
-      }
-    } else {
-      // Row max of each 64-key half: m[h][0] for row g, m[h][1] for row g + 8 (8-column slices 8h..8h+7).
+      for (int ks = 0; ks < D / 16; ++ks) WgmmaRSE4m3N128F16::run(acc, a[ks], KTile::desc(k_addr, ks), ks > 0);
+      wgmma_commit();
+      fence_regs(acc);
+    };
+    auto offer = [&](const uint32_t (&acc)[S::kKeys / 4], int it) {
+      if (lane == 0) mbar_arrive(empty + it % S::kStages);  // this warp is done reading the stage
       float m[2][2];
-#pragma unroll
-      for (int h = 0; h < 2; ++h) {
-#pragma unroll
-        for (int r = 0; r < 2; ++r) {  // a pairwise tree over the 16 values (short dependency chains)
-          if constexpr (kFp8) {  // 8 pairs: 7 paired maxima, then the pair's two halves
-            __half2 t[8];
-#pragma unroll
-            for (int j = 0; j < 8; ++j) t[j] = *reinterpret_cast<const __half2*>(&c16[2 * (8 * h + j) + r]);
-#pragma unroll
-            for (int w = 4; w >= 1; w /= 2)
-#pragma unroll
-              for (int j = 0; j < w; ++j) t[j] = __hmax2(t[j], t[j + w]);
-            m[h][r] = fmaxf(__low2float(t[0]), __high2float(t[0]));
-          } else {
-            float t[8];
-#pragma unroll
-            for (int j = 0; j < 8; ++j) t[j] = fmaxf(c[4 * (8 * h + j) + 2 * r], c[4 * (8 * h + j) + 2 * r + 1]);
-#pragma unroll
-            for (int w = 4; w >= 1; w /= 2)
-#pragma unroll
-              for (int j = 0; j < w; ++j) t[j] = fmaxf(t[j], t[j + w]);
-            m[h][r] = t[0];
-          }
-        }
-      }
+      row_max_f16(acc, m);
       if (nb == 1) {
         m[0][0] = fmaxf(m[0][0], m[1][0]);
         m[0][1] = fmaxf(m[0][1], m[1][1]);
@@ -321,33 +295,127 @@ __global__ void __launch_bounds__(IndexTopkShape<WG>::kThreads, 1)
             m[h][1] = fmaxf(m[h][1], __shfl_xor_sync(0xffffffffu, m[h][1], off));
           }
           const float s = abs_scale * ((tq & 1) ? m[h][1] : m[h][0]);
-          const int b = it * nb + h;  // blocks are offered in ascending order
-          const bool take = owner && b < my_local && s > thr;
-          if constexpr (kSel) {
-            if (__any_sync(0xffffffffu, take)) {  // warp-uniform: the quad's lanes sum together
-              float l[2];
-              if (nb == 1) {
-                block_sums<0, 16>(c, m[0], sl2, l);
-              } else if (h == 0) {  // two blocks of 64 keys: columns 0..63, then 64..127
-                block_sums<0, 8>(c, m[0], sl2, l);
-              } else {
-                block_sums<8, 8>(c, m[1], sl2, l);
-              }
-              if (take) thr = heap.replace_root(s, b, (tq & 1) ? l[1] : l[0]);
+          const int b = it * nb + h;
+          if (owner && b < my_local && s > thr) thr = heap.replace_root(s, b);
+        }
+      }
+    };
+    for (int it = 0; it < total; it += 2) {
+      if (tid == 0) {
+#pragma unroll
+        for (int nx = it + 2; nx <= it + 3; ++nx) {
+          if (nx >= S::kStages - 1 && nx < total) {  // the prologue loaded 0 .. kStages - 2
+            if (nx >= S::kStages) mbar_wait(empty + nx % S::kStages, ((nx - S::kStages) / S::kStages) & 1);
+            load_k(nx, nx % S::kStages);
+          }
+        }
+      }
+      const bool two = it + 1 < total;  // warp-uniform
+      mbar_wait(full + it % S::kStages, (it / S::kStages) & 1);
+      if (two) mbar_wait(full + (it + 1) % S::kStages, ((it + 1) / S::kStages) & 1);
+      mma(c0, it);
+      if (two) {
+        mma(c1, it + 1);
+        wgmma_wait<1>();
+      } else {
+        wgmma_wait<0>();
+      }
+      fence_regs(c0);
+      offer(c0, it);
+      if (two) {
+        wgmma_wait<0>();
+        fence_regs(c1);
+        offer(c1, it + 1);
+      }
+    }
+    __syncthreads();
+    write_index_row<false>(p, tl, sScore, sBlock, tid, nullptr);
+  } else {
+    float c[S::kKeys / 2];
+#pragma unroll
+    for (int e = 0; e < S::kKeys / 2; ++e) c[e] = 0.f;
+    for (int it = 0; it < total; ++it) {
+      // Thread 0 refills the stage of sub-tile it - 1 with it + kStages - 1 once every warp has released
+      // it - 1 (use (it - 1) / kStages of that stage's empty barrier); then every warp waits for
+      // sub-tile it (use it / kStages of its stage's full barrier).
+      if (tid == 0 && it + S::kStages - 1 < total) {
+        const int next = it + S::kStages - 1, stage = next % S::kStages;
+        if (it >= 1) mbar_wait(empty + stage, ((it - 1) / S::kStages) & 1);
+        load_k(next, stage);
+      }
+      mbar_wait(full + it % S::kStages, (it / S::kStages) & 1);
+      const uint32_t k_addr = sm80::smem_addr(sK + (it % S::kStages) * S::kKeys * D);
+      wgmma_fence();
+#pragma unroll
+      for (int ks = 0; ks < D / 16; ++ks) WgmmaRS<T, S::kKeys>::run(c, a[ks], KTile::desc(k_addr, ks), ks > 0);
+      wgmma_commit();
+      wgmma_wait<0>();
+      fence_regs(c);  // no use of the scores moves above the wait
+      if (lane == 0) mbar_arrive(empty + it % S::kStages);  // this warp is done reading the stage
+      if constexpr (kLse) {
+        if ((it + 1) * S::kKeys - 1 <= pos0) {  // every row sees every key of the sub-tile
+          lse_tile_update<false>(c, run_m, run_l, sl2, it * S::kKeys + 2 * tq, pos_r);
+        } else {
+          lse_tile_update<true>(c, run_m, run_l, sl2, it * S::kKeys + 2 * tq, pos_r);
+        }
+      } else {
+        // Row max of each 64-key half: m[h][0] for row g, m[h][1] for row g + 8 (8-column slices 8h..8h+7).
+        float m[2][2];
+#pragma unroll
+        for (int h = 0; h < 2; ++h) {
+#pragma unroll
+          for (int r = 0; r < 2; ++r) {  // a pairwise tree over the 16 values (short dependency chains)
+            float t[8];
+#pragma unroll
+            for (int j = 0; j < 8; ++j) t[j] = fmaxf(c[4 * (8 * h + j) + 2 * r], c[4 * (8 * h + j) + 2 * r + 1]);
+#pragma unroll
+            for (int w = 4; w >= 1; w /= 2)
+#pragma unroll
+              for (int j = 0; j < w; ++j) t[j] = fmaxf(t[j], t[j + w]);
+            m[h][r] = t[0];
+          }
+        }
+        if (nb == 1) {
+          m[0][0] = fmaxf(m[0][0], m[1][0]);
+          m[0][1] = fmaxf(m[0][1], m[1][1]);
+        }
+#pragma unroll
+        for (int h = 0; h < 2; ++h) {
+          if (h < nb) {  // warp-uniform
+#pragma unroll
+            for (int off = 1; off <= 2; off <<= 1) {
+              m[h][0] = fmaxf(m[h][0], __shfl_xor_sync(0xffffffffu, m[h][0], off));
+              m[h][1] = fmaxf(m[h][1], __shfl_xor_sync(0xffffffffu, m[h][1], off));
             }
-          } else {
-            if (take) thr = heap.replace_root(s, b);
+            const float s = abs_scale * ((tq & 1) ? m[h][1] : m[h][0]);
+            const int b = it * nb + h;  // blocks are offered in ascending order
+            const bool take = owner && b < my_local && s > thr;
+            if constexpr (kSel) {
+              if (__any_sync(0xffffffffu, take)) {  // warp-uniform: the quad's lanes sum together
+                float l[2];
+                if (nb == 1) {
+                  block_sums<0, 16>(c, m[0], sl2, l);
+                } else if (h == 0) {  // two blocks of 64 keys: columns 0..63, then 64..127
+                  block_sums<0, 8>(c, m[0], sl2, l);
+                } else {
+                  block_sums<8, 8>(c, m[1], sl2, l);
+                }
+                if (take) thr = heap.replace_root(s, b, (tq & 1) ? l[1] : l[0]);
+              }
+            } else {
+              if (take) thr = heap.replace_root(s, b);
+            }
           }
         }
       }
     }
-  }
 
-  if constexpr (kLse) {
-    lse_write_rows(p, tl, run_m, run_l, warp * 16 + g, lane);
-  } else {
-    __syncthreads();
-    write_index_row<kSel>(p, tl, sScore, sBlock, tid, sSum);
+    if constexpr (kLse) {
+      lse_write_rows(p, tl, run_m, run_l, warp * 16 + g, lane);
+    } else {
+      __syncthreads();
+      write_index_row<kSel>(p, tl, sScore, sBlock, tid, sSum);
+    }
   }
 }
 
