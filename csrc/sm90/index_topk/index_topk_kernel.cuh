@@ -156,6 +156,25 @@ __device__ __forceinline__ void block_sums(const float (&c)[64], const float (&m
   }
 }
 
+// A sub-tile's row maxima per 64-key half (m[h][r], rows g and g + 8): one 128-key block (nb == 1) takes both halves.
+__device__ __forceinline__ void merge_halves(float (&m)[2][2], int nb) {
+  if (nb == 1) {
+    m[0][0] = fmaxf(m[0][0], m[1][0]);
+    m[0][1] = fmaxf(m[0][1], m[1][1]);
+  }
+}
+
+// One block's maxima (mh: this thread's of rows g, g + 8) over the quad's four lanes, in place; returns the score of
+// the row this lane keeps (tq & 1), times |scale|.
+__device__ __forceinline__ float quad_block_score(float (&mh)[2], float abs_scale, int tq) {
+#pragma unroll
+  for (int off = 1; off <= 2; off <<= 1) {
+    mh[0] = fmaxf(mh[0], __shfl_xor_sync(0xffffffffu, mh[0], off));
+    mh[1] = fmaxf(mh[1], __shfl_xor_sync(0xffffffffu, mh[1], off));
+  }
+  return abs_scale * ((tq & 1) ? mh[1] : mh[0]);
+}
+
 // kFp8, one 128-key sub-tile's f16 scores (register i = columns 2 i, 2 i + 1 of the fp32 layout's c[4 j + 2 r + e]):
 // the row max of each 64-key half, m[h][0] for row g, m[h][1] for row g + 8 (8 pairs each: 7 paired maxima, then the
 // pair's two halves).
@@ -282,19 +301,11 @@ __global__ void __launch_bounds__(IndexTopkShape<WG>::kThreads, 1)
       if (lane == 0) mbar_arrive(empty + it % S::kStages);  // this warp is done reading the stage
       float m[2][2];
       row_max_f16(acc, m);
-      if (nb == 1) {
-        m[0][0] = fmaxf(m[0][0], m[1][0]);
-        m[0][1] = fmaxf(m[0][1], m[1][1]);
-      }
+      merge_halves(m, nb);
 #pragma unroll
       for (int h = 0; h < 2; ++h) {
         if (h < nb) {  // warp-uniform
-#pragma unroll
-          for (int off = 1; off <= 2; off <<= 1) {
-            m[h][0] = fmaxf(m[h][0], __shfl_xor_sync(0xffffffffu, m[h][0], off));
-            m[h][1] = fmaxf(m[h][1], __shfl_xor_sync(0xffffffffu, m[h][1], off));
-          }
-          const float s = abs_scale * ((tq & 1) ? m[h][1] : m[h][0]);
+          const float s = quad_block_score(m[h], abs_scale, tq);
           const int b = it * nb + h;
           if (owner && b < my_local && s > thr) thr = heap.replace_root(s, b);
         }
@@ -375,19 +386,11 @@ __global__ void __launch_bounds__(IndexTopkShape<WG>::kThreads, 1)
             m[h][r] = t[0];
           }
         }
-        if (nb == 1) {
-          m[0][0] = fmaxf(m[0][0], m[1][0]);
-          m[0][1] = fmaxf(m[0][1], m[1][1]);
-        }
+        merge_halves(m, nb);
 #pragma unroll
         for (int h = 0; h < 2; ++h) {
           if (h < nb) {  // warp-uniform
-#pragma unroll
-            for (int off = 1; off <= 2; off <<= 1) {
-              m[h][0] = fmaxf(m[h][0], __shfl_xor_sync(0xffffffffu, m[h][0], off));
-              m[h][1] = fmaxf(m[h][1], __shfl_xor_sync(0xffffffffu, m[h][1], off));
-            }
-            const float s = abs_scale * ((tq & 1) ? m[h][1] : m[h][0]);
+            const float s = quad_block_score(m[h], abs_scale, tq);
             const int b = it * nb + h;  // blocks are offered in ascending order
             const bool take = owner && b < my_local && s > thr;
             if constexpr (kSel) {
