@@ -91,6 +91,11 @@ __global__ void head_amax_kernel(const Fp8CopyArgs k, const Fp8KeySeqs seqs, flo
   int64_t end = seq_end(s);
   const T* x = static_cast<const T*>(k.x) + h * k.stride_h;
   float m = 0.f;
+  // The warp's maximum of its rows of sequence s into amax (lane 0; non-negative floats order as their bits).
+  auto flush = [&] {
+    const float wm = warp_max(m);
+    if (lane == 0) atomicMax(reinterpret_cast<unsigned*>(amax) + int64_t(s) * k.heads + h, __float_as_uint(wm));
+  };
   for (int64_t tb = t0; tb < t1; tb += kBatch) {  // t is warp-uniform: so are the flushes
     float v[kBatch][kPer];  // kBatch rows' loads in flight before the first flush
 #pragma unroll
@@ -102,8 +107,7 @@ __global__ void head_amax_kernel(const Fp8CopyArgs k, const Fp8KeySeqs seqs, flo
       const int64_t t = tb + u;
       if (t >= t1) break;
       if (t >= end) {
-        const float wm = warp_max(m);
-        if (lane == 0) atomicMax(reinterpret_cast<unsigned*>(amax) + int64_t(s) * k.heads + h, __float_as_uint(wm));
+        flush();
         m = 0.f;
         while (t >= end) end = seq_end(++s);  // empty sequences between
       }
@@ -111,8 +115,7 @@ __global__ void head_amax_kernel(const Fp8CopyArgs k, const Fp8KeySeqs seqs, flo
       for (int i = 0; i < kPer; ++i) m = fmaxf(m, fabsf(v[u][i]));
     }
   }
-  const float wm = warp_max(m);
-  if (lane == 0) atomicMax(reinterpret_cast<unsigned*>(amax) + int64_t(s) * k.heads + h, __float_as_uint(wm));
+  flush();
 }
 
 // Rows [0, q.rows * q.heads) are q's (their own scale), the next k.rows * k.heads are k's (their (sequence, head)'s).
