@@ -11,7 +11,8 @@
 
 STABLE_TORCH_LIBRARY(msa, m) {
   // SPEC 2: int32 (Hi, T, topk) selected blocks, ascending, -1 padded. q_idx, k_idx: bf16 / fp16, or both
-  // float8_e4m3fn (index_dtype: the FP8 top-k on Hopper at Di = 128, else the same values widened to bf16).
+  // float8_e4m3fn (index_dtype: the FP8 top-k on Hopper at Di = 128, else the same values widened to bf16), whose
+  // values must keep |x| <= 16 as msa.fp8_index_copies' do (the FP8 top-k sums in f16; not checked: a value range).
   m.def("select_blocks(Tensor q_idx, Tensor k_idx, Tensor? cu_seqlens, SymInt max_seqlen, int topk, "
         "int block_size, float index_scale, Tensor? cu_seqlens_k=None, SymInt? max_seqlen_k=None) -> Tensor");
   // The CUDA body of msa::fp8_index_copies (msa/_ops.py, index_dtype's e4m3 copies): q_idx (T, Hi, Di) per row,
@@ -28,8 +29,8 @@ STABLE_TORCH_LIBRARY(msa, m) {
   // the pass that computes kl also yields its gradient for d_kl = 1 (SPEC 4: kl is linear in d_kl):
   // kl_dq_idx (T, Hi, Di) and kl_dk_idx (T_k, Hki, Di) in fp32; without, both are empty (0,). kl_rows
   // (Hi, T) fp32 holds each row's KL term (kl is their mean). sel_q_idx / sel_k_idx: the selection's own inputs
-  // (SPEC 2 with index_dtype: float8_e4m3fn copies of q_idx / k_idx, or tensors of their dtype); the KL, lse_idx
-  // and the index gradients use q_idx / k_idx.
+  // (SPEC 2 with index_dtype: float8_e4m3fn copies of q_idx / k_idx with |x| <= 16 as select_blocks takes them,
+  // or tensors of their dtype); the KL, lse_idx and the index gradients use q_idx / k_idx.
   m.def("msa_fwd(Tensor q, Tensor k, Tensor v, Tensor q_idx, Tensor k_idx, Tensor? cu_seqlens, "
         "SymInt max_seqlen, int topk, int block_size, float softmax_scale, float index_scale, bool warmup, "
         "bool return_indices, bool index_grad, bool deterministic=False, Tensor? cu_seqlens_k=None, SymInt? max_seqlen_k=None, "

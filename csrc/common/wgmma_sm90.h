@@ -241,21 +241,13 @@ MSA_WGMMA_RS_ALL(__half, "f16", 1)
 #undef MSA_WGMMA_RS_ALL
 #undef MSA_WGMMA_RS
 
-// D (64 x 128, fp32) (+)= A (64 x 32 e4m3, registers) * B (32 x 128 e4m3, shared, K-major): wgmma m64n128k32 on
+// D (64 x 128, f16) (+)= A (64 x 32 e4m3, registers) * B (32 x 128 e4m3, shared, K-major): wgmma m64n128k32 on
 // FP8 (the index top-k's FP8 scores). A k-step spans 32 one-byte elements, the bytes of a 16-bit k-step: A's
 // fragment is what ldmatrix_x4 gives for 16 rows x 32 bytes (register i: rows g / g + 8, bytes 4 t .. 4 t + 3
 // and 16 + 4 t ..), and B's descriptor is KMajorSw128<R, K / 2>::desc of the bytes seen as 16-bit elements.
-// FP8 operands take no transpose flags (K-major only).
-struct WgmmaRSE4m3N128 {
-  __device__ __forceinline__ static void run(float (&d)[64], const uint32_t (&a)[4], uint64_t desc_b, bool accumulate) {
-    asm volatile("{\n.reg .pred p;\nsetp.ne.b32 p, %69, 0;\n"
-                 "wgmma.mma_async.sync.aligned.m64n128k32.f32.e4m3.e4m3 "
-                 "{" MSA_WGMMA_D_64 "}, {%64,%65,%66,%67}, %68, p, 1, 1;\n}\n"
-                 : MSA_WGMMA_ACC_64 : MSA_WGMMA_ARGS);
-  }
-};
-// The same with f16 accumulators (64 x 128 f16: 32 registers, each two adjacent columns of one row, the fp32
-// form's c[2 i], c[2 i + 1] as its register i). The caller keeps every partial sum within f16's range.
+// FP8 operands take no transpose flags (K-major only). f16 accumulators: 32 registers, register i two adjacent
+// columns of one row (an fp32 accumulator's c[2 i], c[2 i + 1]); the caller keeps every partial sum within f16's
+// range (the fp32 form, m64n128k32.f32.e4m3.e4m3, took the FP8 top-k's scores until s66).
 struct WgmmaRSE4m3N128F16 {
   __device__ __forceinline__ static void run(uint32_t (&d)[32], const uint32_t (&a)[4], uint64_t desc_b, bool accumulate) {
     asm volatile("{\n.reg .pred p;\nsetp.ne.b32 p, %37, 0;\n"
