@@ -78,6 +78,26 @@ def test_select_blocks_fp8_strided_and_scaled_inputs():
     assert torch.equal(msa.select_blocks(qi * 8, ki / 4, topk=8, block_size=128, index_dtype=FP8), base)
 
 
+def test_select_blocks_fp8_full_magnitude():
+    """Every value of the copies at the scale rule's bound (+-16: inputs of one power-of-two magnitude, random signs), so every score
+    is 256 (agreements - disagreements), up to 128 x 256 = 32768, where the Hopper kernel's f16 sums are still exact
+    (multiples of 256 within 2^15): the selection must rank as the fp32 reference does, ties aside (rel_tol 0).
+    Copies scaled to e4m3's 448 would overflow those sums (inf ties) and fail here."""
+    g = torch.Generator(device="cuda").manual_seed(23)
+    n, heads, Di = 1500, (8, 2, 4, 1), 128
+
+    def signs(*shape):
+        return (torch.randint(0, 2, shape, generator=g, device="cuda") * 2 - 1).to(torch.bfloat16)
+
+    qi, ki = 2 * signs(1, n, heads[2], Di), 0.5 * signs(1, n, heads[3], Di)
+    q8, k8 = msa.fp8_index_copies(packed(qi), packed(ki))
+    assert q8.float().abs().eq(16).all() and k8.float().abs().eq(16).all()
+    cu = torch.tensor([0, n], dtype=torch.int32, device="cuda")
+    got = msa.select_blocks(packed(qi), packed(ki), cu_seqlens=cu, max_seqlen=n, topk=8, block_size=128,
+                            index_scale=0.125, index_dtype=FP8)
+    assert_valid_topk(got, q8, k8, cu, 8, 128, 0.125, rel_tol=0.0)
+
+
 def test_select_blocks_fp8_recall():
     """The FP8 selection against the bf16 one on the bench's random inputs (normal q_idx, k_idx: near-uniform block
     scores, the hard case): most kept blocks agree. A looser selection would show here first."""
