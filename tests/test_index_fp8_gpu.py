@@ -79,10 +79,10 @@ def test_select_blocks_fp8_strided_and_scaled_inputs():
 
 
 def test_select_blocks_fp8_full_magnitude():
-    """Every value of the copies at the scale rule's bound (+-16: inputs of one power-of-two magnitude, random signs), so every score
-    is 256 (agreements - disagreements), up to 128 x 256 = 32768, where the Hopper kernel's f16 sums are still exact
-    (multiples of 256 within 2^15): the selection must rank as the fp32 reference does, ties aside (rel_tol 0).
-    Copies scaled to e4m3's 448 would overflow those sums (inf ties) and fail here."""
+    """Every value of the copies at the scale rule's bound (+-16: inputs of one power-of-two magnitude, random
+    signs), so every score is 256 (agreements - disagreements), up to 128 x 256 = 32768, where the Hopper kernel's f16
+    sums are still exact (multiples of 256 within 2^15): the selection must rank as the fp32 reference does, ties
+    aside (rel_tol 0). Copies scaled to e4m3's 448 would overflow those sums (inf ties) and fail here."""
     g = torch.Generator(device="cuda").manual_seed(23)
     n, heads, Di = 1500, (8, 2, 4, 1), 128
 
