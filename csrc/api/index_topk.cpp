@@ -46,6 +46,16 @@ IndexTopkParams index_params(const Tensor& q, const Tensor& k, const SeqMap& seq
 
 namespace {
 
+// The top-k's params: index_params, its output and the selection's sizes (both select_blocks kernels' launches).
+IndexTopkParams topk_params(const Tensor& q, const Tensor& k, const SeqMap& seqs, int64_t max_seqlen,
+                            double index_scale, const Tensor& indices, int64_t topk, int64_t block_size) {
+  IndexTopkParams p = index_params(q, k, seqs, max_seqlen, index_scale);
+  p.indices = ptr<int32_t>(indices);
+  p.topk = int(topk);
+  p.block_size = int(block_size);
+  return p;
+}
+
 // FP8 selection inputs (index_dtype, SPEC 2) on the Hopper FP8 top-k: Di = 128, rows 16-byte aligned (else a
 // contiguous copy), the plain top-k (no kept-block sums) into `indices`. False (nothing launched) where the kernel
 // does not apply; the caller then runs the 16-bit kernels on the inputs widened to bf16, which holds every e4m3 value
@@ -55,10 +65,7 @@ bool select_blocks_fp8(const Tensor& q_idx, const Tensor& k_idx, const SeqMap& s
 #ifdef MSA_WITH_SM90
   if (!use_sm90_kernels() || q_idx.size(2) != 128) return false;
   const Tensor q = aligned_rows(q_idx, 1), k = aligned_rows(k_idx, 1);
-  IndexTopkParams p = index_params(q, k, seqs, max_seqlen, index_scale);
-  p.indices = ptr<int32_t>(indices);
-  p.topk = int(topk);
-  p.block_size = int(block_size);
+  const IndexTopkParams p = topk_params(q, k, seqs, max_seqlen, index_scale, indices, topk, block_size);
   const cudaError_t err = sm90::launch_index_topk_fp8<128>(p, current_stream(q));
   // No TMA descriptor for this k_idx, or an odd stride left (a size-1 dim's, which contig() keeps): nothing
   // launched, the widened inputs take it.
@@ -111,10 +118,7 @@ Tensor select_blocks_cuda(const Tensor& q_idx_in, const Tensor& k_idx_in, const 
     k_idx = torch::stable::to(k_idx_in, kBFloat16);
   }
   const Tensor q = aligned_rows(q_idx), k = aligned_rows(k_idx);
-  IndexTopkParams p = index_params(q, k, seqs, max_seqlen, index_scale);
-  p.indices = ptr<int32_t>(indices);
-  p.topk = int(topk);
-  p.block_size = int(block_size);
+  IndexTopkParams p = topk_params(q, k, seqs, max_seqlen, index_scale, indices, topk, block_size);
   p.small_smem = env_is("MSA_SMALL_SMEM", "1");  // forces the portable kernel's 64-row tile (99 KB GPUs take it)
   const cudaStream_t stream = current_stream(q_idx);
   [[maybe_unused]] const bool sm90 = use_sm90_kernels();
