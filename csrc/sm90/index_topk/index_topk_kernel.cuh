@@ -333,8 +333,8 @@ __global__ void __launch_bounds__(IndexTopkShape<WG>::kThreads, 1)
       }
       fence_regs(c0);
       offer(c0, it);
+      wgmma_wait<0>();  // on every path (ptxas does not correlate the two tests of `two`: C7517 at the back-edge)
       if (two) {
-        wgmma_wait<0>();
         fence_regs(c1);
         offer(c1, it + 1);
       }
