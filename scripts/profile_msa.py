@@ -2,6 +2,8 @@
 torch.profiler: python scripts/profile_msa.py [N ...]. Prints one table per N, kernels by total time.
 MSA_PROFILE_DETERMINISTIC=1 profiles deterministic=True instead, MSA_PROFILE_WARMUP=1 warmup=True,
 MSA_PROFILE_WARMUP=both the default step and then warmup=True (one A/B call that changes both paths).
+MSA_PROFILE_FP8=1 profiles the FP8 selection (index_dtype=torch.float8_e4m3fn: the copies and the FP8 top-k), so that
+scripts/ncu_summary.sh and ncu_hotspots.sh can reach the FP8 top-k ('index_topk_sm90.*Lb1EEEv').
 MSA_PROFILE_ROWS=K prints K kernel rows (default 18); every table ends with the step's kernel launches and
 GPU time, and the host time to enqueue one step (the GPU idle beforehand, no sync inside).
 MSA_PROFILE_HOST=1 adds a table of the host side (CPU activity: ops and CUDA API calls by self CPU time)."""
@@ -18,14 +20,22 @@ from msa import bench  # noqa: E402
 def main():
     ns = [int(a) for a in sys.argv[1:]] or [32768]
     det = os.environ.get("MSA_PROFILE_DETERMINISTIC") == "1"
+    fp8 = os.environ.get("MSA_PROFILE_FP8") == "1"
+    if fp8 and (det or os.environ.get("MSA_PROFILE_WARMUP", "0") != "0"):
+        sys.exit("MSA_PROFILE_FP8=1 profiles the default step: not with MSA_PROFILE_DETERMINISTIC or MSA_PROFILE_WARMUP")
     warm_env = os.environ.get("MSA_PROFILE_WARMUP", "0")
     for warm in {"1": [True], "both": [False, True]}.get(warm_env, [False]):
         for n in ns:
-            profile_one(n, det, warm)
+            profile_one(n, det, warm, fp8)
 
 
-def profile_one(n, det, warm):
-    step = bench.msa_fwd_bwd_warmup if warm else (lambda *x: bench.msa_fwd_bwd(*x, deterministic=det))
+def profile_one(n, det, warm, fp8=False):
+    if warm:
+        step = bench.msa_fwd_bwd_warmup
+    elif fp8:
+        step = bench.msa_fwd_bwd_fp8
+    else:
+        step = lambda *x: bench.msa_fwd_bwd(*x, deterministic=det)  # noqa: E731
     x = bench.make_inputs(n, torch.device("cuda"), torch.bfloat16, seed=0)
     for _ in range(2):
         step(*x)
@@ -33,7 +43,8 @@ def profile_one(n, det, warm):
     with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CUDA]) as prof:
         step(*x)
         torch.cuda.synchronize()
-    print(f"## N = {n}: msa fwd+bwd{', deterministic' if det else ''}{', warmup' if warm else ''}, one call")
+    print(f"## N = {n}: msa fwd+bwd{', deterministic' if det else ''}{', warmup' if warm else ''}"
+          f"{', fp8 index' if fp8 else ''}, one call")
     rows = int(os.environ.get("MSA_PROFILE_ROWS", "18"))
     print(prof.key_averages().table(sort_by="cuda_time_total", row_limit=rows, max_name_column_width=70))
     kernels = [e for e in prof.events() if e.device_type == torch.autograd.DeviceType.CUDA]
