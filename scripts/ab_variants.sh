@@ -46,8 +46,9 @@ profile() {
     awk -v side="$(basename "$1")" -v re="$MSA_AB_GREP" '/^## N/ {n = $4; sub(/:/, "", n)} $0 ~ re && NF > 10 {
       print "  " side " N=" n ": " substr($0, 1, 60) " " $(NF - 2)}' "$1/profile.txt"
   # MSA_AB_EXTRA: one more command per side (e.g. "MSA_HOST_PHASES=1 python3 scripts/host_time.py 8192"), its
-  # stdout and stderr in extra.txt.
-  [ -n "${MSA_AB_EXTRA:-}" ] && bash -c "$MSA_AB_EXTRA" > "$1/extra.txt" 2>&1
+  # stdout and stderr in extra.txt; it finds the side's log folder in $MSA_AB_SIDE (e.g. for scripts/ncu_hotspots.sh
+  # "$MSA_AB_SIDE/hs" ...: its files come back in LOGDIR.tgz).
+  [ -n "${MSA_AB_EXTRA:-}" ] && MSA_AB_SIDE="$1" bash -c "$MSA_AB_EXTRA" > "$1/extra.txt" 2>&1
   return 0
 }
 summary() { echo "$1: $(tr '\n' ' ' < "$LOG/$1/summary.txt" 2> /dev/null)"; }
