@@ -7,6 +7,7 @@
 #include "common/workspace.h"
 #include "sm80/index_topk/index_topk.h"
 #include "smxx/fill/fill.h"
+#include "smxx/fp8_copies/fp8_copies.h"
 #ifdef MSA_WITH_SM90
 #include "sm90/index_topk/index_topk.h"
 #endif
@@ -289,6 +290,27 @@ cudaError_t launch_index_lse(const Problem& pb, const IndexTopkParams& p, cudaSt
   (void)pb, (void)p, (void)s;
 #endif
   return err;
+}
+
+cudaError_t launch_fp8_copies(const Problem& pb, const void* q_idx, const void* k_idx, uint8_t* q8, uint8_t* k8,
+                              float* k_amax, cudaStream_t s) {
+  const cudaError_t err = cudaMemsetAsync(k_amax, 0, sizeof(float) * size_t(pb.b) * pb.hki, s);
+  if (err != cudaSuccess) return err;
+  const smxx::Fp8CopyArgs q{q_idx, q8, pb.tokens, int64_t(pb.hi) * pb.di, pb.di, pb.hi, pb.di};
+  const smxx::Fp8CopyArgs k{k_idx, k8, pb.tokens, int64_t(pb.hki) * pb.di, pb.di, pb.hki, pb.di};
+  const smxx::Fp8KeySeqs seqs{nullptr, pb.n, int(pb.b)};  // b sequences of n keys (the op's batched layout)
+  return pb.fp16 ? smxx::launch_fp8_index_copies<__half>(q, k, seqs, k_amax, s)
+                 : smxx::launch_fp8_index_copies<__nv_bfloat16>(q, k, seqs, k_amax, s);
+}
+
+cudaError_t launch_index_topk_fp8(const Problem& pb, const IndexTopkParams& p, cudaStream_t s) {
+#ifdef MSA_WITH_SM90
+  if (pb.sm90 && pb.di == 128) return sm90::launch_index_topk_fp8<128>(p, s);
+#else
+  (void)p, (void)s;
+#endif
+  (void)pb;
+  return cudaErrorNotSupported;
 }
 
 // ---- timing and output ------------------------------------------------------------------------------------

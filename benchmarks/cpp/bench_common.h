@@ -116,6 +116,14 @@ cudaError_t launch_index_topk(const Problem& pb, const IndexTopkParams& p, cudaS
 // Warmup's lse_idx on the Hopper index kernel (p.lse set): cudaErrorNotSupported where it does not run (the portable
 // path keeps a dense forward of torch's, which this executable does not link).
 cudaError_t launch_index_lse(const Problem& pb, const IndexTopkParams& p, cudaStream_t s);
+// The FP8 selection's inputs (index_dtype, SPEC 2): e4m3 copies q8 (T x Hi x Di bytes), k8 (T x Hki x Di) of pb's
+// q_idx / k_idx on the op's kernel (smxx/fp8_copies; k scaled per (sequence, head): k_amax, B x Hki floats, zeroed
+// here first, as the op does).
+cudaError_t launch_fp8_copies(const Problem& pb, const void* q_idx, const void* k_idx, uint8_t* q8, uint8_t* k8,
+                              float* k_amax, cudaStream_t s);
+// The Hopper FP8 top-k on such copies (p from index_topk_params: strides in elements are bytes): the op's kernel for
+// Di = 128 on Hopper; cudaErrorNotSupported where it does not run (the op widens the copies to bf16 there).
+cudaError_t launch_index_topk_fp8(const Problem& pb, const IndexTopkParams& p, cudaStream_t s);
 
 // Calls f.template operator()<T, D>() for fp16 / bf16 and D = 64 / 128 (csrc/api/dispatch.h, torch-free).
 template <typename F>

@@ -8,12 +8,17 @@
 //   acc       1: issue, wait, (exp); 2: GEMM i + 1 issued before GEMM i's wait and exponentials, in runs of 4
 //   exp       0: nothing between GEMMs; 1: each accumulator's N / 2 values per thread through exp2 into a
 //             running sum (one MUFU.EX2 and one FFMA + FADD per value: the dense KL's head_terms)
+//   rs_e4m3   the FP8 top-k's shape: A (64 x 128 e4m3 bytes) from registers, B (128 x 128 bytes) by descriptor,
+//             four k-steps of m64n128k32 into f16 accumulators (WgmmaRSE4m3N128F16); its "exp" 0 only, the
+//             consumer a running f16 max of the accumulators (HMNMX2, the top-k's row max), also at 4 warpgroups
+//             (the top-k's long-sequence CTA)
 // One CTA per SM (132), wg warpgroups each; TFLOP/s counts the wgmma FLOPs only (2 x 64 x N x 128 per GEMM).
 // Build and run on the GPU (repository root):
 //   nvcc -O3 -std=c++20 --expt-relaxed-constexpr -gencode=arch=compute_90a,code=sm_90a -Icsrc -o /tmp/wgmma_rate \
 //     benchmarks/cpp/wgmma_rate_bench.cu && /tmp/wgmma_rate
 // CSV: kernel,n,mode,wg,acc,exp,ms,tflops
 #include <cuda_bf16.h>
+#include <cuda_fp16.h>
 #include <cuda_runtime.h>
 
 #include <cstdio>
@@ -28,11 +33,12 @@ namespace {
 using T = __nv_bfloat16;
 using msa::sm90::KMajorSw128;
 using msa::sm90::WgmmaRS;
+using msa::sm90::WgmmaRSE4m3N128F16;
 using msa::sm90::WgmmaSS;
 using msa::sm90::wgmma_commit;
 using msa::sm90::wgmma_fence;
 using msa::sm90::wgmma_wait;
-constexpr int kK = 128, kSteps = kK / 16, kMaxWg = 3;
+constexpr int kK = 128, kSteps = kK / 16, kMaxWg = 4;
 
 // One GEMM into acc (not waited for).
 template <int N, bool kRS>
@@ -121,11 +127,73 @@ __global__ void __launch_bounds__(128 * kWg, 1) rate_kernel(int iters, float* ou
   if (s == 1234.5f) out[tid] = s;  // keeps the sums (never true for these inputs in practice)
 }
 
-template <int N, bool kRS, int kAcc, bool kExp, int kWg>
-void run(int sms, float* out) {
-  constexpr int wg = kWg;
-  auto kernel = rate_kernel<N, kRS, kAcc, kExp, kWg>;
-  const int smem = kMaxWg * 64 * kK * 2 + N * kK * 2 + 1024;
+// The FP8 top-k's GEMM (index_topk_sm90_kernel, kFp8): acc (64 x 128 f16) = A (64 x 128 e4m3, registers) B^T (B: 128
+// keys x 128 e4m3 bytes, the K-major 128-byte-swizzled tile of 64 16-bit columns), four k-steps of k32; kAcc = 2:
+// GEMM i + 1 in flight under GEMM i's consumer, in runs of 4 as above.
+constexpr int kFp8Steps = kK / 32;
+__device__ __forceinline__ void issue_fp8(uint32_t (&acc)[32], uint32_t b_addr, const uint32_t (&af)[kFp8Steps][4]) {
+  using BT = KMajorSw128<128, kK / 2>;  // 128 bytes a row, seen as 64 16-bit columns (the kernel's D = Di / 2)
+  wgmma_fence();
+#pragma unroll
+  for (int ks = 0; ks < kFp8Steps; ++ks) WgmmaRSE4m3N128F16::run(acc, af[ks], BT::desc(b_addr, ks), ks > 0);
+  wgmma_commit();
+}
+
+__device__ __forceinline__ void consume_fp8(uint32_t (&acc)[32], __half2 (&mx)[kSums]) {
+  msa::sm90::fence_regs(acc);
+#pragma unroll
+  for (int i = 0; i < 32; ++i) mx[i % kSums] = __hmax2(mx[i % kSums], *reinterpret_cast<const __half2*>(&acc[i]));
+}
+
+template <int kAcc, int kWg>
+__global__ void __launch_bounds__(128 * kWg, 1) rate_kernel_fp8(int iters, float* out) {
+  extern __shared__ __align__(1024) char smem_raw[];
+  char* smem = smem_raw + ((1024u - (msa::sm80::smem_addr(smem_raw) & 1023u)) & 1023u);
+  const int tid = threadIdx.x;
+  // B: 128 x 128 e4m3 bytes, values 0.5 .. 0.9375 (0x30 .. 0x37: finite, no f16 overflow over 128 products).
+  for (int i = tid; i < 128 * kK; i += blockDim.x) reinterpret_cast<unsigned char*>(smem)[i] = 0x30 + (i * 7) % 8;
+  msa::sm90::fence_proxy_async_smem();
+  __syncthreads();
+  const uint32_t b_addr = msa::sm80::smem_addr(smem);
+  uint32_t af[kFp8Steps][4];
+#pragma unroll
+  for (int ks = 0; ks < kFp8Steps; ++ks)
+#pragma unroll
+    for (int j = 0; j < 4; ++j) af[ks][j] = 0x30303030u | uint32_t((ks * 4 + j + tid) & 7);
+  __half2 mx[kSums];
+#pragma unroll
+  for (int i = 0; i < kSums; ++i) mx[i] = __float2half2_rn(-1.f);
+  uint32_t acc[kAcc][32];
+  if constexpr (kAcc == 2) {
+    for (int it = 0; it < iters; it += 4) {
+      issue_fp8(acc[0], b_addr, af);
+#pragma unroll
+      for (int h = 0; h < 4; ++h) {
+        if (h < 3) {
+          issue_fp8(acc[(h + 1) & 1], b_addr, af);
+          wgmma_wait<1>();
+        } else {
+          wgmma_wait<0>();
+        }
+        consume_fp8(acc[h & 1], mx);
+      }
+    }
+  } else {
+    for (int it = 0; it < iters; ++it) {
+      issue_fp8(acc[0], b_addr, af);
+      wgmma_wait<0>();
+      consume_fp8(acc[0], mx);
+    }
+  }
+  float m = -1.f;
+#pragma unroll
+  for (int i = 0; i < kSums; ++i) m = fmaxf(m, fmaxf(__low2float(mx[i]), __high2float(mx[i])));
+  if (m == 1234.5f) out[tid] = m;  // keeps the maxima
+}
+
+// Best of 3 timed launches of `kernel` (one warm-up first), as TFLOP/s of 2 x 64 x N x 128 per GEMM, one CSV row.
+template <typename Kernel>
+void time_rows(Kernel kernel, int n, const char* mode, int wg, int acc, int exp, int smem, int sms, float* out) {
   BENCH_CHECK(cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, smem));
   const int iters = 4000;
   kernel<<<sms, 128 * wg, smem>>>(16, out);  // warm-up
@@ -143,11 +211,23 @@ void run(int sms, float* out) {
     BENCH_CHECK(cudaEventElapsedTime(&ms, e0, e1));
     best = ms < best ? ms : best;
   }
-  const double flops = 2.0 * 64 * N * kK * double(iters) * wg * sms;
-  std::printf("wgmma_rate,%d,%s,%d,%d,%d,%.4f,%.1f\n", N, kRS ? "rs" : "ss", wg, kAcc, kExp ? 1 : 0, best,
-              flops / (best * 1e-3) / 1e12);
+  const double flops = 2.0 * 64 * n * kK * double(iters) * wg * sms;
+  std::printf("wgmma_rate,%d,%s,%d,%d,%d,%.4f,%.1f\n", n, mode, wg, acc, exp, best, flops / (best * 1e-3) / 1e12);
   BENCH_CHECK(cudaEventDestroy(e0));
   BENCH_CHECK(cudaEventDestroy(e1));
+}
+
+template <int N, bool kRS, int kAcc, bool kExp, int kWg>
+void run(int sms, float* out) {
+  constexpr int wg = kWg;
+  auto kernel = rate_kernel<N, kRS, kAcc, kExp, kWg>;
+  const int smem = kMaxWg * 64 * kK * 2 + N * kK * 2 + 1024;
+  time_rows(kernel, N, kRS ? "rs" : "ss", wg, kAcc, kExp ? 1 : 0, smem, sms, out);
+}
+
+template <int kAcc, int kWg>
+void run_fp8(int sms, float* out) {
+  time_rows(rate_kernel_fp8<kAcc, kWg>, 128, "rs_e4m3", kWg, kAcc, 0, 128 * kK + 1024, sms, out);
 }
 
 // Every mode of N (RS where the wrappers have it: N = 64 and 128) with kWg warpgroups.
@@ -169,6 +249,11 @@ void all_modes(int sms, float* out) {
   modes<N, 1>(sms, out);
   modes<N, 2>(sms, out);
   modes<N, 3>(sms, out);
+}
+template <int kWg>
+void fp8_modes(int sms, float* out) {
+  run_fp8<1, kWg>(sms, out);
+  run_fp8<2, kWg>(sms, out);
 }
 
 }  // namespace
@@ -192,6 +277,10 @@ int main() {
   all_modes<32>(sms, out);
   all_modes<64>(sms, out);
   all_modes<128>(sms, out);
+  fp8_modes<1>(sms, out);
+  fp8_modes<2>(sms, out);
+  fp8_modes<3>(sms, out);
+  fp8_modes<4>(sms, out);
   BENCH_CHECK(cudaFree(out));
   return 0;
 }
