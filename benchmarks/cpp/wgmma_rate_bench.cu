@@ -8,10 +8,10 @@
 //   acc       1: issue, wait, (exp); 2: GEMM i + 1 issued before GEMM i's wait and exponentials, in runs of 4
 //   exp       0: nothing between GEMMs; 1: each accumulator's N / 2 values per thread through exp2 into a
 //             running sum (one MUFU.EX2 and one FFMA + FADD per value: the dense KL's head_terms)
-//   rs_e4m3   the FP8 top-k's shape: A (64 x 128 e4m3 bytes) from registers, B (128 x 128 bytes) by descriptor,
-//             four k-steps of m64n128k32 into f16 accumulators (WgmmaRSE4m3N128F16); its "exp" 0 only, the
-//             consumer a running f16 max of the accumulators (HMNMX2, the top-k's row max), also at 4 warpgroups
-//             (the top-k's long-sequence CTA)
+//   rs_e4m3   the FP8 top-k's shape: A (64 x 128 e4m3 bytes) from registers, B (N x 128 bytes) by descriptor,
+//             four k-steps of m64nNk32 into f16 accumulators (N = 128: WgmmaRSE4m3N128F16, the kernel's; N = 256:
+//             a wrapper of this file's); its "exp" 0 only, the consumer a running f16 max of the accumulators
+//             (HMNMX2, the top-k's row max), also at 4 warpgroups (the top-k's long-sequence CTA)
 // One CTA per SM (132), wg warpgroups each; TFLOP/s counts the wgmma FLOPs only (2 x 64 x N x 128 per GEMM).
 // Build and run on the GPU (repository root):
 //   nvcc -O3 -std=c++20 --expt-relaxed-constexpr -gencode=arch=compute_90a,code=sm_90a -Icsrc -o /tmp/wgmma_rate \
@@ -127,31 +127,62 @@ __global__ void __launch_bounds__(128 * kWg, 1) rate_kernel(int iters, float* ou
   if (s == 1234.5f) out[tid] = s;  // keeps the sums (never true for these inputs in practice)
 }
 
-// The FP8 top-k's GEMM (index_topk_sm90_kernel, kFp8): acc (64 x 128 f16) = A (64 x 128 e4m3, registers) B^T (B: 128
-// keys x 128 e4m3 bytes, the K-major 128-byte-swizzled tile of 64 16-bit columns), four k-steps of k32; kAcc = 2:
-// GEMM i + 1 in flight under GEMM i's consumer, in runs of 4 as above.
+// m64n256k32 e4m3 into f16 (64 registers), A from registers: not among csrc/common/wgmma_sm90.h's wrappers (no
+// kernel takes it); here to ask whether the wider N runs faster than the top-k's n128 (NOTES s67).
+__device__ __forceinline__ void wgmma_e4m3_n256_f16(uint32_t (&d)[64], const uint32_t (&a)[4], uint64_t desc_b,
+                                                    bool accumulate) {
+  asm volatile("{\n.reg .pred p;\nsetp.ne.b32 p, %69, 0;\n"
+               "wgmma.mma_async.sync.aligned.m64n256k32.f16.e4m3.e4m3 "
+               "{%0,%1,%2,%3,%4,%5,%6,%7,%8,%9,%10,%11,%12,%13,%14,%15,%16,%17,%18,%19,%20,%21,%22,%23,%24,%25,%26,"
+               "%27,%28,%29,%30,%31,%32,%33,%34,%35,%36,%37,%38,%39,%40,%41,%42,%43,%44,%45,%46,%47,%48,%49,%50,%51,"
+               "%52,%53,%54,%55,%56,%57,%58,%59,%60,%61,%62,%63}, "
+               "{%64,%65,%66,%67}, %68, p, 1, 1;\n}\n"
+               : "+r"(d[0]), "+r"(d[1]), "+r"(d[2]), "+r"(d[3]), "+r"(d[4]), "+r"(d[5]), "+r"(d[6]), "+r"(d[7]),
+                 "+r"(d[8]), "+r"(d[9]), "+r"(d[10]), "+r"(d[11]), "+r"(d[12]), "+r"(d[13]), "+r"(d[14]),
+                 "+r"(d[15]), "+r"(d[16]), "+r"(d[17]), "+r"(d[18]), "+r"(d[19]), "+r"(d[20]), "+r"(d[21]),
+                 "+r"(d[22]), "+r"(d[23]), "+r"(d[24]), "+r"(d[25]), "+r"(d[26]), "+r"(d[27]), "+r"(d[28]),
+                 "+r"(d[29]), "+r"(d[30]), "+r"(d[31]), "+r"(d[32]), "+r"(d[33]), "+r"(d[34]), "+r"(d[35]),
+                 "+r"(d[36]), "+r"(d[37]), "+r"(d[38]), "+r"(d[39]), "+r"(d[40]), "+r"(d[41]), "+r"(d[42]),
+                 "+r"(d[43]), "+r"(d[44]), "+r"(d[45]), "+r"(d[46]), "+r"(d[47]), "+r"(d[48]), "+r"(d[49]),
+                 "+r"(d[50]), "+r"(d[51]), "+r"(d[52]), "+r"(d[53]), "+r"(d[54]), "+r"(d[55]), "+r"(d[56]),
+                 "+r"(d[57]), "+r"(d[58]), "+r"(d[59]), "+r"(d[60]), "+r"(d[61]), "+r"(d[62]), "+r"(d[63])
+               : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "l"(desc_b), "r"(int(accumulate)));
+}
+
+// The FP8 top-k's GEMM (index_topk_sm90_kernel, kFp8): acc (64 x N f16) = A (64 x 128 e4m3, registers) B^T (B: N
+// keys x 128 e4m3 bytes, the K-major 128-byte-swizzled tile of 64 16-bit columns), four k-steps of k32 (N = 128: the
+// kernel's WgmmaRSE4m3N128F16; N = 256: the wrapper above); kAcc = 2: GEMM i + 1 in flight under GEMM i's consumer,
+// in runs of 4 as above.
 constexpr int kFp8Steps = kK / 32;
-__device__ __forceinline__ void issue_fp8(uint32_t (&acc)[32], uint32_t b_addr, const uint32_t (&af)[kFp8Steps][4]) {
-  using BT = KMajorSw128<128, kK / 2>;  // 128 bytes a row, seen as 64 16-bit columns (the kernel's D = Di / 2)
+template <int N>
+__device__ __forceinline__ void issue_fp8(uint32_t (&acc)[N / 4], uint32_t b_addr, const uint32_t (&af)[kFp8Steps][4]) {
+  using BT = KMajorSw128<N, kK / 2>;  // 128 bytes a row, seen as 64 16-bit columns (the kernel's D = Di / 2)
   wgmma_fence();
 #pragma unroll
-  for (int ks = 0; ks < kFp8Steps; ++ks) WgmmaRSE4m3N128F16::run(acc, af[ks], BT::desc(b_addr, ks), ks > 0);
+  for (int ks = 0; ks < kFp8Steps; ++ks) {
+    if constexpr (N == 128) {
+      WgmmaRSE4m3N128F16::run(acc, af[ks], BT::desc(b_addr, ks), ks > 0);
+    } else {
+      wgmma_e4m3_n256_f16(acc, af[ks], BT::desc(b_addr, ks), ks > 0);
+    }
+  }
   wgmma_commit();
 }
 
-__device__ __forceinline__ void consume_fp8(uint32_t (&acc)[32], __half2 (&mx)[kSums]) {
+template <int N>
+__device__ __forceinline__ void consume_fp8(uint32_t (&acc)[N / 4], __half2 (&mx)[kSums]) {
   msa::sm90::fence_regs(acc);
 #pragma unroll
-  for (int i = 0; i < 32; ++i) mx[i % kSums] = __hmax2(mx[i % kSums], *reinterpret_cast<const __half2*>(&acc[i]));
+  for (int i = 0; i < N / 4; ++i) mx[i % kSums] = __hmax2(mx[i % kSums], *reinterpret_cast<const __half2*>(&acc[i]));
 }
 
-template <int kAcc, int kWg>
+template <int N, int kAcc, int kWg>
 __global__ void __launch_bounds__(128 * kWg, 1) rate_kernel_fp8(int iters, float* out) {
   extern __shared__ __align__(1024) char smem_raw[];
   char* smem = smem_raw + ((1024u - (msa::sm80::smem_addr(smem_raw) & 1023u)) & 1023u);
   const int tid = threadIdx.x;
-  // B: 128 x 128 e4m3 bytes, values 0.5 .. 0.9375 (0x30 .. 0x37: finite, no f16 overflow over 128 products).
-  for (int i = tid; i < 128 * kK; i += blockDim.x) reinterpret_cast<unsigned char*>(smem)[i] = 0x30 + (i * 7) % 8;
+  // B: N x 128 e4m3 bytes, values 0.5 .. 0.9375 (0x30 .. 0x37: finite, no f16 overflow over 128 products).
+  for (int i = tid; i < N * kK; i += blockDim.x) reinterpret_cast<unsigned char*>(smem)[i] = 0x30 + (i * 7) % 8;
   msa::sm90::fence_proxy_async_smem();
   __syncthreads();
   const uint32_t b_addr = msa::sm80::smem_addr(smem);
@@ -163,26 +194,26 @@ __global__ void __launch_bounds__(128 * kWg, 1) rate_kernel_fp8(int iters, float
   __half2 mx[kSums];
 #pragma unroll
   for (int i = 0; i < kSums; ++i) mx[i] = __float2half2_rn(-1.f);
-  uint32_t acc[kAcc][32];
+  uint32_t acc[kAcc][N / 4];
   if constexpr (kAcc == 2) {
     for (int it = 0; it < iters; it += 4) {
-      issue_fp8(acc[0], b_addr, af);
+      issue_fp8<N>(acc[0], b_addr, af);
 #pragma unroll
       for (int h = 0; h < 4; ++h) {
         if (h < 3) {
-          issue_fp8(acc[(h + 1) & 1], b_addr, af);
+          issue_fp8<N>(acc[(h + 1) & 1], b_addr, af);
           wgmma_wait<1>();
         } else {
           wgmma_wait<0>();
         }
-        consume_fp8(acc[h & 1], mx);
+        consume_fp8<N>(acc[h & 1], mx);
       }
     }
   } else {
     for (int it = 0; it < iters; ++it) {
-      issue_fp8(acc[0], b_addr, af);
+      issue_fp8<N>(acc[0], b_addr, af);
       wgmma_wait<0>();
-      consume_fp8(acc[0], mx);
+      consume_fp8<N>(acc[0], mx);
     }
   }
   float m = -1.f;
@@ -225,9 +256,9 @@ void run(int sms, float* out) {
   time_rows(kernel, N, kRS ? "rs" : "ss", wg, kAcc, kExp ? 1 : 0, smem, sms, out);
 }
 
-template <int kAcc, int kWg>
+template <int N, int kAcc, int kWg>
 void run_fp8(int sms, float* out) {
-  time_rows(rate_kernel_fp8<kAcc, kWg>, 128, "rs_e4m3", kWg, kAcc, 0, 128 * kK + 1024, sms, out);
+  time_rows(rate_kernel_fp8<N, kAcc, kWg>, N, "rs_e4m3", kWg, kAcc, 0, N * kK + 1024, sms, out);
 }
 
 // Every mode of N (RS where the wrappers have it: N = 64 and 128) with kWg warpgroups.
@@ -250,10 +281,13 @@ void all_modes(int sms, float* out) {
   modes<N, 2>(sms, out);
   modes<N, 3>(sms, out);
 }
+// N = 256 with two accumulator sets (128 registers) only where a thread may hold 255 (<= 2 warpgroups).
 template <int kWg>
 void fp8_modes(int sms, float* out) {
-  run_fp8<1, kWg>(sms, out);
-  run_fp8<2, kWg>(sms, out);
+  run_fp8<128, 1, kWg>(sms, out);
+  run_fp8<128, 2, kWg>(sms, out);
+  run_fp8<256, 1, kWg>(sms, out);
+  if constexpr (kWg <= 2) run_fp8<256, 2, kWg>(sms, out);
 }
 
 }  // namespace
