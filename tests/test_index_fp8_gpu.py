@@ -58,6 +58,22 @@ def test_select_blocks_fp8_shapes(Di, N, heads, bs, topk):
     _check(packed(qi), packed(ki), cu, N, topk, bs)
 
 
+@pytest.mark.parametrize("bs", [64, 128])
+def test_select_blocks_fp8_warpgroup_count(monkeypatch, bs):
+    """The FP8 top-k's 2- and 4-warpgroup CTAs (MSA_TOPK_WG; short sequences take 2 by default, 128K and 1M take 4 at
+    block 128 in test_long_seq_gpu) at both block sizes: each valid on the copies, and the two equal bit for bit (a
+    row's scores do not depend on how rows are tiled)."""
+    if not sm90_kernels_run():
+        pytest.skip("the warpgroup count is the sm_90a kernel's")
+    _, _, _, qi, ki, cu, mx = make_packed([3000, 1, 700], (8, 2, 4, 1), 64, 128, dtype=torch.bfloat16, device="cuda",
+                                          seed=41 + bs)
+    got = {}
+    for wg in ("2", "4"):
+        monkeypatch.setenv("MSA_TOPK_WG", wg)
+        got[wg] = _check(qi, ki, cu, mx, 16, bs)
+    assert torch.equal(got["2"], got["4"])
+
+
 @pytest.mark.parametrize("scale", [-0.125, 0.0])
 def test_select_blocks_fp8_varlen_negative_and_zero_scale(scale):
     """Packed sequences (one empty, one of one token); a negative scale flips every e4m3 byte's sign in the kernel,
