@@ -1,4 +1,5 @@
-"""Random-interleaving model of the FP8 top-k's K ring (s66 pairs on main, the quads patch): thread 0 (in warp 0)
+"""Random-interleaving model of the FP8 top-k's K ring (s66 pairs on main, the quads patch; s67 added 'single', the
+16-bit loop's ring that s67's topk_fp8_n256.patch takes, at 2 and 4 stages): thread 0 (in warp 0)
 loads, every warp waits full, arrives empty. Checks: no deadlock, every wait passes on the completion it targets
 (never 2+ completions ahead: parity aliasing), every warp reads each sub-tile's data (load for sub-tile it done)."""
 import random
@@ -13,11 +14,18 @@ def warp_prog(w, total, S, mode):
     def wait_empty(nx):  # stage of nx previously held nx - S
         yield ('wait', 'empty', nx % S, (nx - S) // S, None)
     if w == 0:
-        pro = (S - 1) if mode == 'pairs' else S // 2
+        pro = (S - 1) if mode in ('pairs', 'single') else S // 2
         for st in range(min(pro, total)):
             yield from load(st)
     yield ('sync',)
-    if mode == 'pairs':
+    if mode == 'single':  # thread 0 refills the stage of it - 1 with it + S - 1, then every warp waits for it
+        for it in range(total):
+            if w == 0 and it + S - 1 < total:
+                if it >= 1: yield from wait_empty(it + S - 1)
+                yield from load(it + S - 1)
+            yield from wait_full(it)
+            yield ('read', it); yield from arrive(it)
+    elif mode == 'pairs':
         it = 0
         while it < total:
             if w == 0:
@@ -85,9 +93,10 @@ def run(total, S, mode, W, rng):
             assert stage_holds.get(a[1] % S) == a[1], (mode, total, 'stale data', a)
         pending[w] = next(progs[w], None)
 
-rng = random.Random(1)
-for mode, S in (('pairs', 4), ('quads', 8)):
-    for total in range(0, 41):
-        for trial in range(30):
-            run(total, S, mode, 3, rng)
-    print(mode, 'ok')
+if __name__ == '__main__':
+    rng = random.Random(1)
+    for mode, S in (('pairs', 4), ('quads', 8), ('single', 2), ('single', 4)):
+        for total in range(0, 41):
+            for trial in range(30):
+                run(total, S, mode, 3, rng)
+        print(mode, S, 'ok')
