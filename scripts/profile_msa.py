@@ -3,7 +3,8 @@ torch.profiler: python scripts/profile_msa.py [N ...]. Prints one table per N, k
 MSA_PROFILE_DETERMINISTIC=1 profiles deterministic=True instead, MSA_PROFILE_WARMUP=1 warmup=True,
 MSA_PROFILE_WARMUP=both the default step and then warmup=True (one A/B call that changes both paths).
 MSA_PROFILE_FP8=1 profiles the FP8 selection (index_dtype=torch.float8_e4m3fn: the copies and the FP8 top-k), so that
-scripts/ncu_summary.sh and ncu_hotspots.sh can reach the FP8 top-k ('index_topk_sm90.*Lb1EEEv').
+the ncu scripts reach the FP8 top-k: scripts/ncu_hotspots.sh by its mangled name ('index_topk_sm90.*Lb1EEEv', kFp8
+the last template argument), scripts/ncu_summary.sh as 'index_topk_sm90' (the step's only top-k then).
 MSA_PROFILE_ROWS=K prints K kernel rows (default 18); every table ends with the step's kernel launches and
 GPU time, and the host time to enqueue one step (the GPU idle beforehand, no sync inside).
 MSA_PROFILE_HOST=1 adds a table of the host side (CPU activity: ops and CUDA API calls by self CPU time)."""
