@@ -50,10 +50,13 @@ def _check(qi, ki, cu, mx, topk, bs, scale=None):
 @pytest.mark.parametrize("Di", [128, 64])
 @pytest.mark.parametrize("N,heads,bs,topk", [(1, (8, 2, 4, 1), 128, 16), (700, (8, 2, 4, 2), 64, 3),
                                              (1500, (16, 2, 4, 1), 128, 4), (2048, (8, 8, 8, 1), 64, 8),
-                                             (3000, (16, 2, 16, 16), 128, 16), (4000, (8, 2, 4, 1), 128, 20)])
+                                             (3000, (16, 2, 16, 16), 128, 16), (4000, (8, 2, 4, 1), 128, 20),
+                                             (600, (8, 2, 4, 1), 64, 17), (1000, (8, 2, 4, 1), 128, 1)])
 def test_select_blocks_fp8_shapes(Di, N, heads, bs, topk):
-    """topk below the blocks of a row (but N = 1): the selection ranks; Hi / Hki = 2 with Hki = 2 among them; topk 20
-    (lists of 19 entries, past what fits in registers in s67's patches/topk_fp8_reg_list.patch)."""
+    """topk below the blocks of a row (but N = 1): the selection ranks; Hi / Hki = 2 with Hki = 2 among them; list
+    sizes 19 (past what fits in registers in s67's patches/topk_fp8_reg_list.patch), 16 (the most that does) and 0
+    (topk 1: the own block only); at block 64 a last sequence of 600 keys (600 mod 256 in [65, 128]: s67's
+    patches/topk_fp8_n256.patch skips the last 256-key sub-tile's second TMA box there)."""
     _, _, _, qi, ki = make_inputs(2, N, heads, 64, Di, dtype=torch.bfloat16, device="cuda", seed=N + Di)
     cu = torch.arange(0, 3 * N, N, dtype=torch.int32, device="cuda")
     _check(packed(qi), packed(ki), cu, N, topk, bs)
