@@ -79,6 +79,7 @@ from torch import nn
 import msa
 import msa.nn as mnn
 from msa import metrics
+from msa.bench import selection_recall
 
 RUNS = ("dense", "warmup", "nowarmup")
 
@@ -364,6 +365,8 @@ def train_run(run, cfg, device, seed, held, bar=None):
     # Control: the same trained model with an untrained indexer (fresh random index projections): how much
     # of the sparse accuracy the learned selection gives, against the blocks a random selection hits.
     final["eval_acc_random_index"] = _random_index_acc(model, held, cfg, amp, seed)
+    # The FP8 selection (index_dtype=torch.float8_e4m3fn) of the trained indexer, sparse as above.
+    final.update(_fp8_selection(model, held, amp))
     n = max(1, min(len(curves["acc"]), cfg.eval_every))
     final["train_acc_last"] = sum(curves["acc"][-n:]) / n
     final["train_loss_last"] = sum(curves["loss"][-n:]) / n
@@ -384,6 +387,29 @@ def _random_index_acc(model, held, cfg, amp, seed):
         for n, p in model.named_parameters():
             if n in saved:
                 p.copy_(saved[n])
+
+
+@torch.no_grad()
+def _fp8_selection(model, held, amp):
+    """The held-out batch's sparse forward with the selection on e4m3 copies of the index inputs (index_dtype, SPEC 2)
+    against the same with the inputs' own dtype: its accuracy, and the share of the latter's kept blocks it keeps
+    (msa.bench.selection_recall, all rows of every layer; the forced own block counts in both): the FP8 selection's
+    recall on a trained indexer, where the bench measures it on random inputs."""
+    a, b, qpos, tgt = held
+    model.eval()
+    out = {}
+    try:
+        for name, dtype in (("inputs", None), ("fp8", torch.float8_e4m3fn)):
+            mnn.set_index_dtype(model, dtype)
+            with _capture_attention() as calls, amp():
+                logits = model(a, b, qpos)
+            out[name] = (float((logits.argmax(-1) == tgt).float().mean()), [c[2] for c in calls])
+    finally:
+        mnn.set_index_dtype(model, None)
+        model.train()
+    pairs = list(zip(out["fp8"][1], out["inputs"][1]))
+    return dict(eval_acc_sparse_fp8=out["fp8"][0],
+                fp8_selection_recall=sum(selection_recall(g, w) for g, w in pairs) / len(pairs))
 
 
 def _is_dense(run, step, cfg):
@@ -488,14 +514,15 @@ def _device_slug(device):
 
 
 def table(summary):
-    rows = [("run", "final acc", "vs dense", "sparse acc", "random-index acc", "KL", "block rec q/all",
+    rows = [("run", "final acc", "vs dense", "sparse acc", "random-index acc", "fp8 acc/sel", "KL", "block rec q/all",
              "score rec q/all", "steps/s")]
     dense = summary["runs"].get("dense", {}).get("final", {}).get("eval_acc")
     for name, r in summary["runs"].items():
         f = r["final"]
         rel = f"{f['eval_acc'] / dense:.3f}" if dense else "-"
         rows.append((name, f"{f['eval_acc']:.3f}", rel, f"{f['eval_acc_sparse']:.3f}",
-                     f"{f['eval_acc_random_index']:.3f}", f"{r['curves']['kl'][-1]:.4f}",
+                     f"{f['eval_acc_random_index']:.3f}",
+                     f"{f['eval_acc_sparse_fp8']:.3f}/{f['fp8_selection_recall']:.3f}", f"{r['curves']['kl'][-1]:.4f}",
                      f"{f['block_recall_query']:.3f}/{f['block_recall_all']:.3f}",
                      f"{f['score_recall_query']:.3f}/{f['score_recall_all']:.3f}", f"{r['steps_per_s']:.2f}"))
     w = [max(len(r[j]) for r in rows) for j in range(len(rows[0]))]
@@ -522,6 +549,8 @@ def checks(summary):
         out["warmup_block_recall_all_end"] = f["block_recall_all"]
         out["block_recall_query_at_least_0.8"] = f["block_recall_query"] >= 0.8
         out["warmup_random_index_acc"] = f["eval_acc_random_index"]
+        out["warmup_fp8_sparse_acc"] = f["eval_acc_sparse_fp8"]
+        out["warmup_fp8_selection_recall"] = f["fp8_selection_recall"]
     if "nowarmup" in runs:
         out["nowarmup_acc"] = runs["nowarmup"]["final"]["eval_acc"]
     return out

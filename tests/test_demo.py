@@ -39,6 +39,9 @@ def _check_summary(out, steps, warmup_steps, device_type):
             assert all(0.0 <= v <= 1.0 + 1e-5 for v in vals[1:]), (name, e)
         f = run["final"]
         assert _finite([f["eval_acc"], f["eval_acc_sparse"], f["train_acc_last"], run["steps_per_s"]])
+        # The FP8 selection on the trained indexer: an accuracy, and a share of the other selection's kept blocks
+        # that counts at least the forced own block of every row (so > 0).
+        assert 0.0 <= f["eval_acc_sparse_fp8"] <= 1.0 and 0.0 < f["fp8_selection_recall"] <= 1.0, f
     png = (out / "curves.png").read_bytes()
     assert png[:8] == b"\x89PNG\r\n\x1a\n" and len(png) > 10_000
     if device_type == "cpu":
