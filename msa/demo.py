@@ -570,6 +570,8 @@ def parse_args(argv=None):
     p.add_argument("--topk", type=int, help="blocks per (token, index group), own block included")
     p.add_argument("--copies", type=int, help="copies of each key-value pair (in distinct blocks)")
     p.add_argument("--layers", type=int, help="msa blocks of the model (default 1: the task is one hop)")
+    p.add_argument("--index-head-dim", type=int, choices=(64, 128),
+                   help="Di of the index branch (default 64; 128 takes the Hopper FP8 top-k in the runs' FP8 check)")
     p.add_argument("--eval-every", type=int, help="held-out evaluation (accuracy, recall) every this many steps")
     p.add_argument("--device", default=None, help="cuda or cpu (default: cuda when available)")
     p.add_argument("--out", default=None, help="output folder (default examples/results/demo-<date>-<device>)")
@@ -583,7 +585,8 @@ def make_config(args):
     cfg = QUICK if args.quick else FULL
     over = {k: v for k, v in (("steps", args.steps), ("seq_len", args.seq_len), ("batch", args.batch),
                               ("warmup_steps", args.warmup_steps), ("eval_every", args.eval_every),
-                              ("layers", args.layers), ("topk", args.topk), ("copies", args.copies))
+                              ("layers", args.layers), ("topk", args.topk), ("copies", args.copies),
+                              ("index_head_dim", args.index_head_dim))
             if v is not None}
     cfg = dataclasses.replace(cfg, **over)
     if cfg.warmup_steps > cfg.steps:
