@@ -70,6 +70,14 @@ def test_demo_cpu_tiny(tmp_path):
     assert saved["config"]["seq_len"] == 512 and saved["config"]["block_size"] == 64
 
 
+def test_index_head_dim_option():
+    """--index-head-dim sets the index branch's Di (128: the Hopper FP8 top-k in the runs' FP8 check); others refused."""
+    assert demo.make_config(demo.parse_args(["--quick", "--index-head-dim", "128"])).index_head_dim == 128
+    assert demo.make_config(demo.parse_args(["--quick"])).index_head_dim == 64
+    with pytest.raises(SystemExit):
+        demo.parse_args(["--index-head-dim", "96"])
+
+
 def test_task_layout():
     """Every key's copies sit in distinct context blocks, each a run of `span` identical tokens, and every
     query's target is the value of its key."""
