@@ -62,17 +62,17 @@ int main(int argc, char** argv) {
         std::vector<Buf> q8, k8;
         std::vector<msa::IndexTopkParams> fp8_params;
         Buf amax(sizeof(float) * size_t(pb.b) * pb.hki);
+        auto copies = [&](int i) {
+          BENCH_CHECK(launch_fp8_copies(pb, qi[i].get(), ki[i].get(), q8[i].as<uint8_t>(), k8[i].as<uint8_t>(),
+                                        amax.as<float>(), s));
+        };
         for (int i = 0; i < n_sets; ++i) {
           q8.emplace_back(qi_bytes / 2);
           k8.emplace_back(ki_bytes / 2);
-          BENCH_CHECK(launch_fp8_copies(pb, qi[i].get(), ki[i].get(), q8[i].as<uint8_t>(), k8[i].as<uint8_t>(),
-                                        amax.as<float>(), s));
+          copies(i);
           fp8_params.push_back(index_topk_params(pb, q8[i].get(), k8[i].get(), indices.as<int32_t>()));
         }
-        const double copies_ms = time_ms(opt, s, n_sets, [&](int i) {
-          BENCH_CHECK(launch_fp8_copies(pb, qi[i].get(), ki[i].get(), q8[i].as<uint8_t>(), k8[i].as<uint8_t>(),
-                                        amax.as<float>(), s));
-        });
+        const double copies_ms = time_ms(opt, s, n_sets, copies);
         print_row("fp8_copies/smxx", pb.shape, copies_ms, 0, 1.5 * double(qi_bytes) + 2.5 * double(ki_bytes));
         const cudaError_t err8 = launch_index_topk_fp8(pb, fp8_params[0], s);
         if (err8 != cudaErrorNotSupported) {

@@ -73,6 +73,34 @@ __device__ __forceinline__ void consume(float (&acc)[N / 2], float (&sum)[kSums]
   }
 }
 
+// The timed loop of both rate kernels. kAcc = 1: issue, wait, consume. kAcc = 2: GEMM i + 1 into the other
+// accumulator before GEMM i's wait and use, four GEMMs per loop trip with the last one waited for in full (the dense
+// KL pass's heads: no wgmma in flight across the back edge, which ptxas would serialise; iters a multiple of 4).
+template <int kAcc, typename Acc, typename Issue, typename Consume>
+__device__ __forceinline__ void gemm_loop(int iters, Acc (&acc)[kAcc], Issue issue, Consume consume) {
+  if constexpr (kAcc == 2) {
+    for (int it = 0; it < iters; it += 4) {
+      issue(acc[0]);
+#pragma unroll
+      for (int h = 0; h < 4; ++h) {
+        if (h < 3) {
+          issue(acc[(h + 1) & 1]);
+          wgmma_wait<1>();
+        } else {
+          wgmma_wait<0>();
+        }
+        consume(acc[h & 1]);
+      }
+    }
+  } else {
+    for (int it = 0; it < iters; ++it) {
+      issue(acc[0]);
+      wgmma_wait<0>();
+      consume(acc[0]);
+    }
+  }
+}
+
 template <int N, bool kRS, int kAcc, bool kExp, int kWg>
 __global__ void __launch_bounds__(128 * kWg, 1) rate_kernel(int iters, float* out) {
   extern __shared__ __align__(1024) char smem_raw[];
@@ -97,30 +125,8 @@ __global__ void __launch_bounds__(128 * kWg, 1) rate_kernel(int iters, float* ou
   }
   float sum[kSums] = {};
   float acc[kAcc][N / 2];
-  if constexpr (kAcc == 2) {
-    // GEMM i + 1 into the other accumulator before GEMM i's wait and use, four GEMMs per loop trip with the
-    // last one waited for in full (the dense KL pass's heads: no wgmma in flight across the back edge, which
-    // ptxas would serialise; iters a multiple of 4).
-    for (int it = 0; it < iters; it += 4) {
-      issue<N, kRS>(acc[0], a_addr, b_addr, af);
-#pragma unroll
-      for (int h = 0; h < 4; ++h) {
-        if (h < 3) {
-          issue<N, kRS>(acc[(h + 1) & 1], a_addr, b_addr, af);
-          wgmma_wait<1>();
-        } else {
-          wgmma_wait<0>();
-        }
-        consume<N, kExp>(acc[h & 1], sum);
-      }
-    }
-  } else {
-    for (int it = 0; it < iters; ++it) {
-      issue<N, kRS>(acc[0], a_addr, b_addr, af);
-      wgmma_wait<0>();
-      consume<N, kExp>(acc[0], sum);
-    }
-  }
+  gemm_loop(iters, acc, [&](float (&d)[N / 2]) { issue<N, kRS>(d, a_addr, b_addr, af); },
+            [&](float (&d)[N / 2]) { consume<N, kExp>(d, sum); });
   float s = 0.f;
 #pragma unroll
   for (int i = 0; i < kSums; ++i) s += sum[i];
@@ -151,8 +157,7 @@ __device__ __forceinline__ void wgmma_e4m3_n256_f16(uint32_t (&d)[64], const uin
 
 // The FP8 top-k's GEMM (index_topk_sm90_kernel, kFp8): acc (64 x N f16) = A (64 x 128 e4m3, registers) B^T (B: N
 // keys x 128 e4m3 bytes, the K-major 128-byte-swizzled tile of 64 16-bit columns), four k-steps of k32 (N = 128: the
-// kernel's WgmmaRSE4m3N128F16; N = 256: the wrapper above); kAcc = 2: GEMM i + 1 in flight under GEMM i's consumer,
-// in runs of 4 as above.
+// kernel's WgmmaRSE4m3N128F16; N = 256: the wrapper above), timed by gemm_loop as the 16-bit GEMMs.
 constexpr int kFp8Steps = kK / 32;
 template <int N>
 __device__ __forceinline__ void issue_fp8(uint32_t (&acc)[N / 4], uint32_t b_addr, const uint32_t (&af)[kFp8Steps][4]) {
@@ -195,27 +200,8 @@ __global__ void __launch_bounds__(128 * kWg, 1) rate_kernel_fp8(int iters, float
 #pragma unroll
   for (int i = 0; i < kSums; ++i) mx[i] = __float2half2_rn(-1.f);
   uint32_t acc[kAcc][N / 4];
-  if constexpr (kAcc == 2) {
-    for (int it = 0; it < iters; it += 4) {
-      issue_fp8<N>(acc[0], b_addr, af);
-#pragma unroll
-      for (int h = 0; h < 4; ++h) {
-        if (h < 3) {
-          issue_fp8<N>(acc[(h + 1) & 1], b_addr, af);
-          wgmma_wait<1>();
-        } else {
-          wgmma_wait<0>();
-        }
-        consume_fp8<N>(acc[h & 1], mx);
-      }
-    }
-  } else {
-    for (int it = 0; it < iters; ++it) {
-      issue_fp8<N>(acc[0], b_addr, af);
-      wgmma_wait<0>();
-      consume_fp8<N>(acc[0], mx);
-    }
-  }
+  gemm_loop(iters, acc, [&](uint32_t (&d)[N / 4]) { issue_fp8<N>(d, b_addr, af); },
+            [&](uint32_t (&d)[N / 4]) { consume_fp8<N>(d, mx); });
   float m = -1.f;
 #pragma unroll
   for (int i = 0; i < kSums; ++i) m = fmaxf(m, fmaxf(__low2float(mx[i]), __high2float(mx[i])));
