@@ -278,9 +278,10 @@ __global__ void __launch_bounds__(IndexTopkShape<WG>::kThreads, 1)
   float run_m[2] = {kNegInf, kNegInf}, run_l[2] = {0.f, 0.f};
   const int pos_r[2] = {pos0 + (warp * 16 + g) / hr, pos0 + (warp * 16 + g + 8) / hr};
 
-  // The FP8 top-k's lists in registers where they fit (RegTopList: topk <= 17, CTA-uniform; s68: -14% top-k time
-  // at 128K on the H100), else the shared heaps.
-  const bool reg = kFp8 && p.topk - 1 <= 2 * RegTopList::kPerLane;
+  // The plain top-k's lists in registers where they fit (RegTopList: topk <= 17, CTA-uniform), else the shared heaps
+  // (kSel's carry the blocks' sums: always the heaps). s68, H100, probe_fp8_index: FP8 -14% / -18% at 128K / 32K;
+  // 16-bit -17% at 8K (2 warpgroups), -4% at 32K and even at 128K (4 warpgroups: 128 registers, 96 bytes spilled).
+  const bool reg = !kLse && !kSel && p.topk - 1 <= 2 * RegTopList::kPerLane;
   const int half = tq >> 1;
   RegTopList rl;
   if (reg) {
