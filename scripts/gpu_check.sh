@@ -45,7 +45,10 @@ case "${MSA_PYTEST_HALF:-}" in
   2) targs="${MSA_PYTEST_ARGS:-} $(ls tests/test_[l-z]*.py | tr '\n' ' ')" ;;
   *) echo "MSA_PYTEST_HALF must be 1 or 2" >&2; exit 2 ;;
 esac
-"${to[@]}" $PY -m pytest $targs -q -rs --durations=10 > "$LOG/tests.log" 2>&1
+# Split as the shell would (quotes kept): a -k expression with spaces stays one argument ("-k 'a or b'"; s68's
+# queue line lost its tests to the plain word split).
+eval "targv=($targs)"
+"${to[@]}" $PY -m pytest "${targv[@]}" -q -rs --durations=10 > "$LOG/tests.log" 2>&1
 rc_tests=$?
 echo "tests: rc=$rc_tests, $(( $(date +%s) - t0 )) s, $(tail -n 1 "$LOG/tests.log")" | tee -a "$LOG/summary.txt"
 rc_bench=0
