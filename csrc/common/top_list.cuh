@@ -111,11 +111,12 @@ struct TopHeap {
 };
 using SmemTopHeap = TopHeap<false>;
 
-// The same list in registers (the sm90 FP8 top-k, topk - 1 <= 16): a row's entries on the two lanes of its quad that
-// hold the row (tq and tq ^ 2), 8 slots each (slot 8 half + i; slots at or past topk - 1 hold (+inf, -1), never the
-// worst), each lane's worst entry (TopHeap::worse's order) kept beside them. An insertion is the holder of the row's
-// worst replacing it, a compare-select tree over its 8, and one exchange of the two lanes' worsts: no shared memory
-// on the path, no dependent loads. The same entries as TopHeap's (same take condition, same worst, same ties).
+// The same list in registers (the sm90 plain top-k, FP8 or 16-bit, topk - 1 <= 16): a row's entries on the two lanes
+// of its quad that hold the row (tq and tq ^ 2), 8 slots each (slot 8 half + i; slots at or past topk - 1 hold (+inf,
+// -1), never the worst), each lane's worst entry (TopHeap::worse's order) kept beside them. An insertion is the
+// holder of the row's worst replacing it, a compare-select tree over its 8, and one exchange of the two lanes'
+// worsts: no shared memory on the path, no dependent loads. The same entries as TopHeap's (same take condition, same
+// worst, same ties).
 struct RegTopList {
   static constexpr int kPerLane = 8;
   float s[kPerLane];
