@@ -87,16 +87,18 @@ def test_select_blocks_many_sequences():
     _check(qi, ki, cu, mx, 16, 128)
 
 
+@pytest.mark.parametrize("bs", [128, 64])
 @pytest.mark.parametrize("lengths,heads", [([8192], (16, 2, 4, 1)), ([3000, 1, 700], (8, 2, 8, 1)),
                                            ([2500], (16, 2, 16, 16)), ([900, 1300], (64, 1, 64, 1))])
-def test_select_blocks_warpgroup_count(monkeypatch, lengths, heads):
+def test_select_blocks_warpgroup_count(monkeypatch, lengths, heads, bs):
     """The Hopper kernel's 2- and 4-warpgroup CTAs (MSA_TOPK_WG; by default 2 where the 4-warpgroup grid fits in
-    one wave) give the same selection bit for bit: a row's scores do not depend on how rows are tiled."""
+    one wave) give the same selection bit for bit: a row's scores do not depend on how rows are tiled. Both block
+    sizes (a 128-key sub-tile is one block or two; each has its own path through the register lists, s68)."""
     if os.environ.get("MSA_PORTABLE_KERNELS") == "1" or not sm90_kernels_run():
         pytest.skip("the warpgroup count is the sm_90a kernel's")
     _, _, _, qi, ki, cu, mx = make_packed(lengths, heads, 64, 128, dtype=torch.bfloat16, device="cuda", seed=31)
     got = {}
     for wg in ("2", "4"):
         monkeypatch.setenv("MSA_TOPK_WG", wg)
-        got[wg] = _check(qi, ki, cu, mx, 16, 128, ref_compare=wg == "2")
+        got[wg] = _check(qi, ki, cu, mx, 16, bs, ref_compare=wg == "2")
     assert torch.equal(got["2"], got["4"])
