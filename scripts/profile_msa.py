@@ -22,9 +22,9 @@ def main():
     ns = [int(a) for a in sys.argv[1:]] or [32768]
     det = os.environ.get("MSA_PROFILE_DETERMINISTIC") == "1"
     fp8 = os.environ.get("MSA_PROFILE_FP8") == "1"
-    if fp8 and (det or os.environ.get("MSA_PROFILE_WARMUP", "0") != "0"):
-        sys.exit("MSA_PROFILE_FP8=1 profiles the default step: not with MSA_PROFILE_DETERMINISTIC or MSA_PROFILE_WARMUP")
     warm_env = os.environ.get("MSA_PROFILE_WARMUP", "0")
+    if fp8 and (det or warm_env != "0"):
+        sys.exit("MSA_PROFILE_FP8=1 profiles the default step: not with MSA_PROFILE_DETERMINISTIC or MSA_PROFILE_WARMUP")
     for warm in {"1": [True], "both": [False, True]}.get(warm_env, [False]):
         for n in ns:
             profile_one(n, det, warm, fp8)
