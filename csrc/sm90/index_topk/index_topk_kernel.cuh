@@ -7,9 +7,10 @@
 // RS wgmma, loaded once) and multiplies it by 128-key sub-tiles of K (one block of 128 or two of 64)
 // that one thread streams into shared memory with TMA (4 stages: a "full" mbarrier per stage completes
 // with the TMA bytes, an "empty" one when all the CTA's warps are done reading it, so the thread refills it)
-// in the 128-byte-swizzled K-major layout wgmma reads. Per sub-tile a warpgroup issues D / 16 wgmma
-// m64n128k16 and waits. No CTA barrier in the loop: the warpgroups drift apart, and one group's row-max
-// epilogue overlaps the others' MMAs (benchmarks/NOTES.md s13 has the versions and their timings).
+// in the 128-byte-swizzled K-major layout wgmma reads. Per sub-tile a warpgroup issues D / 16 wgmma m64n128k16 and
+// waits (the plain top-k's: twice D / 16 m64n64k16, one 64-key half after the other, each waited for). No CTA
+// barrier in the loop: the warpgroups drift apart, and one group's row-max epilogue overlaps the others' MMAs
+// (benchmarks/NOTES.md s13 has the versions and their timings).
 // As in the portable kernel, every block before a row's own block is fully visible and the own block
 // is forced in, so no causal mask is needed: the CTA scores blocks [0, block of its last token) and a
 // row ignores the blocks at or past its own.
@@ -153,6 +154,24 @@ __device__ __forceinline__ void block_sums(const float (&c)[64], const float (&m
     l[r] = (sum[0] + sum[1]) + (sum[2] + sum[3]);
 #pragma unroll
     for (int off = 1; off <= 2; off <<= 1) l[r] += __shfl_xor_sync(0xffffffffu, l[r], off);
+  }
+}
+
+// The row maxima of 64 keys, the 8-column slices J0 .. J0 + 7 of an fp32 accumulator (m[0] for row g, m[1] for row
+// g + 8): a pairwise tree over the 16 values of each row (short dependency chains).
+template <int J0, int N>
+__device__ __forceinline__ void row_max_64(const float (&c)[N], float (&m)[2]) {
+  static_assert(4 * (J0 + 8) <= N, "row_max_64: slices within the accumulator");
+#pragma unroll
+  for (int r = 0; r < 2; ++r) {
+    float t[8];
+#pragma unroll
+    for (int j = 0; j < 8; ++j) t[j] = fmaxf(c[4 * (J0 + j) + 2 * r], c[4 * (J0 + j) + 2 * r + 1]);
+#pragma unroll
+    for (int w = 4; w >= 1; w /= 2)
+#pragma unroll
+      for (int j = 0; j < w; ++j) t[j] = fmaxf(t[j], t[j + w]);
+    m[r] = t[0];
   }
 }
 
@@ -367,9 +386,14 @@ __global__ void __launch_bounds__(IndexTopkShape<WG>::kThreads, 1)
     __syncthreads();
     write_index_row<false>(p, tl, sScore, sBlock, tid, nullptr);
   } else {
-    float c[S::kKeys / 2];
+    // kHalves (the plain top-k): a sub-tile as two m64n64 wgmmas into one 32-register set, each half's row maxima
+    // taken before the next half's MMA; the 32 registers this frees keep the register lists unspilled at 4
+    // warpgroups (the fused m64n128 form: 128 registers, 96 bytes spilled).
+    constexpr bool kHalves = !kLse && !kSel;
+    constexpr int kAcc = kHalves ? S::kKeys / 4 : S::kKeys / 2;
+    float c[kAcc];
 #pragma unroll
-    for (int e = 0; e < S::kKeys / 2; ++e) c[e] = 0.f;
+    for (int e = 0; e < kAcc; ++e) c[e] = 0.f;
     for (int it = 0; it < total; ++it) {
       // Thread 0 refills the stage of sub-tile it - 1 with it + kStages - 1 once every warp has released
       // it - 1 (use (it - 1) / kStages of that stage's empty barrier); then every warp waits for
@@ -381,12 +405,30 @@ __global__ void __launch_bounds__(IndexTopkShape<WG>::kThreads, 1)
       }
       mbar_wait(full + it % S::kStages, (it / S::kStages) & 1);
       const uint32_t k_addr = sm80::smem_addr(sK + (it % S::kStages) * S::kKeys * D);
-      wgmma_fence();
+      // Row max of each 64-key half: m[h][0] for row g, m[h][1] for row g + 8.
+      float m[2][2];
+      if constexpr (kHalves) {
 #pragma unroll
-      for (int ks = 0; ks < D / 16; ++ks) WgmmaRS<T, S::kKeys>::run(c, a[ks], KTile::desc(k_addr, ks), ks > 0);
-      wgmma_commit();
-      wgmma_wait<0>();
-      fence_regs(c);  // no use of the scores moves above the wait
+        for (int h = 0; h < 2; ++h) {  // keys 64 h .. 64 h + 63: rows of the stage's panels, 1024-byte atoms kept
+          const uint32_t half_addr = k_addr + uint32_t(h * (S::kKeys / 2) * 64 * int(sizeof(T)));
+          wgmma_fence();
+#pragma unroll
+          for (int ks = 0; ks < D / 16; ++ks) {
+            WgmmaRS<T, S::kKeys / 2>::run(c, a[ks], KTile::desc(half_addr, ks), ks > 0);
+          }
+          wgmma_commit();
+          wgmma_wait<0>();
+          fence_regs(c);  // no use of the scores moves above the wait
+          row_max_64<0>(c, m[h]);
+        }
+      } else {
+        wgmma_fence();
+#pragma unroll
+        for (int ks = 0; ks < D / 16; ++ks) WgmmaRS<T, S::kKeys>::run(c, a[ks], KTile::desc(k_addr, ks), ks > 0);
+        wgmma_commit();
+        wgmma_wait<0>();
+        fence_regs(c);  // no use of the scores moves above the wait
+      }
       if (lane == 0) mbar_arrive(empty + it % S::kStages);  // this warp is done reading the stage
       if constexpr (kLse) {
         if ((it + 1) * S::kKeys - 1 <= pos0) {  // every row sees every key of the sub-tile
@@ -395,21 +437,9 @@ __global__ void __launch_bounds__(IndexTopkShape<WG>::kThreads, 1)
           lse_tile_update<true>(c, run_m, run_l, sl2, it * S::kKeys + 2 * tq, pos_r);
         }
       } else {
-        // Row max of each 64-key half: m[h][0] for row g, m[h][1] for row g + 8 (8-column slices 8h..8h+7).
-        float m[2][2];
-#pragma unroll
-        for (int h = 0; h < 2; ++h) {
-#pragma unroll
-          for (int r = 0; r < 2; ++r) {  // a pairwise tree over the 16 values (short dependency chains)
-            float t[8];
-#pragma unroll
-            for (int j = 0; j < 8; ++j) t[j] = fmaxf(c[4 * (8 * h + j) + 2 * r], c[4 * (8 * h + j) + 2 * r + 1]);
-#pragma unroll
-            for (int w = 4; w >= 1; w /= 2)
-#pragma unroll
-              for (int j = 0; j < w; ++j) t[j] = fmaxf(t[j], t[j + w]);
-            m[h][r] = t[0];
-          }
+        if constexpr (!kHalves) {  // 8-column slices 8h .. 8h + 7
+          row_max_64<0>(c, m[0]);
+          row_max_64<8>(c, m[1]);
         }
         merge_halves(m, nb);
 #pragma unroll
