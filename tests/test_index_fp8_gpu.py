@@ -89,6 +89,42 @@ def test_select_blocks_fp8_varlen_negative_and_zero_scale(scale):
     _check(qi, ki, cu, mx, 16, 64, scale=scale)
 
 
+def _tie_copies(n, bs):
+    """e4m3 (n, 4, 128) q_idx / (n, 1, 128) k_idx whose block scores tie exactly: heads 0, 1 of q all -16, heads 2, 3
+    all +16; every key of block j is -16 (j % 8 == 3), +16 (j % 8 == 5), +0 (j even) or -0 (other odd j), so a
+    block scores +-32768 or a zero whose sign differs with the block (f16 products -0 and +0)."""
+    q = torch.full((n, 4, 128), 16.0)
+    q[:, :2] = -16.0
+    j = torch.arange(n) // bs
+    key = torch.where(j % 2 == 0, 0.0, -0.0)
+    key = torch.where(j % 8 == 3, -16.0, torch.where(j % 8 == 5, 16.0, key))
+    k = key[:, None, None].expand(n, 1, 128).contiguous()
+    return q.to(FP8), k.to(FP8)
+
+
+@pytest.mark.parametrize("bs", [64, 128])
+@pytest.mark.parametrize("scale", [0.125, 0.0])
+def test_select_blocks_fp8_exact_ties(bs, scale):
+    """Exact ties, among them zeros of both signs (fp32 compares -0 equal to +0): every row must keep SPEC 2's
+    blocks, ties to the lower block, exactly (the Hopper FP8 top-k ranks f16 maxima by their bits: a -0 ranked
+    below +0 would keep a later block). Scale 0 ties every block: the lowest win."""
+    n, topk = 2048, 8
+    q8, k8 = _tie_copies(n, bs)
+    assert (k8.view(torch.uint8)[(torch.arange(n) // bs) % 8 == 1] == 0x80).all(), "the -0 keys are -0"
+    cu = torch.tensor([0, n], dtype=torch.int32)
+    got = torch.ops.msa.select_blocks(q8.cuda(), k8.cuda(), cu.cuda(), n, topk, bs, scale).cpu()
+    blocks = torch.arange(n // bs)
+    bscore = torch.where(blocks % 8 == 3, 1.0, torch.where(blocks % 8 == 5, -1.0, 0.0))
+    want = torch.full((4, n, topk), -1, dtype=torch.int32)
+    for h in range(4):
+        sign = (1.0 if h < 2 else -1.0) * (scale != 0)  # heads 0, 1: q < 0, so block 3 scores +
+        for local in range(n // bs):
+            order = sorted(range(local), key=lambda b: (-sign * bscore[b].item(), b))
+            kept = sorted(order[:topk - 1]) + [local]
+            want[h, local * bs:(local + 1) * bs, :len(kept)] = torch.tensor(kept, dtype=torch.int32)
+    assert torch.equal(got, want), f"{(got != want).any(-1).sum().item()} rows differ"
+
+
 def test_select_blocks_fp8_strided_and_scaled_inputs():
     """Last-dim contiguous views give the same selection; so do inputs scaled by powers of two (the copies'
     power-of-two scales make the rounding independent of them), which also moves k's per-head scale."""

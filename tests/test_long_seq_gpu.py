@@ -13,7 +13,7 @@ import torch
 import msa
 
 from attention_check import ATOL, assert_lse_close, max_err
-from helpers import fp8_rel_tol
+from helpers import fp8_rel_tol, sm90_kernels_run
 from row_oracle import block_grads, check_selection, in_chunks, row_terms, selectors
 
 pytestmark = [pytest.mark.gpu, pytest.mark.usefixtures("kernel_choice")]
@@ -167,6 +167,29 @@ def _dense_attended(indices, t, r, cu, block_size):
     tok = s0[:, None] + torch.arange(L, device=t.device)
     ok = tok <= t[:, None]
     return torch.where(ok, tok, t[:, None]), ok  # masked entries point at the row's own token
+
+
+def test_fp8_selection_past_65536_blocks():
+    """The Hopper FP8 top-k's register lists pack a block's index into 16 bits of a key: a CTA whose rows see more than
+    65536 blocks keeps its lists in shared memory instead. Two sequences of 64-key blocks, one index head: the first
+    (65536 blocks and 64 keys) ends in a CTA of 64 rows whose own block is 65536, the last with keys (blocks 0 ..
+    65535 offered); the second (one block more) ends in one that sees 65537, in shared memory. Their rows, and rows
+    at random, against fp32 block scores of the copies."""
+    if not sm90_kernels_run():
+        pytest.skip("the limit is the sm_90a FP8 kernel's")
+    bs = 64
+    lens = (65536 * bs + 64, 65537 * bs + 64)
+    T = sum(lens)
+    g = torch.Generator(device="cuda").manual_seed(65536)
+    qi, ki = (torch.randn(T, 1, Di, generator=g, device="cuda", dtype=torch.bfloat16) for _ in range(2))
+    cu = torch.tensor([0, lens[0], T], dtype=torch.int32, device="cuda")
+    idx = msa.select_blocks(qi, ki, cu_seqlens=cu, max_seqlen=max(lens), topk=TOPK, block_size=bs,
+                            index_dtype=torch.float8_e4m3fn)
+    q8, k8 = msa.fp8_index_copies(qi, ki, cu)
+    del qi, ki
+    tokens = torch.cat([torch.arange(lens[0] - 96, lens[0]), torch.arange(T - 160, T),
+                        torch.randint(0, T, (32,), generator=torch.Generator().manual_seed(1))])
+    check_selection(idx, torch.unique(tokens).cuda(), q8, k8, cu, TOPK, bs, 1 / math.sqrt(Di), rel_tol=fp8_rel_tol(Di))
 
 
 @pytest.mark.parametrize("N,det", [(131072, False), (524288, True)])

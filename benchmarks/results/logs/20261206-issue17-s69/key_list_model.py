@@ -1,0 +1,87 @@
+"""Model of patches/topk_fp8_keys.patch (s69): the FP8 top-k's RegKeyList and fp8_block_key against TopHeap's float
+form (csrc/common/top_list.cuh), on one row: blocks offered in ascending order with f16 maxima (many ties, +-0,
++-inf, NaN, the largest finite values), the float form's score abs_scale * max in fp32 (s > thr strict, NaN never
+taken) against the keys (key > thr, unsigned), and the kept sets compared. Blocks up to 65535.
+python3 key_list_model.py"""
+import math
+import random
+import struct
+
+import numpy as np
+
+NEG, POS = -math.inf, math.inf
+PAD, MIN_KEY = 0xFFFFFFFF, 0x04000000
+
+
+def worse(sa, ba, sb, bb):
+    return sa < sb or (sa == sb and ba > bb)
+
+
+def heap_run(stream, size, scale):
+    sc, bl = [NEG] * size, [-1] * size
+    thr = NEG if size > 0 else POS
+    for b, h in stream:
+        with np.errstate(invalid="ignore"):  # 0 * inf
+            s = float(np.float32(scale) * np.float32(h))  # abs_scale * __half2float in fp32
+        if not (s > thr):
+            continue
+        j = min(range(size), key=lambda i: (sc[i], -bl[i]))  # the worst: lowest score, then highest block
+        sc[j], bl[j] = s, b
+        w = min(range(size), key=lambda i: (sc[i], -bl[i]))
+        thr = sc[w]
+    return sorted(x for x in bl if x >= 0)
+
+
+def key_of(h, b, zero_scale):  # fp8_block_key after the quad max
+    u = struct.unpack("<H", np.float16(h).tobytes())[0]
+    if u == 0x8000:
+        u = 0
+    u = (~u & 0xFFFF) if u & 0x8000 else (u | 0x8000)
+    if zero_scale:
+        u = 0x8000 if (u - 0x0400) % 2**32 < 0xF800 else 0
+    return ((u << 16) | (0xFFFF - b)) if (u - 0x0400) % 2**32 <= 0xF800 else 0
+
+
+class Lane:
+    def __init__(self, size, half):
+        self.k = [8 * half + i if 8 * half + i < size else PAD for i in range(8)]
+        self.w = min(self.k)
+
+
+def key_run(stream, size, scale):
+    lanes = [Lane(size, 0), Lane(size, 1)]
+
+    def exchange():
+        a, b = lanes
+        a.hold, b.hold = a.w < b.w, b.w < a.w
+        assert a.hold != b.hold or a.w == b.w == PAD
+        return min(a.w, b.w)
+    thr = exchange()
+    for b, h in stream:
+        key = key_of(h, b, scale == 0)
+        if not key > thr:
+            continue
+        for ln in lanes:
+            if ln.hold:
+                assert sum(x == ln.w for x in ln.k) == 1
+                ln.k = [key if x == ln.w else x for x in ln.k]
+                ln.w = min(ln.k)
+        thr = exchange()
+    return sorted(0xFFFF - (x & 0xFFFF) for ln in lanes for x in ln.k if MIN_KEY <= x != PAD)
+
+
+rng = random.Random(69)
+special = [0.0, -0.0, math.inf, -math.inf, math.nan, 65504.0, -65504.0, 6e-8, -6e-8, 1.0, -1.0]
+cases = 0
+for trial in range(20000):
+    size = rng.randint(0, 16)
+    n = rng.randint(0, 80)
+    first = rng.choice([0, 0, 65535 - n])  # blocks near the 16-bit limit too
+    pool = [rng.choice(special) if rng.random() < 0.3 else float(np.float16(rng.choice([1, 4, 64]) * rng.gauss(0, 1)))
+            for _ in range(rng.randint(1, 12))]
+    stream = [(first + b, rng.choice(pool)) for b in range(n)]
+    scale = rng.choice([0.0, 0.125, 1.0, 0.08838834764831845])
+    want, got = heap_run(stream, size, scale), key_run(stream, size, scale)
+    assert want == got, (size, scale, stream, want, got)
+    cases += 1
+print(f"{cases} rows: the key lists keep TopHeap's blocks")
