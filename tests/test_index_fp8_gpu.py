@@ -107,7 +107,8 @@ def _tie_copies(n, bs):
 def test_select_blocks_fp8_exact_ties(bs, scale):
     """Exact ties, among them zeros of both signs (fp32 compares -0 equal to +0): every row must keep SPEC 2's
     blocks, ties to the lower block, exactly (the Hopper FP8 top-k ranks f16 maxima by their bits: a -0 ranked
-    below +0 would keep a later block). Scale 0 ties every block: the lowest win."""
+    below +0 would keep a later block, where the tensor cores' sum of -0 products is -0: the inputs' -0 bytes are
+    checked here, the sums' sign is the hardware's). Scale 0 ties every block: the lowest win."""
     n, topk = 2048, 8
     q8, k8 = _tie_copies(n, bs)
     assert (k8.view(torch.uint8)[(torch.arange(n) // bs) % 8 == 1] == 0x80).all(), "the -0 keys are -0"

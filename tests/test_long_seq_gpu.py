@@ -172,9 +172,9 @@ def _dense_attended(indices, t, r, cu, block_size):
 def test_fp8_selection_past_65536_blocks():
     """The Hopper FP8 top-k's register lists pack a block's index into 16 bits of a key: a CTA whose rows see more than
     65536 blocks keeps its lists in shared memory instead. Two sequences of 64-key blocks, one index head: the first
-    (65536 blocks and 64 keys) ends in a CTA of 64 rows whose own block is 65536, the last with keys (blocks 0 ..
-    65535 offered); the second (one block more) ends in one that sees 65537, in shared memory. Their rows, and rows
-    at random, against fp32 block scores of the copies."""
+    (65536 blocks and 64 keys) ends in a CTA (256 rows) of 64 tokens whose own block is 65536, the last with keys
+    (blocks 0 .. 65535 offered); the second (one block more) ends in one that sees 65537, in shared memory. Their
+    rows, the CTAs' before them, and rows at random, against fp32 block scores of the copies."""
     if not sm90_kernels_run():
         pytest.skip("the limit is the sm_90a FP8 kernel's")
     bs = 64

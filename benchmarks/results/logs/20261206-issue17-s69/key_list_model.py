@@ -1,7 +1,8 @@
 """Model of patches/topk_fp8_keys.patch (s69): the FP8 top-k's RegKeyList and fp8_block_key against TopHeap's float
 form (csrc/common/top_list.cuh), on one row: blocks offered in ascending order with f16 maxima (many ties, +-0,
 +-inf, NaN, the largest finite values), the float form's score abs_scale * max in fp32 (s > thr strict, NaN never
-taken) against the keys (key > thr, unsigned), and the kept sets compared. Blocks up to 65535.
+taken) against the keys (key > thr, unsigned), and the kept sets compared. Blocks up to 65535; scales 0 and within
+[2^-125, 2^112] (the kernel takes the heaps outside: fp32 products of distinct f16 maxima tie or overflow there).
 python3 key_list_model.py"""
 import math
 import random
@@ -80,7 +81,7 @@ for trial in range(20000):
     pool = [rng.choice(special) if rng.random() < 0.3 else float(np.float16(rng.choice([1, 4, 64]) * rng.gauss(0, 1)))
             for _ in range(rng.randint(1, 12))]
     stream = [(first + b, rng.choice(pool)) for b in range(n)]
-    scale = rng.choice([0.0, 0.125, 1.0, 0.08838834764831845])
+    scale = rng.choice([0.0, 0.125, 1.0, 0.08838834764831845, 2.0**-125, 2.0**112])  # keys: 0 or [2^-125, 2^112]
     want, got = heap_run(stream, size, scale), key_run(stream, size, scale)
     assert want == got, (size, scale, stream, want, got)
     cases += 1
