@@ -89,31 +89,35 @@ def test_select_blocks_fp8_varlen_negative_and_zero_scale(scale):
     _check(qi, ki, cu, mx, 16, 64, scale=scale)
 
 
-def _tie_copies(n, bs):
-    """e4m3 (n, 4, 128) q_idx / (n, 1, 128) k_idx whose block scores tie exactly: heads 0, 1 of q all -16, heads 2, 3
-    all +16; every key of block j is -16 (j % 8 == 3), +16 (j % 8 == 5), +0 (j even) or -0 (other odd j), so a
-    block scores +-32768 or a zero whose sign differs with the block (f16 products -0 and +0)."""
+def _tie_inputs(n, bs, dtype):
+    """(n, 4, 128) q_idx / (n, 1, 128) k_idx of `dtype` whose block scores tie exactly: heads 0, 1 of q all -16, heads
+    2, 3 all +16; every key of block j is -16 (j % 8 == 3), +16 (j % 8 == 5), +0 (j even) or -0 (other odd j), so a
+    block scores +-32768 or a zero whose sign differs with the block (products -0 and +0)."""
     q = torch.full((n, 4, 128), 16.0)
     q[:, :2] = -16.0
     j = torch.arange(n) // bs
     key = torch.where(j % 2 == 0, 0.0, -0.0)
     key = torch.where(j % 8 == 3, -16.0, torch.where(j % 8 == 5, 16.0, key))
     k = key[:, None, None].expand(n, 1, 128).contiguous()
-    return q.to(FP8), k.to(FP8)
+    return q.to(dtype), k.to(dtype)
 
 
+@pytest.mark.parametrize("dtype", [FP8, torch.bfloat16], ids=["fp8", "bf16"])
 @pytest.mark.parametrize("bs", [64, 128])
 @pytest.mark.parametrize("scale", [0.125, 0.0])
-def test_select_blocks_fp8_exact_ties(bs, scale):
+def test_select_blocks_exact_ties(dtype, bs, scale):
     """Exact ties, among them zeros of both signs (fp32 compares -0 equal to +0): every row must keep SPEC 2's
-    blocks, ties to the lower block, exactly (the Hopper FP8 top-k ranks f16 maxima by their bits: a -0 ranked
-    below +0 would keep a later block, where the tensor cores' sum of -0 products is -0: the inputs' -0 bytes are
-    checked here, the sums' sign is the hardware's). Scale 0 ties every block: the lowest win."""
+    blocks, ties to the lower block, exactly, on the e4m3 inputs (the Hopper FP8 top-k) and the same values in bf16
+    (the 16-bit one). A list that ranks its scores by their bits must rank -0 with +0, or it keeps a later block
+    where the tensor cores' sum of -0 products is -0 (the inputs' -0 bytes are checked here, the sums' sign is the
+    hardware's). Scale 0 ties every block: the lowest win."""
     n, topk = 2048, 8
-    q8, k8 = _tie_copies(n, bs)
-    assert (k8.view(torch.uint8)[(torch.arange(n) // bs) % 8 == 1] == 0x80).all(), "the -0 keys are -0"
+    qi, ki = _tie_inputs(n, bs, dtype)
+    neg_zero = 0x80 if dtype == FP8 else 0x8000
+    bits = ki.view(torch.uint8 if dtype == FP8 else torch.int16).to(torch.int32) & (0xFF if dtype == FP8 else 0xFFFF)
+    assert (bits[(torch.arange(n) // bs) % 8 == 1] == neg_zero).all(), "the -0 keys are -0"
     cu = torch.tensor([0, n], dtype=torch.int32)
-    got = torch.ops.msa.select_blocks(q8.cuda(), k8.cuda(), cu.cuda(), n, topk, bs, scale).cpu()
+    got = torch.ops.msa.select_blocks(qi.cuda(), ki.cuda(), cu.cuda(), n, topk, bs, scale).cpu()
     blocks = torch.arange(n // bs)
     bscore = torch.where(blocks % 8 == 3, 1.0, torch.where(blocks % 8 == 5, -1.0, 0.0))
     want = torch.full((4, n, topk), -1, dtype=torch.int32)

@@ -1,4 +1,4 @@
-"""Model of patches/topk_fp8_keys.patch (s69): the FP8 top-k's RegKeyList and fp8_block_key against TopHeap's float
+"""Model of patches/topk_fp8_keys.patch (s69), and of patches/topk16_keys.patch (64-bit keys of fp32 scores): the FP8 top-k's RegKeyList and fp8_block_key against TopHeap's float
 form (csrc/common/top_list.cuh), on one row: blocks offered in ascending order with f16 maxima (many ties, +-0,
 +-inf, NaN, the largest finite values), the float form's score abs_scale * max in fp32 (s > thr strict, NaN never
 taken) against the keys (key > thr, unsigned), and the kept sets compared. Blocks up to 65535; scales 0 and within
@@ -85,4 +85,55 @@ for trial in range(20000):
     want, got = heap_run(stream, size, scale), key_run(stream, size, scale)
     assert want == got, (size, scale, stream, want, got)
     cases += 1
-print(f"{cases} rows: the key lists keep TopHeap's blocks")
+print(f"{cases} rows: the FP8 key lists keep TopHeap's blocks")
+
+
+def f32_key_of(s, b):  # f32_block_key (patches/topk16_keys.patch): 64-bit keys
+    u = struct.unpack("<I", np.float32(s).tobytes())[0]
+    if u == 0x80000000:
+        u = 0
+    u = (~u & 0xFFFFFFFF) if u & 0x80000000 else (u | 0x80000000)
+    return ((u << 32) | (0xFFFFFFFF - b)) if (u - 0x00800000) % 2**32 <= 0xFF000000 else 0
+
+
+PAD64 = 0xFFFFFFFF0000FFFF
+
+
+def key64_run(stream, size):
+    lanes = [Lane(size, 0), Lane(size, 1)]
+    for ln in lanes:
+        ln.k = [PAD64 if x == PAD else x for x in ln.k]
+        ln.w = min(ln.k)
+
+    def exchange():
+        a, b = lanes
+        a.hold, b.hold = a.w < b.w, b.w < a.w
+        assert a.hold != b.hold or a.w == b.w == PAD64
+        return min(a.w, b.w)
+    thr = exchange()
+    for b, s in stream:
+        key = f32_key_of(s, b)
+        if not key > thr:
+            continue
+        for ln in lanes:
+            if ln.hold:  # RegKeyList::replace compares the low halves alone
+                assert sum((x & 0xFFFFFFFF) == (ln.w & 0xFFFFFFFF) for x in ln.k) == 1
+                ln.k = [key if (x & 0xFFFFFFFF) == (ln.w & 0xFFFFFFFF) else x for x in ln.k]
+                ln.w = min(ln.k)
+        thr = exchange()
+    return sorted(0xFFFFFFFF - (x & 0xFFFFFFFF) for ln in lanes for x in ln.k if x >= 16 and x != PAD64)
+
+
+special32 = [0.0, -0.0, math.inf, -math.inf, math.nan, 3.4028235e38, -3.4028235e38, 1e-45, -1e-45, 1.0, -1.0]
+cases = 0
+for trial in range(20000):
+    size = rng.randint(0, 16)
+    n = rng.randint(0, 80)
+    first = rng.choice([0, 0, 2**31 - 1 - n])
+    pool = [rng.choice(special32) if rng.random() < 0.3 else float(np.float32(rng.gauss(0, 1)))
+            for _ in range(rng.randint(1, 12))]
+    stream = [(first + b, rng.choice(pool)) for b in range(n)]
+    want, got = heap_run(stream, size, 1.0), key64_run(stream, size)
+    assert want == got, (size, stream, want, got)
+    cases += 1
+print(f"{cases} rows: the 16-bit top-k's 64-bit key lists keep TopHeap's blocks")
