@@ -1,8 +1,9 @@
-"""Model of patches/topk_fp8_keys.patch (s69), and of patches/topk16_keys.patch (64-bit keys of fp32 scores): the FP8 top-k's RegKeyList and fp8_block_key against TopHeap's float
-form (csrc/common/top_list.cuh), on one row: blocks offered in ascending order with f16 maxima (many ties, +-0,
-+-inf, NaN, the largest finite values), the float form's score abs_scale * max in fp32 (s > thr strict, NaN never
-taken) against the keys (key > thr, unsigned), and the kept sets compared. Blocks up to 65535; scales 0 and within
-[2^-125, 2^112] (the kernel takes the heaps outside: fp32 products of distinct f16 maxima tie or overflow there).
+"""Model of patches/topk_fp8_keys.patch (s69), and of patches/topk16_keys.patch (64-bit keys of fp32 scores): the FP8
+top-k's RegKeyList and fp8_block_key against TopHeap's float form (csrc/common/top_list.cuh), on one row: blocks
+offered in ascending order with f16 maxima (many ties, +-0, +-inf, NaN, the largest finite values), the float form's
+score abs_scale * max in fp32 (s > thr strict, NaN never taken) against the keys (key > thr, unsigned), and the kept
+sets compared. Blocks up to 65535; scales 0 and within [2^-125, 2^112] (the kernel takes the heaps outside: fp32
+products of distinct f16 maxima tie or overflow there).
 python3 key_list_model.py"""
 import math
 import random
