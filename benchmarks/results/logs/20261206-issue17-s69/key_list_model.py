@@ -12,7 +12,7 @@ import struct
 import numpy as np
 
 NEG, POS = -math.inf, math.inf
-PAD, MIN_KEY = 0xFFFFFFFF, 0x04000000
+PAD = 0xFFFFFFFF
 
 
 def worse(sa, ba, sb, bb):
@@ -44,32 +44,36 @@ def key_of(h, b, zero_scale):  # fp8_block_key after the quad max
     return ((u << 16) | (0xFFFF - b)) if (u - 0x0400) % 2**32 <= 0xF800 else 0
 
 
-class Lane:
-    def __init__(self, size, half):
-        self.k = [8 * half + i if 8 * half + i < size else PAD for i in range(8)]
-        self.w = min(self.k)
-
-
-def key_run(stream, size, scale):
-    lanes = [Lane(size, 0), Lane(size, 1)]
+def list_run(stream, size, key_of, pad, block_bits):
+    """RegKeyList on one row's two lanes (slot j of lane j // 8): empty slots hold j, padding `pad`; replace compares
+    the keys' low 32 bits (RegKeyList::replace); kept blocks read back from the low block_bits."""
+    lanes = [{"k": [j if j < size else pad for j in range(8 * h, 8 * h + 8)]} for h in (0, 1)]
+    for ln in lanes:
+        ln["w"] = min(ln["k"])
 
     def exchange():
         a, b = lanes
-        a.hold, b.hold = a.w < b.w, b.w < a.w
-        assert a.hold != b.hold or a.w == b.w == PAD
-        return min(a.w, b.w)
+        a["hold"], b["hold"] = a["w"] < b["w"], b["w"] < a["w"]
+        assert a["hold"] != b["hold"] or a["w"] == b["w"] == pad
+        return min(a["w"], b["w"])
     thr = exchange()
-    for b, h in stream:
-        key = key_of(h, b, scale == 0)
+    low = 0xFFFFFFFF
+    for b, s in stream:
+        key = key_of(s, b)
         if not key > thr:
             continue
         for ln in lanes:
-            if ln.hold:
-                assert sum(x == ln.w for x in ln.k) == 1
-                ln.k = [key if x == ln.w else x for x in ln.k]
-                ln.w = min(ln.k)
+            if ln["hold"]:
+                assert sum((x & low) == (ln["w"] & low) for x in ln["k"]) == 1
+                ln["k"] = [key if (x & low) == (ln["w"] & low) else x for x in ln["k"]]
+                ln["w"] = min(ln["k"])
         thr = exchange()
-    return sorted(0xFFFF - (x & 0xFFFF) for ln in lanes for x in ln.k if MIN_KEY <= x != PAD)
+    mask = (1 << block_bits) - 1
+    return sorted(mask - (x & mask) for ln in lanes for x in ln["k"] if x >= 16 and x != pad)
+
+
+def key_run(stream, size, scale):
+    return list_run(stream, size, lambda h, b: key_of(h, b, scale == 0), PAD, 16)
 
 
 rng = random.Random(69)
@@ -101,28 +105,7 @@ PAD64 = 0xFFFFFFFF0000FFFF
 
 
 def key64_run(stream, size):
-    lanes = [Lane(size, 0), Lane(size, 1)]
-    for ln in lanes:
-        ln.k = [PAD64 if x == PAD else x for x in ln.k]
-        ln.w = min(ln.k)
-
-    def exchange():
-        a, b = lanes
-        a.hold, b.hold = a.w < b.w, b.w < a.w
-        assert a.hold != b.hold or a.w == b.w == PAD64
-        return min(a.w, b.w)
-    thr = exchange()
-    for b, s in stream:
-        key = f32_key_of(s, b)
-        if not key > thr:
-            continue
-        for ln in lanes:
-            if ln.hold:  # RegKeyList::replace compares the low halves alone
-                assert sum((x & 0xFFFFFFFF) == (ln.w & 0xFFFFFFFF) for x in ln.k) == 1
-                ln.k = [key if (x & 0xFFFFFFFF) == (ln.w & 0xFFFFFFFF) else x for x in ln.k]
-                ln.w = min(ln.k)
-        thr = exchange()
-    return sorted(0xFFFFFFFF - (x & 0xFFFFFFFF) for ln in lanes for x in ln.k if x >= 16 and x != PAD64)
+    return list_run(stream, size, f32_key_of, PAD64, 32)
 
 
 special32 = [0.0, -0.0, math.inf, -math.inf, math.nan, 3.4028235e38, -3.4028235e38, 1e-45, -1e-45, 1.0, -1.0]
