@@ -394,6 +394,15 @@ __global__ void __launch_bounds__(IndexTopkShape<WG>::kThreads, 1)
     float c[kAcc];
 #pragma unroll
     for (int e = 0; e < kAcc; ++e) c[e] = 0.f;
+    // D / 16 RS wgmmas of the warp's Q rows by the keys at addr into c (m64 x 2 kAcc, fp32), waited for.
+    auto mma_wait = [&](uint32_t addr) {
+      wgmma_fence();
+#pragma unroll
+      for (int ks = 0; ks < D / 16; ++ks) WgmmaRS<T, 2 * kAcc>::run(c, a[ks], KTile::desc(addr, ks), ks > 0);
+      wgmma_commit();
+      wgmma_wait<0>();
+      fence_regs(c);  // no use of the scores moves above the wait
+    };
     for (int it = 0; it < total; ++it) {
       // Thread 0 refills the stage of sub-tile it - 1 with it + kStages - 1 once every warp has released
       // it - 1 (use (it - 1) / kStages of that stage's empty barrier); then every warp waits for
@@ -410,24 +419,11 @@ __global__ void __launch_bounds__(IndexTopkShape<WG>::kThreads, 1)
       if constexpr (kHalves) {
 #pragma unroll
         for (int h = 0; h < 2; ++h) {  // keys 64 h .. 64 h + 63: rows of the stage's panels, 1024-byte atoms kept
-          const uint32_t half_addr = k_addr + uint32_t(h * (S::kKeys / 2) * 64 * int(sizeof(T)));
-          wgmma_fence();
-#pragma unroll
-          for (int ks = 0; ks < D / 16; ++ks) {
-            WgmmaRS<T, S::kKeys / 2>::run(c, a[ks], KTile::desc(half_addr, ks), ks > 0);
-          }
-          wgmma_commit();
-          wgmma_wait<0>();
-          fence_regs(c);  // no use of the scores moves above the wait
+          mma_wait(k_addr + uint32_t(h * (S::kKeys / 2) * 64 * int(sizeof(T))));
           row_max_64<0>(c, m[h]);
         }
       } else {
-        wgmma_fence();
-#pragma unroll
-        for (int ks = 0; ks < D / 16; ++ks) WgmmaRS<T, S::kKeys>::run(c, a[ks], KTile::desc(k_addr, ks), ks > 0);
-        wgmma_commit();
-        wgmma_wait<0>();
-        fence_regs(c);  // no use of the scores moves above the wait
+        mma_wait(k_addr);
       }
       if (lane == 0) mbar_arrive(empty + it % S::kStages);  // this warp is done reading the stage
       if constexpr (kLse) {
