@@ -111,12 +111,12 @@ struct TopHeap {
 };
 using SmemTopHeap = TopHeap<false>;
 
-// The same list in registers (the sm90 plain top-k, FP8 or 16-bit, topk - 1 <= 16): a row's entries on the two lanes
-// of its quad that hold the row (tq and tq ^ 2), 8 slots each (slot 8 half + i; slots at or past topk - 1 hold (+inf,
-// -1), never the worst), each lane's worst entry (TopHeap::worse's order) kept beside them. An insertion is the
-// holder of the row's worst replacing it, a compare-select tree over its 8, and one exchange of the two lanes'
-// worsts: no shared memory on the path, no dependent loads. The same entries as TopHeap's (same take condition, same
-// worst, same ties).
+// The same list in registers (the sm90 16-bit plain top-k, topk - 1 <= 16; the FP8 one: RegKeyList below): a row's
+// entries on the two lanes of its quad that hold the row (tq and tq ^ 2), 8 slots each (slot 8 half + i; slots at or
+// past topk - 1 hold (+inf, -1), never the worst), each lane's worst entry (TopHeap::worse's order) kept beside them.
+// An insertion is the holder of the row's worst replacing it, a compare-select tree over its 8, and one exchange of the
+// two lanes' worsts: no shared memory on the path, no dependent loads. The same entries as TopHeap's (same take
+// condition, same worst, same ties).
 struct RegTopList {
   static constexpr int kPerLane = 8;
   float s[kPerLane];
@@ -184,6 +184,55 @@ struct RegTopList {
         heap.sc(j) = s[i];
         heap.bl(j) = b[i];
       }
+    }
+  }
+};
+
+// The FP8 top-k's list (topk - 1 <= 16): RegTopList's layout and protocol, each entry one 32-bit key that orders as
+// TopHeap::worse does, so that the worst is a min and an exchange one shuffle. A kept block's key is (its score's
+// order-preserving 16 bits: f16 maxima, key_of in the kernel) << 16 | (0xffff - block), blocks < 65536: a higher
+// score, then a lower block, is a larger key. The empty slots hold their slot number (0 .. 15, below every block's
+// key, which is >= kMinKey: f16 -65504's), the slots at or past topk - 1 kPad (above every block's key, never the
+// worst). Keys are unique but for kPad (blocks are distinct), so the row's worst is on exactly one of its lanes.
+struct RegKeyList {
+  static constexpr int kPerLane = 8;
+  static constexpr uint32_t kPad = 0xffffffffu;
+  static constexpr uint32_t kMinKey = 0x04000000u;
+  uint32_t k[kPerLane];
+  uint32_t w;  // this lane's worst (smallest) key
+  bool hold;   // this lane holds the row's worst
+  __device__ __forceinline__ void init(int size, int half) {
+#pragma unroll
+    for (int i = 0; i < kPerLane; ++i) {
+      const int j = kPerLane * half + i;
+      k[i] = j < size ? uint32_t(j) : kPad;
+    }
+    find_worst();
+  }
+  __device__ __forceinline__ void find_worst() {
+    uint32_t t[kPerLane / 2];
+#pragma unroll
+    for (int i = 0; i < kPerLane / 2; ++i) t[i] = min(k[2 * i], k[2 * i + 1]);
+    w = min(min(t[0], t[1]), min(t[2], t[3]));
+  }
+  // Every lane of the warp calls it (a shuffle): the row's threshold key on both of the row's lanes.
+  __device__ __forceinline__ uint32_t exchange() {
+    const uint32_t o = __shfl_xor_sync(0xffffffffu, w, 2);
+    hold = w < o;
+    return min(w, o);
+  }
+  // The holder's worst replaced by key kn.
+  __device__ __forceinline__ void replace(uint32_t kn) {
+#pragma unroll
+    for (int i = 0; i < kPerLane; ++i) k[i] = k[i] == w ? kn : k[i];
+    find_worst();
+  }
+  // The kept blocks into the row's TopHeap slots 0 .. topk - 2, -1 where empty (write_sorted reads only blocks).
+  __device__ __forceinline__ void store(const TopHeap<false>& heap, int half) const {
+#pragma unroll
+    for (int i = 0; i < kPerLane; ++i) {
+      const int j = kPerLane * half + i;
+      if (j < heap.size) heap.bl(j) = k[i] >= kMinKey ? int(0xffffu - (k[i] & 0xffffu)) : -1;
     }
   }
 };

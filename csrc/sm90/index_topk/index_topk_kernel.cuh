@@ -195,23 +195,39 @@ __device__ __forceinline__ float quad_block_score(float (&mh)[2], float abs_scal
 }
 
 // kFp8, one 128-key sub-tile's f16 scores (register i = columns 2 i, 2 i + 1 of the fp32 layout's c[4 j + 2 r + e]):
-// the row max of each 64-key half, m[h][0] for row g, m[h][1] for row g + 8 (8 pairs each: 7 paired maxima, then the
-// pair's two halves).
-__device__ __forceinline__ void row_max_f16(const uint32_t (&c16)[32], float (&m)[2][2]) {
+// the row max of each 64-key half, m[h] = (row g's, row g + 8's) (8 pairs each: 7 paired maxima, then the pair's two
+// halves, both rows in one).
+__device__ __forceinline__ void row_max_f16(const uint32_t (&c16)[32], __half2 (&m)[2]) {
 #pragma unroll
   for (int h = 0; h < 2; ++h) {
+    __half2 t[2][8];
 #pragma unroll
     for (int r = 0; r < 2; ++r) {
-      __half2 t[8];
 #pragma unroll
-      for (int j = 0; j < 8; ++j) t[j] = *reinterpret_cast<const __half2*>(&c16[2 * (8 * h + j) + r]);
+      for (int j = 0; j < 8; ++j) t[r][j] = *reinterpret_cast<const __half2*>(&c16[2 * (8 * h + j) + r]);
 #pragma unroll
       for (int w = 4; w >= 1; w /= 2)
 #pragma unroll
-        for (int j = 0; j < w; ++j) t[j] = __hmax2(t[j], t[j + w]);
-      m[h][r] = fmaxf(__low2float(t[0]), __high2float(t[0]));
+        for (int j = 0; j < w; ++j) t[r][j] = __hmax2(t[r][j], t[r][j + w]);
     }
+    m[h] = __hmax2(__lows2half2(t[0][0], t[1][0]), __highs2half2(t[0][0], t[1][0]));
   }
+}
+
+// kFp8: block b's key for RegKeyList from its maxima m (rows g, g + 8; this thread's, reduced over the quad here),
+// for the row this lane keeps (tq & 1); 0 (never taken) where the float form's score would not be taken either
+// (-inf, NaN). The key orders as abs_scale times the f16 maximum does in fp32 (TopHeap's order): f16's bits mapped
+// to an order-preserving 16 bits (-0 as +0: fp32's tie), and with scale 0 every finite maximum the same (a tie).
+// Exact for abs_scale 0 or in [2^-125, 2^112], where fp32's products of distinct f16 values stay distinct (checked
+// over every f16 value, s69): the caller takes the shared heaps outside it (products there tie or overflow).
+__device__ __forceinline__ uint32_t fp8_block_key(__half2 m, int tq, int b, bool zero_scale) {
+#pragma unroll
+  for (int off = 1; off <= 2; off <<= 1) m = __hmax2(m, __shfl_xor_sync(0xffffffffu, m, off));
+  uint32_t u = __half_as_ushort((tq & 1) ? __high2half(m) : __low2half(m));
+  if (u == 0x8000u) u = 0u;
+  u = (u & 0x8000u) ? (~u & 0xffffu) : (u | 0x8000u);  // -65504 .. +inf: 0x0400 .. 0xfc00
+  if (zero_scale) u = u - 0x0400u < 0xf800u ? 0x8000u : 0u;  // finite: 0 * max, a tie; inf, NaN: NaN
+  return u - 0x0400u <= 0xf800u ? (u << 16 | (0xffffu - uint32_t(b))) : 0u;
 }
 
 template <typename T, int D, int WG, bool kLse, bool kSel = false, bool kFp8 = false>
@@ -297,15 +313,26 @@ __global__ void __launch_bounds__(IndexTopkShape<WG>::kThreads, 1)
   float run_m[2] = {kNegInf, kNegInf}, run_l[2] = {0.f, 0.f};
   const int pos_r[2] = {pos0 + (warp * 16 + g) / hr, pos0 + (warp * 16 + g + 8) / hr};
 
-  // The plain top-k's lists in registers where they fit (RegTopList: topk <= 17, CTA-uniform), else the shared heaps
-  // (kSel's carry the blocks' sums: always the heaps). s68, H100, probe_fp8_index: FP8 -14% / -18% at 128K / 32K;
-  // 16-bit -17% at 8K (2 warpgroups), -4% at 32K and even at 128K (4 warpgroups: 128 registers, 96 bytes spilled).
-  const bool reg = !kLse && !kSel && p.topk - 1 <= 2 * RegTopList::kPerLane;
+  // The plain top-k's lists in registers where they fit (topk <= 17, CTA-uniform), else the shared heaps (kSel's carry
+  // the blocks' sums: always the heaps). 16-bit: RegTopList (s68, H100: -17% at 8K, 2 warpgroups; -4% at 32K and even
+  // at 128K, where 4 warpgroups spilled until f7cc526's halves). FP8: RegKeyList, packed keys (blocks < 65536 and
+  // fp8_block_key's scales as well): a take is compare-selects, an integer min tree and one shuffle (RegTopList's
+  // float form in s68: -14% / -18% at 128K / 32K against the heaps).
+  const bool reg = !kLse && !kSel && !kFp8 && p.topk - 1 <= 2 * RegTopList::kPerLane;
+  const bool zero_scale = abs_scale == 0.f;
+  const bool keys = kFp8 && p.topk - 1 <= 2 * RegKeyList::kPerLane && blocks <= 65536 &&
+                    (zero_scale || (abs_scale >= 0x1p-125f && abs_scale <= 0x1p112f));  // fp8_block_key's range
   const int half = tq >> 1;
   RegTopList rl;
+  RegKeyList kl;
+  uint32_t thr_key = RegKeyList::kPad;
   if (reg) {
     rl.init(p.topk - 1, half);
     thr = rl.exchange(half);
+  }
+  if (keys) {
+    kl.init(p.topk - 1, half);
+    thr_key = kl.exchange();
   }
   // Offers block b (ascending), score s, to this thread's row. Warp-uniform: the register lists shuffle; both of a
   // row's lanes decide alike there (same score, position and threshold).
@@ -342,15 +369,24 @@ __global__ void __launch_bounds__(IndexTopkShape<WG>::kThreads, 1)
     };
     auto offer = [&](const uint32_t (&acc)[S::kKeys / 4], int it) {
       if (lane == 0) mbar_arrive(empty + it % S::kStages);  // this warp is done reading the stage
-      float m[2][2];
+      __half2 m[2];
       row_max_f16(acc, m);
-      merge_halves(m, nb);
+      if (nb == 1) m[0] = __hmax2(m[0], m[1]);
 #pragma unroll
       for (int h = 0; h < 2; ++h) {
         if (h < nb) {  // warp-uniform
-          const float s = quad_block_score(m[h], abs_scale, tq);
           const int b = it * nb + h;
-          offer_block(s, b);
+          if (keys) {  // warp-uniform (CTA-uniform)
+            const uint32_t key = fp8_block_key(m[h], tq, b, zero_scale);
+            const bool take = b < my_local && key > thr_key;
+            if (__any_sync(0xffffffffu, take)) {
+              if (take && kl.hold) kl.replace(key);
+              thr_key = kl.exchange();
+            }
+          } else {
+            float mh[2] = {__low2float(m[h]), __high2float(m[h])};
+            offer_block(quad_block_score(mh, abs_scale, tq), b);
+          }
         }
       }
     };
@@ -382,7 +418,7 @@ __global__ void __launch_bounds__(IndexTopkShape<WG>::kThreads, 1)
         offer(c1, it + 1);
       }
     }
-    if (reg) rl.store(heap, half);  // the rows' TopHeap slots, each initialised by its own thread before the loop
+    if (keys) kl.store(heap, half);  // the rows' TopHeap slots, each initialised by its own thread before the loop
     __syncthreads();
     write_index_row<false>(p, tl, sScore, sBlock, tid, nullptr);
   } else {
