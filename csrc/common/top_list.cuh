@@ -1,6 +1,7 @@
 // The per-row streaming top list of the index top-k kernels (sm80 and sm90), and its output.
 #pragma once
 #include <cstdint>
+#include <type_traits>
 
 #include "common/mma_sm80.h"
 #include "params.h"
@@ -111,120 +112,55 @@ struct TopHeap {
 };
 using SmemTopHeap = TopHeap<false>;
 
-// The same list in registers (the sm90 16-bit plain top-k, topk - 1 <= 16; the FP8 one: RegKeyList below): a row's
-// entries on the two lanes of its quad that hold the row (tq and tq ^ 2), 8 slots each (slot 8 half + i; slots at or
-// past topk - 1 hold (+inf, -1), never the worst), each lane's worst entry (TopHeap::worse's order) kept beside them.
-// An insertion is the holder of the row's worst replacing it, a compare-select tree over its 8, and one exchange of the
-// two lanes' worsts: no shared memory on the path, no dependent loads. The same entries as TopHeap's (same take
+// The same list in registers (the sm90 plain top-k, topk - 1 <= 16): a row's entries on the two lanes of its quad that
+// hold the row (tq and tq ^ 2), 8 slots each (slot 8 half + i), each entry one key that orders as TopHeap::worse does
+// (a larger key is a better entry), so the row's worst is a min and an exchange of the lanes' worsts one shuffle. A
+// kept block's key is its score's order-preserving bits above kMask - block (the kernel's block keys: f16 maxima into
+// 32-bit keys, FP8; fp32 scores into 64-bit ones, 16-bit): a higher score, then a lower block, is a larger key. The
+// empty slots hold their slot number (0 .. 15, below every block's key, whose score bits are never 0), the slots at or
+// past topk - 1 kPad (above every block's key, never the worst). Keys are unique but for kPad (blocks are distinct),
+// so the row's worst is on exactly one of its lanes. An insertion is the holder replacing its worst, a min tree over
+// its 8 and the exchange: no shared memory on the path, no dependent loads. The same entries as TopHeap's (same take
 // condition, same worst, same ties).
-struct RegTopList {
-  static constexpr int kPerLane = 8;
-  float s[kPerLane];
-  int b[kPerLane];
-  float ws;  // this lane's worst entry and its slot
-  int wb, wi;
-  bool hold;  // this lane holds the row's worst
-  __device__ __forceinline__ void init(int size, int half) {
-#pragma unroll
-    for (int i = 0; i < kPerLane; ++i) {
-      s[i] = kPerLane * half + i < size ? kNegInf : kPosInf;
-      b[i] = -1;
-    }
-    find_worst();
-  }
-  __device__ __forceinline__ void find_worst() {
-    float ts[kPerLane / 2];
-    int tb[kPerLane / 2], ti[kPerLane / 2];
-#pragma unroll
-    for (int k = 0; k < kPerLane / 2; ++k) {
-      const bool w = TopHeap<false>::worse(s[2 * k + 1], b[2 * k + 1], s[2 * k], b[2 * k]);
-      ts[k] = w ? s[2 * k + 1] : s[2 * k];
-      tb[k] = w ? b[2 * k + 1] : b[2 * k];
-      ti[k] = w ? 2 * k + 1 : 2 * k;
-    }
-#pragma unroll
-    for (int n = kPerLane / 4; n >= 1; n /= 2) {
-#pragma unroll
-      for (int k = 0; k < n; ++k) {
-        const bool w = TopHeap<false>::worse(ts[k + n], tb[k + n], ts[k], tb[k]);
-        ts[k] = w ? ts[k + n] : ts[k];
-        tb[k] = w ? tb[k + n] : tb[k];
-        ti[k] = w ? ti[k + n] : ti[k];
-      }
-    }
-    ws = ts[0];
-    wb = tb[0];
-    wi = ti[0];
-  }
-  // Every lane of the warp calls it (a shuffle): the row's threshold, the score of its worst entry, on both of the
-  // row's lanes; `hold` says which of them has that entry (equal worsts, only the initial (-inf, -1) or (+inf, -1):
-  // half 0).
-  __device__ __forceinline__ float exchange(int half) {
-    const float os = __shfl_xor_sync(0xffffffffu, ws, 2);
-    const int ob = __shfl_xor_sync(0xffffffffu, wb, 2);
-    hold = TopHeap<false>::worse(ws, wb, os, ob) || (!TopHeap<false>::worse(os, ob, ws, wb) && half == 0);
-    return hold ? ws : os;
-  }
-  // The holder's worst replaced by (sn, bn).
-  __device__ __forceinline__ void replace(float sn, int bn) {
-#pragma unroll
-    for (int i = 0; i < kPerLane; ++i) {
-      const bool here = i == wi;
-      s[i] = here ? sn : s[i];
-      b[i] = here ? bn : b[i];
-    }
-    find_worst();
-  }
-  // Into the row's TopHeap slots 0 .. topk - 2 (the order within them is free: write_sorted sorts by block).
-  __device__ __forceinline__ void store(const TopHeap<false>& heap, int half) const {
-#pragma unroll
-    for (int i = 0; i < kPerLane; ++i) {
-      const int j = kPerLane * half + i;
-      if (j < heap.size) {
-        heap.sc(j) = s[i];
-        heap.bl(j) = b[i];
-      }
-    }
-  }
-};
-
-// The FP8 top-k's list (topk - 1 <= 16): RegTopList's layout and protocol, each entry one 32-bit key that orders as
-// TopHeap::worse does, so that the worst is a min and an exchange one shuffle. A kept block's key is (its score's
-// order-preserving 16 bits: f16 maxima, key_of in the kernel) << 16 | (0xffff - block), blocks < 65536: a higher
-// score, then a lower block, is a larger key. The empty slots hold their slot number (0 .. 15, below every block's
-// key, which is >= kMinKey: f16 -65504's), the slots at or past topk - 1 kPad (above every block's key, never the
-// worst). Keys are unique but for kPad (blocks are distinct), so the row's worst is on exactly one of its lanes.
+template <typename Key>
 struct RegKeyList {
+  static_assert(std::is_same_v<Key, uint32_t> || std::is_same_v<Key, uint64_t>, "32- or 64-bit keys");
   static constexpr int kPerLane = 8;
-  static constexpr uint32_t kPad = 0xffffffffu;
-  static constexpr uint32_t kMinKey = 0x04000000u;
-  uint32_t k[kPerLane];
-  uint32_t w;  // this lane's worst (smallest) key
-  bool hold;   // this lane holds the row's worst
+  static constexpr int kBlockBits = 4 * int(sizeof(Key));  // the low half: kMask - block
+  static constexpr Key kMask = (Key(1) << kBlockBits) - 1;
+  // 64-bit: kPad's low half (0xffff) is no block's (those are >= 2^31) and no empty slot's, so that replace can
+  // compare the low halves alone (unique but for kPad, which is never a holder's worst).
+  static constexpr Key kPad = sizeof(Key) == 4 ? Key(0xffffffffu) : Key(0xffffffff0000ffffull);
+  Key k[kPerLane];
+  Key w;      // this lane's worst (smallest) key
+  bool hold;  // this lane holds the row's worst
+  __device__ __forceinline__ static Key block_key(uint32_t score_bits, int b) {
+    return Key(score_bits) << kBlockBits | (kMask - Key(uint32_t(b)));
+  }
   __device__ __forceinline__ void init(int size, int half) {
 #pragma unroll
     for (int i = 0; i < kPerLane; ++i) {
       const int j = kPerLane * half + i;
-      k[i] = j < size ? uint32_t(j) : kPad;
+      k[i] = j < size ? Key(j) : kPad;
     }
     find_worst();
   }
   __device__ __forceinline__ void find_worst() {
-    uint32_t t[kPerLane / 2];
+    Key t[kPerLane / 2];
 #pragma unroll
     for (int i = 0; i < kPerLane / 2; ++i) t[i] = min(k[2 * i], k[2 * i + 1]);
     w = min(min(t[0], t[1]), min(t[2], t[3]));
   }
   // Every lane of the warp calls it (a shuffle): the row's threshold key on both of the row's lanes.
-  __device__ __forceinline__ uint32_t exchange() {
-    const uint32_t o = __shfl_xor_sync(0xffffffffu, w, 2);
+  __device__ __forceinline__ Key exchange() {
+    const Key o = __shfl_xor_sync(0xffffffffu, w, 2);
     hold = w < o;
     return min(w, o);
   }
   // The holder's worst replaced by key kn.
-  __device__ __forceinline__ void replace(uint32_t kn) {
+  __device__ __forceinline__ void replace(Key kn) {
 #pragma unroll
-    for (int i = 0; i < kPerLane; ++i) k[i] = k[i] == w ? kn : k[i];
+    for (int i = 0; i < kPerLane; ++i) k[i] = uint32_t(k[i]) == uint32_t(w) ? kn : k[i];
     find_worst();
   }
   // The kept blocks into the row's TopHeap slots 0 .. topk - 2, -1 where empty (write_sorted reads only blocks).
@@ -232,7 +168,7 @@ struct RegKeyList {
 #pragma unroll
     for (int i = 0; i < kPerLane; ++i) {
       const int j = kPerLane * half + i;
-      if (j < heap.size) heap.bl(j) = k[i] >= kMinKey ? int(0xffffu - (k[i] & 0xffffu)) : -1;
+      if (j < heap.size) heap.bl(j) = k[i] >= Key(2 * kPerLane) ? int(uint32_t(kMask - (k[i] & kMask))) : -1;
     }
   }
 };

@@ -214,8 +214,8 @@ __device__ __forceinline__ void row_max_f16(const uint32_t (&c16)[32], __half2 (
   }
 }
 
-// kFp8: block b's key for RegKeyList from its maxima m (rows g, g + 8; this thread's, reduced over the quad here),
-// for the row this lane keeps (tq & 1); 0 (never taken) where the float form's score would not be taken either
+// kFp8: block b's key for RegKeyList<uint32_t> from its maxima m (rows g, g + 8; this thread's, reduced over the quad
+// here), for the row this lane keeps (tq & 1); 0 (never taken) where the float form's score would not be taken either
 // (-inf, NaN). The key orders as abs_scale times the f16 maximum does in fp32 (TopHeap's order): f16's bits mapped
 // to an order-preserving 16 bits (-0 as +0: fp32's tie), and with scale 0 every finite maximum the same (a tie).
 // Exact for abs_scale 0 or in [2^-125, 2^112], where fp32's products of distinct f16 values stay distinct (checked
@@ -227,7 +227,16 @@ __device__ __forceinline__ uint32_t fp8_block_key(__half2 m, int tq, int b, bool
   if (u == 0x8000u) u = 0u;
   u = (u & 0x8000u) ? (~u & 0xffffu) : (u | 0x8000u);  // -65504 .. +inf: 0x0400 .. 0xfc00
   if (zero_scale) u = u - 0x0400u < 0xf800u ? 0x8000u : 0u;  // finite: 0 * max, a tie; inf, NaN: NaN
-  return u - 0x0400u <= 0xf800u ? (u << 16 | (0xffffu - uint32_t(b))) : 0u;
+  return u - 0x0400u <= 0xf800u ? RegKeyList<uint32_t>::block_key(u, b) : 0u;
+}
+
+// The 16-bit top-k: block b's key for RegKeyList<uint64_t> from its fp32 score s (quad_block_score's); 0 (never taken)
+// for -inf and NaN, as TopHeap's s > thr. fp32's bits mapped to an order-preserving 32 bits, -0 as +0 (fp32's tie).
+__device__ __forceinline__ uint64_t f32_block_key(float s, int b) {
+  uint32_t u = __float_as_uint(s);
+  if (u == 0x80000000u) u = 0u;
+  u = (u & 0x80000000u) ? ~u : (u | 0x80000000u);  // -FLT_MAX .. +inf: 0x00800000 .. 0xff800000
+  return u - 0x00800000u <= 0xff000000u ? RegKeyList<uint64_t>::block_key(u, b) : 0ull;
 }
 
 template <typename T, int D, int WG, bool kLse, bool kSel = false, bool kFp8 = false>
@@ -313,39 +322,33 @@ __global__ void __launch_bounds__(IndexTopkShape<WG>::kThreads, 1)
   float run_m[2] = {kNegInf, kNegInf}, run_l[2] = {0.f, 0.f};
   const int pos_r[2] = {pos0 + (warp * 16 + g) / hr, pos0 + (warp * 16 + g + 8) / hr};
 
-  // The plain top-k's lists in registers where they fit (topk <= 17, CTA-uniform), else the shared heaps (kSel's carry
-  // the blocks' sums: always the heaps). 16-bit: RegTopList (s68, H100: -17% at 8K, 2 warpgroups; -4% at 32K and even
-  // at 128K, where 4 warpgroups spilled until f7cc526's halves). FP8: RegKeyList, packed keys (blocks < 65536 and
-  // fp8_block_key's scales as well): a take is compare-selects, an integer min tree and one shuffle (RegTopList's
-  // float form in s68: -14% / -18% at 128K / 32K against the heaps).
-  const bool reg = !kLse && !kSel && !kFp8 && p.topk - 1 <= 2 * RegTopList::kPerLane;
+  // The plain top-k's lists in registers where they fit (RegKeyList: topk <= 17, CTA-uniform), else the shared heaps
+  // (kSel's carry the blocks' sums: always the heaps). FP8: 32-bit keys (blocks < 65536 and fp8_block_key's scales as
+  // well); 16-bit: 64-bit ones. s68, H100, probe_fp8_index, RegTopList (the float form before the keys) against the
+  // heaps: FP8 -14% / -18% at 128K / 32K; 16-bit -17% at 8K (2 warpgroups), -4% at 32K.
+  using Key = std::conditional_t<kFp8, uint32_t, uint64_t>;
   const bool zero_scale = abs_scale == 0.f;
-  const bool keys = kFp8 && p.topk - 1 <= 2 * RegKeyList::kPerLane && blocks <= 65536 &&
-                    (zero_scale || (abs_scale >= 0x1p-125f && abs_scale <= 0x1p112f));  // fp8_block_key's range
+  const bool keys = !kLse && !kSel && p.topk - 1 <= 2 * RegKeyList<Key>::kPerLane &&
+                    (!kFp8 || (blocks <= 65536 && (zero_scale || (abs_scale >= 0x1p-125f && abs_scale <= 0x1p112f))));
   const int half = tq >> 1;
-  RegTopList rl;
-  RegKeyList kl;
-  uint32_t thr_key = RegKeyList::kPad;
-  if (reg) {
-    rl.init(p.topk - 1, half);
-    thr = rl.exchange(half);
-  }
+  RegKeyList<Key> kl;
+  Key thr_key = RegKeyList<Key>::kPad;
   if (keys) {
     kl.init(p.topk - 1, half);
     thr_key = kl.exchange();
   }
-  // Offers block b (ascending), score s, to this thread's row. Warp-uniform: the register lists shuffle; both of a
-  // row's lanes decide alike there (same score, position and threshold).
-  auto offer_block = [&](float s, int b) {
-    if (reg) {
-      const bool take = b < my_local && s > thr;
-      if (__any_sync(0xffffffffu, take)) {
-        if (take && rl.hold) rl.replace(s, b);
-        thr = rl.exchange(half);
-      }
-    } else if (owner && b < my_local && s > thr) {
-      thr = heap.replace_root(s, b);
+  // Offers block b (ascending), its key, to this thread's row's register list. Warp-uniform (a shuffle): both of a
+  // row's lanes decide alike (same key, position and threshold).
+  auto offer_key = [&](Key key, int b) {
+    const bool take = b < my_local && key > thr_key;
+    if (__any_sync(0xffffffffu, take)) {
+      if (take && kl.hold) kl.replace(key);
+      thr_key = kl.exchange();
     }
+  };
+  // The same, score s, to the row's shared heap (its owner lane).
+  auto offer_block = [&](float s, int b) {
+    if (owner && b < my_local && s > thr) thr = heap.replace_root(s, b);
   };
 
   if constexpr (kFp8) {
@@ -377,12 +380,7 @@ __global__ void __launch_bounds__(IndexTopkShape<WG>::kThreads, 1)
         if (h < nb) {  // warp-uniform
           const int b = it * nb + h;
           if (keys) {  // warp-uniform (CTA-uniform)
-            const uint32_t key = fp8_block_key(m[h], tq, b, zero_scale);
-            const bool take = b < my_local && key > thr_key;
-            if (__any_sync(0xffffffffu, take)) {
-              if (take && kl.hold) kl.replace(key);
-              thr_key = kl.exchange();
-            }
+            offer_key(fp8_block_key(m[h], tq, b, zero_scale), b);
           } else {
             float mh[2] = {__low2float(m[h]), __high2float(m[h])};
             offer_block(quad_block_score(mh, abs_scale, tq), b);
@@ -492,6 +490,8 @@ __global__ void __launch_bounds__(IndexTopkShape<WG>::kThreads, 1)
                 }
                 if (take) thr = heap.replace_root(s, b, (tq & 1) ? l[1] : l[0]);
               }
+            } else if (keys) {  // warp-uniform (CTA-uniform)
+              offer_key(f32_block_key(s, b), b);
             } else {
               offer_block(s, b);
             }
@@ -504,7 +504,7 @@ __global__ void __launch_bounds__(IndexTopkShape<WG>::kThreads, 1)
       lse_write_rows(p, tl, run_m, run_l, warp * 16 + g, lane);
     } else {
       if constexpr (!kSel) {
-        if (reg) rl.store(heap, half);  // as the FP8 loop's
+        if (keys) kl.store(heap, half);  // as the FP8 loop's
       }
       __syncthreads();
       write_index_row<kSel>(p, tl, sScore, sBlock, tid, sSum);
