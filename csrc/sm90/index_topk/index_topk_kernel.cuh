@@ -36,8 +36,9 @@
 // boxes, the swizzled tiles and ldmatrix see the same bytes), and each k-step of D / 16 is one m64n128k32 e4m3
 // wgmma (twice the bf16 rate) over those 32 bytes, into f16 accumulators (32 registers, not 64; the row max on
 // paired f16 maxima, half the instructions). The copies keep |value| <= 16 (smxx/fp8_copies), so no sum of Di <= 128
-// products passes 32768, within f16's 65504. With two accumulator sets the sub-tiles go in pairs, the second's MMA
-// under the first's epilogue (benchmarks/NOTES.md s66). A negative scale flips the sign bit of every byte.
+// products passes 32768, within f16's 65504. With two accumulator sets the sub-tiles go in pairs, both MMAs issued
+// before the epilogues, the pair's second sub-tile offered one pair late (benchmarks/NOTES.md s66, s69). A negative
+// scale flips the sign bit of every byte.
 #pragma once
 #include <cuda.h>  // CUtensorMap (types only: the encoder is reached through the runtime)
 #include <cudaTypedefs.h>
@@ -353,10 +354,13 @@ __global__ void __launch_bounds__(IndexTopkShape<WG>::kThreads, 1)
 
   if constexpr (kFp8) {
     // The scores in f16 (the copies' scales keep every partial sum within f16's range: fp8_copies, |value| <= 16
-    // each, so |sum| <= Di 256), two accumulator sets: sub-tiles in pairs, the second's MMA in flight while the
-    // warpgroup takes the first's row maxima and offers them. At the top of a pair nothing is in flight (ptxas
-    // serialises every wgmma of the kernel when one is in flight across a loop back-edge or an mbarrier wait loop,
-    // C7514, s63): thread 0 first refills the stages of the last pair with it + 2, it + 3.
+    // each, so |sum| <= Di 256), two accumulator sets: sub-tiles in pairs, both MMAs issued, then the epilogues under
+    // them: the last pair's second sub-tile's offer (one pair late: its per-thread maxima were taken before the
+    // back-edge), then, after the first MMA's wait, the first sub-tile's. At the top of a pair nothing is in flight
+    // (ptxas serialises every wgmma of the kernel when one is in flight across a loop back-edge or an mbarrier wait
+    // loop, C7514, s63): thread 0 first refills the stages of the last pair with it + 2, it + 3. A warp releases a
+    // stage as soon as the MMA that read it completed (the late offer reads registers only), so that refill never
+    // waits for an offer. Blocks still reach each row in ascending order (the late one first), as the lists need.
     static_assert(S::kStages == 4, "two pairs of sub-tiles in the ring: this one and the next");
     uint32_t c0[S::kKeys / 4], c1[S::kKeys / 4];
 #pragma unroll
@@ -370,11 +374,16 @@ __global__ void __launch_bounds__(IndexTopkShape<WG>::kThreads, 1)
       wgmma_commit();
       fence_regs(acc);
     };
-    auto offer = [&](const uint32_t (&acc)[S::kKeys / 4], int it) {
+    auto release = [&](int it) {
       if (lane == 0) mbar_arrive(empty + it % S::kStages);  // this warp is done reading the stage
-      __half2 m[2];
+    };
+    // A sub-tile's maxima per block (rows g, g + 8; this thread's columns).
+    auto maxima = [&](const uint32_t (&acc)[S::kKeys / 4], __half2 (&m)[2]) {
       row_max_f16(acc, m);
       if (nb == 1) m[0] = __hmax2(m[0], m[1]);
+    };
+    // Their offer to the rows' lists (reduced over the quad).
+    auto offer = [&](const __half2 (&m)[2], int it) {
 #pragma unroll
       for (int h = 0; h < 2; ++h) {
         if (h < nb) {  // warp-uniform
@@ -388,6 +397,8 @@ __global__ void __launch_bounds__(IndexTopkShape<WG>::kThreads, 1)
         }
       }
     };
+    bool late = false;  // m1 holds the last pair's second sub-tile's maxima, not yet offered (CTA-uniform)
+    __half2 m1[2];
     for (int it = 0; it < total; it += 2) {
       if (tid == 0) {
 #pragma unroll
@@ -402,20 +413,28 @@ __global__ void __launch_bounds__(IndexTopkShape<WG>::kThreads, 1)
       mbar_wait(full + it % S::kStages, (it / S::kStages) & 1);
       if (two) mbar_wait(full + (it + 1) % S::kStages, ((it + 1) / S::kStages) & 1);
       mma(c0, it);
-      if (two) {
+      if (two) {  // each branch its own wait (ptxas does not correlate two tests of `two`: C7514)
         mma(c1, it + 1);
+        if (late) offer(m1, it - 1);
         wgmma_wait<1>();
       } else {
+        if (late) offer(m1, it - 1);
         wgmma_wait<0>();
       }
       fence_regs(c0);
-      offer(c0, it);
+      release(it);
+      __half2 m0[2];
+      maxima(c0, m0);
+      offer(m0, it);
       wgmma_wait<0>();  // on every path (ptxas does not correlate the two tests of `two`: C7517 at the back-edge)
       if (two) {
         fence_regs(c1);
-        offer(c1, it + 1);
+        release(it + 1);
+        maxima(c1, m1);  // here: ptxas waits on any GMMA-defined register read across the back-edge (C7517)
       }
+      late = two;
     }
+    if (late) offer(m1, total - 1);
     if (keys) kl.store(heap, half);  // the rows' TopHeap slots, each initialised by its own thread before the loop
     __syncthreads();
     write_index_row<false>(p, tl, sScore, sBlock, tid, nullptr);
