@@ -130,6 +130,46 @@ def test_select_blocks_exact_ties(dtype, bs, scale):
     assert torch.equal(got, want), f"{(got != want).any(-1).sum().item()} rows differ"
 
 
+def _spec2_lists(bscore, n, bs, topk):
+    """(n, topk) SPEC 2 lists of one head whose block j scores bscore[j] (ties to the lower block)."""
+    want = torch.full((n, topk), -1, dtype=torch.int32)
+    for local in range(n // bs):
+        order = sorted(range(local), key=lambda b: (-bscore[b], b))
+        kept = sorted(order[:topk - 1]) + [local]
+        want[local * bs:(local + 1) * bs, :len(kept)] = torch.tensor(kept, dtype=torch.int32)
+    return want
+
+
+@pytest.mark.parametrize("dtype", [FP8, torch.bfloat16], ids=["fp8", "bf16"])
+@pytest.mark.parametrize("bs", [64, 128])
+@pytest.mark.parametrize("scale", [1.0, 2.0 ** -125, 2.0 ** -126, 2.0 ** 112, 2.0 ** 113, 2.0 ** -149])
+def test_select_blocks_scale_range_edges(dtype, bs, scale):
+    """Index scales at the edges of the Hopper FP8 top-k's packed-key lists (abs scale 0 or in [2^-125, 2^112]; the
+    shared heaps outside): the selection must rank scale * score in fp32 either way. Block j's scores are all
+    +-(j % 8 + 1) / 32 (heads 0, 1 positive, 2, 3 negative; exact in e4m3 and in f16 sums), so at 2^-125 .. 2^113
+    the products stay distinct (denormal at the low end) and rank as at scale 1, ties between blocks j and j + 8 to
+    the lower; at 2^-149 every product rounds to (-)0 and every block ties: the lowest blocks win, where a list
+    ranking the unscaled scores would keep the highest."""
+    n, topk = 2048, 8
+    q = torch.full((n, 4, 128), 0.125)
+    q[:, 2:] = -0.125
+    m = (torch.arange(n) // bs) % 8 + 1
+    k = (m.float() * 2.0 ** -9)[:, None, None].expand(n, 1, 128).contiguous()  # e4m3 subnormals and 2^-6
+    qi, ki = q.to(dtype), k.to(dtype)
+    assert torch.equal(ki.float(), k) and torch.equal(qi.float(), q), "exact in the input dtype"
+    cu = torch.tensor([0, n], dtype=torch.int32)
+    got = torch.ops.msa.select_blocks(qi.cuda(), ki.cuda(), cu.cuda(), n, topk, bs, scale).cpu()
+    blocks = torch.arange(n // bs)
+    dots = ((blocks % 8 + 1).float() * 2.0 ** -5).tolist()  # 128 * 0.125 * m 2^-9
+    for h in range(4):
+        sign = 1.0 if h < 2 else -1.0
+        prod = [torch.tensor(sign * d, dtype=torch.float32).mul(torch.tensor(scale, dtype=torch.float32)).item()
+                for d in dots]
+        assert (len(set(prod)) == 1) == (scale == 2.0 ** -149), "the fp32 products tie only at 2^-149"
+        want = _spec2_lists(prod, n, bs, topk)
+        assert torch.equal(got[h], want), f"head {h}: {(got[h] != want).any(-1).sum().item()} rows differ"
+
+
 def test_select_blocks_fp8_strided_and_scaled_inputs():
     """Last-dim contiguous views give the same selection; so do inputs scaled by powers of two (the copies'
     power-of-two scales make the rounding independent of them), which also moves k's per-head scale."""
