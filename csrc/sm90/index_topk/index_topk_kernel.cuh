@@ -37,8 +37,8 @@
 // wgmma (twice the bf16 rate) over those 32 bytes, into f16 accumulators (32 registers, not 64; the row max on
 // paired f16 maxima, half the instructions). The copies keep |value| <= 16 (smxx/fp8_copies), so no sum of Di <= 128
 // products passes 32768, within f16's 65504. With two accumulator sets the sub-tiles go in pairs, both MMAs issued
-// before the epilogues, the pair's second sub-tile offered one pair late (benchmarks/NOTES.md s66, s69). A negative
-// scale flips the sign bit of every byte.
+// before the epilogues, the pair's second sub-tile offered one pair late (benchmarks/NOTES.md s66, s69, s70). A
+// negative scale flips the sign bit of every byte.
 #pragma once
 #include <cuda.h>  // CUtensorMap (types only: the encoder is reached through the runtime)
 #include <cudaTypedefs.h>
