@@ -89,6 +89,16 @@ def test_select_blocks_fp8_varlen_negative_and_zero_scale(scale):
     _check(qi, ki, cu, mx, 16, 64, scale=scale)
 
 
+def _spec2_lists(bscore, n, bs, topk):
+    """(n, topk) SPEC 2 lists of one head whose block j scores bscore[j] (ties to the lower block)."""
+    want = torch.full((n, topk), -1, dtype=torch.int32)
+    for local in range(n // bs):
+        order = sorted(range(local), key=lambda b: (-bscore[b], b))
+        kept = sorted(order[:topk - 1]) + [local]
+        want[local * bs:(local + 1) * bs, :len(kept)] = torch.tensor(kept, dtype=torch.int32)
+    return want
+
+
 def _tie_inputs(n, bs, dtype):
     """(n, 4, 128) q_idx / (n, 1, 128) k_idx of `dtype` whose block scores tie exactly: heads 0, 1 of q all -16, heads
     2, 3 all +16; every key of block j is -16 (j % 8 == 3), +16 (j % 8 == 5), +0 (j even) or -0 (other odd j), so a
@@ -119,25 +129,10 @@ def test_select_blocks_exact_ties(dtype, bs, scale):
     cu = torch.tensor([0, n], dtype=torch.int32)
     got = torch.ops.msa.select_blocks(qi.cuda(), ki.cuda(), cu.cuda(), n, topk, bs, scale).cpu()
     blocks = torch.arange(n // bs)
-    bscore = torch.where(blocks % 8 == 3, 1.0, torch.where(blocks % 8 == 5, -1.0, 0.0))
-    want = torch.full((4, n, topk), -1, dtype=torch.int32)
-    for h in range(4):
-        sign = (1.0 if h < 2 else -1.0) * (scale != 0)  # heads 0, 1: q < 0, so block 3 scores +
-        for local in range(n // bs):
-            order = sorted(range(local), key=lambda b: (-sign * bscore[b].item(), b))
-            kept = sorted(order[:topk - 1]) + [local]
-            want[h, local * bs:(local + 1) * bs, :len(kept)] = torch.tensor(kept, dtype=torch.int32)
+    bscore = torch.where(blocks % 8 == 3, 1.0, torch.where(blocks % 8 == 5, -1.0, 0.0)).tolist()
+    signs = [(1.0 if h < 2 else -1.0) * (scale != 0) for h in range(4)]  # heads 0, 1: q < 0, so block 3 scores +
+    want = torch.stack([_spec2_lists([sign * x for x in bscore], n, bs, topk) for sign in signs])
     assert torch.equal(got, want), f"{(got != want).any(-1).sum().item()} rows differ"
-
-
-def _spec2_lists(bscore, n, bs, topk):
-    """(n, topk) SPEC 2 lists of one head whose block j scores bscore[j] (ties to the lower block)."""
-    want = torch.full((n, topk), -1, dtype=torch.int32)
-    for local in range(n // bs):
-        order = sorted(range(local), key=lambda b: (-bscore[b], b))
-        kept = sorted(order[:topk - 1]) + [local]
-        want[local * bs:(local + 1) * bs, :len(kept)] = torch.tensor(kept, dtype=torch.int32)
-    return want
 
 
 @pytest.mark.parametrize("dtype", [FP8, torch.bfloat16], ids=["fp8", "bf16"])
