@@ -448,12 +448,34 @@ __global__ void __launch_bounds__(IndexTopkShape<WG>::kThreads, 1)
     float c[kAcc];
 #pragma unroll
     for (int e = 0; e < kAcc; ++e) c[e] = 0.f;
-    // D / 16 RS wgmmas of the warp's Q rows by the keys at addr into c (m64 x 2 kAcc, fp32), waited for.
-    auto mma_wait = [&](uint32_t addr) {
+    // D / 16 RS wgmmas of the warp's Q rows by the keys at addr into c (m64 x 2 kAcc, fp32); then, while they run, the
+    // previous sub-tile's offers (`late`, the plain top-k: registers and shuffles only), then the wait.
+    constexpr bool kPlain = !kLse && !kSel;
+    bool late = false;  // mp holds the previous sub-tile's maxima, not yet offered (CTA-uniform)
+    float mp[2][2];
+    auto offer_late = [&](int it) {  // sub-tile it's blocks, ascending, as the lists need
+#pragma unroll
+      for (int h = 0; h < 2; ++h) {
+        if (h < nb) {  // warp-uniform
+          const float s = quad_block_score(mp[h], abs_scale, tq);
+          const int b = it * nb + h;
+          if (keys) {  // warp-uniform (CTA-uniform)
+            offer_key(f32_block_key(s, b), b);
+          } else {
+            offer_block(s, b);
+          }
+        }
+      }
+    };
+    auto mma_wait = [&](uint32_t addr, int it, bool offer_under) {
       wgmma_fence();
 #pragma unroll
       for (int ks = 0; ks < D / 16; ++ks) WgmmaRS<T, 2 * kAcc>::run(c, a[ks], KTile::desc(addr, ks), ks > 0);
       wgmma_commit();
+      if constexpr (kPlain) {
+        fence_regs(c);
+        if (offer_under && late) offer_late(it - 1);
+      }
       wgmma_wait<0>();
       fence_regs(c);  // no use of the scores moves above the wait
     };
@@ -473,11 +495,11 @@ __global__ void __launch_bounds__(IndexTopkShape<WG>::kThreads, 1)
       if constexpr (kHalves) {
 #pragma unroll
         for (int h = 0; h < 2; ++h) {  // keys 64 h .. 64 h + 63: rows of the stage's panels, 1024-byte atoms kept
-          mma_wait(k_addr + uint32_t(h * (S::kKeys / 2) * 64 * int(sizeof(T))));
+          mma_wait(k_addr + uint32_t(h * (S::kKeys / 2) * 64 * int(sizeof(T))), it, h == 0);
           row_max_64<0>(c, m[h]);
         }
       } else {
-        mma_wait(k_addr);
+        mma_wait(k_addr, it, true);
       }
       if (lane == 0) mbar_arrive(empty + it % S::kStages);  // this warp is done reading the stage
       if constexpr (kLse) {
@@ -492,12 +514,16 @@ __global__ void __launch_bounds__(IndexTopkShape<WG>::kThreads, 1)
           row_max_64<8>(c, m[1]);
         }
         merge_halves(m, nb);
+        if constexpr (kPlain) {  // offered under the next sub-tile's MMA (the last one after the loop)
 #pragma unroll
-        for (int h = 0; h < 2; ++h) {
-          if (h < nb) {  // warp-uniform
-            const float s = quad_block_score(m[h], abs_scale, tq);
-            const int b = it * nb + h;  // blocks are offered in ascending order
-            if constexpr (kSel) {
+          for (int h = 0; h < 2; ++h) mp[h][0] = m[h][0], mp[h][1] = m[h][1];
+          late = true;
+        } else {  // kSel: the offer reads the sums from c now
+#pragma unroll
+          for (int h = 0; h < 2; ++h) {
+            if (h < nb) {  // warp-uniform
+              const float s = quad_block_score(m[h], abs_scale, tq);
+              const int b = it * nb + h;  // blocks are offered in ascending order
               const bool take = owner && b < my_local && s > thr;
               if (__any_sync(0xffffffffu, take)) {  // warp-uniform: the quad's lanes sum together
                 float l[2];
@@ -510,15 +536,12 @@ __global__ void __launch_bounds__(IndexTopkShape<WG>::kThreads, 1)
                 }
                 if (take) thr = heap.replace_root(s, b, (tq & 1) ? l[1] : l[0]);
               }
-            } else if (keys) {  // warp-uniform (CTA-uniform)
-              offer_key(f32_block_key(s, b), b);
-            } else {
-              offer_block(s, b);
             }
           }
         }
       }
     }
+    if (kPlain && late) offer_late(total - 1);
 
     if constexpr (kLse) {
       lse_write_rows(p, tl, run_m, run_l, warp * 16 + g, lane);
