@@ -176,12 +176,16 @@ __device__ __forceinline__ void row_max_64(const float (&c)[N], float (&m)[2]) {
   }
 }
 
-// A sub-tile's row maxima per 64-key half (m[h][r], rows g and g + 8): one 128-key block (nb == 1) takes both halves.
-__device__ __forceinline__ void merge_halves(float (&m)[2][2], int nb) {
-  if (nb == 1) {
-    m[0][0] = fmaxf(m[0][0], m[1][0]);
-    m[0][1] = fmaxf(m[0][1], m[1][1]);
-  }
+// A sub-tile's row maxima per 64-key half (m[h], rows g and g + 8: two floats, or one half2 for kFp8): one 128-key
+// block (nb == 1) takes both halves.
+__device__ __forceinline__ void max_into(float (&a)[2], const float (&b)[2]) {
+  a[0] = fmaxf(a[0], b[0]);
+  a[1] = fmaxf(a[1], b[1]);
+}
+__device__ __forceinline__ void max_into(__half2& a, __half2 b) { a = __hmax2(a, b); }
+template <typename P>
+__device__ __forceinline__ void merge_halves(P (&m)[2], int nb) {
+  if (nb == 1) max_into(m[0], m[1]);
 }
 
 // One block's maxima (mh: this thread's of rows g, g + 8) over the quad's four lanes, in place; returns the score of
@@ -215,6 +219,21 @@ __device__ __forceinline__ void row_max_f16(const uint32_t (&c16)[32], __half2 (
   }
 }
 
+// A kBits-wide IEEE value's bits (f16: 16, fp32: 32) as an order-preserving unsigned value: negatives' bits flipped,
+// positives' sign bit set, -0 as +0 (their tie). -max .. +inf map to kLo .. kHi; -inf to kLo - 1, NaNs outside.
+template <int kBits>
+struct OrderedBits {
+  static constexpr uint32_t kSign = 1u << (kBits - 1), kMask = kSign | (kSign - 1u);
+  static constexpr uint32_t kInf = kBits == 16 ? 0x7c00u : 0x7f800000u;
+  static constexpr uint32_t kLo = kSign - kInf, kHi = kSign | kInf;  // f16: 0x0400, 0xfc00; fp32: 0x00800000, 0xff800000
+  __device__ __forceinline__ static uint32_t map(uint32_t u) {
+    if (u == kSign) u = 0u;
+    return (u & kSign) ? (~u & kMask) : (u | kSign);
+  }
+  // Whether a mapped value may enter a list: not -inf, not NaN (as TopHeap's s > thr).
+  __device__ __forceinline__ static bool taken(uint32_t u) { return u - kLo <= kHi - kLo; }
+};
+
 // kFp8: block b's key for RegKeyList<uint32_t> from its maxima m (rows g, g + 8; this thread's, reduced over the quad
 // here), for the row this lane keeps (tq & 1); 0 (never taken) where the float form's score would not be taken either
 // (-inf, NaN). The key orders as abs_scale times the f16 maximum does in fp32 (TopHeap's order): f16's bits mapped
@@ -222,22 +241,20 @@ __device__ __forceinline__ void row_max_f16(const uint32_t (&c16)[32], __half2 (
 // Exact for abs_scale 0 or in [2^-125, 2^112], where fp32's products of distinct f16 values stay distinct (checked
 // over every f16 value, s69): the caller takes the shared heaps outside it (products there tie or overflow).
 __device__ __forceinline__ uint32_t fp8_block_key(__half2 m, int tq, int b, bool zero_scale) {
+  using O = OrderedBits<16>;
 #pragma unroll
   for (int off = 1; off <= 2; off <<= 1) m = __hmax2(m, __shfl_xor_sync(0xffffffffu, m, off));
-  uint32_t u = __half_as_ushort((tq & 1) ? __high2half(m) : __low2half(m));
-  if (u == 0x8000u) u = 0u;
-  u = (u & 0x8000u) ? (~u & 0xffffu) : (u | 0x8000u);  // -65504 .. +inf: 0x0400 .. 0xfc00
-  if (zero_scale) u = u - 0x0400u < 0xf800u ? 0x8000u : 0u;  // finite: 0 * max, a tie; inf, NaN: NaN
-  return u - 0x0400u <= 0xf800u ? RegKeyList<uint32_t>::block_key(u, b) : 0u;
+  uint32_t u = O::map(__half_as_ushort((tq & 1) ? __high2half(m) : __low2half(m)));
+  if (zero_scale) u = u - O::kLo < O::kHi - O::kLo ? O::kSign : 0u;  // finite: 0 * max, a tie (+0); inf, NaN: NaN
+  return O::taken(u) ? RegKeyList<uint32_t>::block_key(u, b) : 0u;
 }
 
 // The 16-bit top-k: block b's key for RegKeyList<uint64_t> from its fp32 score s (quad_block_score's); 0 (never taken)
-// for -inf and NaN, as TopHeap's s > thr. fp32's bits mapped to an order-preserving 32 bits, -0 as +0 (fp32's tie).
+// for -inf and NaN, as TopHeap's s > thr.
 __device__ __forceinline__ uint64_t f32_block_key(float s, int b) {
-  uint32_t u = __float_as_uint(s);
-  if (u == 0x80000000u) u = 0u;
-  u = (u & 0x80000000u) ? ~u : (u | 0x80000000u);  // -FLT_MAX .. +inf: 0x00800000 .. 0xff800000
-  return u - 0x00800000u <= 0xff000000u ? RegKeyList<uint64_t>::block_key(u, b) : 0ull;
+  using O = OrderedBits<32>;
+  const uint32_t u = O::map(__float_as_uint(s));
+  return O::taken(u) ? RegKeyList<uint64_t>::block_key(u, b) : 0ull;
 }
 
 template <typename T, int D, int WG, bool kLse, bool kSel = false, bool kFp8 = false>
@@ -352,6 +369,10 @@ __global__ void __launch_bounds__(IndexTopkShape<WG>::kThreads, 1)
     if (owner && b < my_local && s > thr) thr = heap.replace_root(s, b);
   };
 
+  auto release = [&](int it) {
+    if (lane == 0) mbar_arrive(empty + it % S::kStages);  // this warp is done reading the stage
+  };
+
   if constexpr (kFp8) {
     // The scores in f16 (the copies' scales keep every partial sum within f16's range: fp8_copies, |value| <= 16
     // each, so |sum| <= Di 256), two accumulator sets: sub-tiles in pairs, both MMAs issued, then the epilogues under
@@ -374,13 +395,10 @@ __global__ void __launch_bounds__(IndexTopkShape<WG>::kThreads, 1)
       wgmma_commit();
       fence_regs(acc);
     };
-    auto release = [&](int it) {
-      if (lane == 0) mbar_arrive(empty + it % S::kStages);  // this warp is done reading the stage
-    };
     // A sub-tile's maxima per block (rows g, g + 8; this thread's columns).
     auto maxima = [&](const uint32_t (&acc)[S::kKeys / 4], __half2 (&m)[2]) {
       row_max_f16(acc, m);
-      if (nb == 1) m[0] = __hmax2(m[0], m[1]);
+      merge_halves(m, nb);
     };
     // Their offer to the rows' lists (reduced over the quad).
     auto offer = [&](const __half2 (&m)[2], int it) {
@@ -501,7 +519,7 @@ __global__ void __launch_bounds__(IndexTopkShape<WG>::kThreads, 1)
       } else {
         mma_wait(k_addr, it, true);
       }
-      if (lane == 0) mbar_arrive(empty + it % S::kStages);  // this warp is done reading the stage
+      release(it);
       if constexpr (kLse) {
         if ((it + 1) * S::kKeys - 1 <= pos0) {  // every row sees every key of the sub-tile
           lse_tile_update<false>(c, run_m, run_l, sl2, it * S::kKeys + 2 * tq, pos_r);
