@@ -459,8 +459,8 @@ __global__ void __launch_bounds__(IndexTopkShape<WG>::kThreads, 1)
   } else {
     // kHalves (the plain top-k at 4 warpgroups): a sub-tile as two m64n64 wgmmas into one 32-register set, each
     // half's row maxima taken before the next half's MMA; the 32 registers this frees keep the register lists
-    // unspilled (the fused m64n128 form: 128 registers, 96 bytes spilled). At 2 warpgroups (140 registers) the fused
-    // form keeps one wait per sub-tile.
+    // unspilled (the fused m64n128 form: 128 registers, 96 bytes spilled). At 2 warpgroups (153 registers with s71's
+    // late offer) the fused form keeps one wait per sub-tile.
     constexpr bool kHalves = !kLse && !kSel && WG == 4;
     constexpr int kAcc = kHalves ? S::kKeys / 4 : S::kKeys / 2;
     float c[kAcc];
