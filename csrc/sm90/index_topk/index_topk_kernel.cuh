@@ -469,13 +469,16 @@ __global__ void __launch_bounds__(IndexTopkShape<WG>::kThreads, 1)
     // D / 16 RS wgmmas of the warp's Q rows by the keys at addr into c (m64 x 2 kAcc, fp32); then, while they run, the
     // previous sub-tile's offers (`late`, the plain top-k: registers and shuffles only), then the wait.
     constexpr bool kPlain = !kLse && !kSel;
-    bool late = false;  // mp holds the previous sub-tile's maxima, not yet offered (CTA-uniform)
-    float mp[2][2];
+    // The row max of each 64-key half: m[h][0] for row g, m[h][1] for row g + 8. The plain top-k offers a sub-tile's
+    // under the next one's MMA, before that sub-tile's maxima overwrite them (`late`: m holds maxima not yet offered,
+    // CTA-uniform).
+    float m[2][2];
+    bool late = false;
     auto offer_late = [&](int it) {  // sub-tile it's blocks, ascending, as the lists need
 #pragma unroll
       for (int h = 0; h < 2; ++h) {
         if (h < nb) {  // warp-uniform
-          const float s = quad_block_score(mp[h], abs_scale, tq);
+          const float s = quad_block_score(m[h], abs_scale, tq);
           const int b = it * nb + h;
           if (keys) {  // warp-uniform (CTA-uniform)
             offer_key(f32_block_key(s, b), b);
@@ -508,8 +511,6 @@ __global__ void __launch_bounds__(IndexTopkShape<WG>::kThreads, 1)
       }
       mbar_wait(full + it % S::kStages, (it / S::kStages) & 1);
       const uint32_t k_addr = sm80::smem_addr(sK + (it % S::kStages) * S::kKeys * D);
-      // Row max of each 64-key half: m[h][0] for row g, m[h][1] for row g + 8.
-      float m[2][2];
       if constexpr (kHalves) {
 #pragma unroll
         for (int h = 0; h < 2; ++h) {  // keys 64 h .. 64 h + 63: rows of the stage's panels, 1024-byte atoms kept
@@ -532,10 +533,8 @@ __global__ void __launch_bounds__(IndexTopkShape<WG>::kThreads, 1)
           row_max_64<8>(c, m[1]);
         }
         merge_halves(m, nb);
-        if constexpr (kPlain) {  // offered under the next sub-tile's MMA (the last one after the loop)
-#pragma unroll
-          for (int h = 0; h < 2; ++h) mp[h][0] = m[h][0], mp[h][1] = m[h][1];
-          late = true;
+        if constexpr (kPlain) {
+          late = true;  // offered under the next sub-tile's MMA (the last one after the loop)
         } else {  // kSel: the offer reads the sums from c now
 #pragma unroll
           for (int h = 0; h < 2; ++h) {
