@@ -6,10 +6,11 @@
 # --reps 400 against 128K with --reps 20 for the dense KL) so that a drop at one N alone is not the heat of the other.
 #   scripts/clock_probe.sh LOGDIR NAME EXECUTABLE [ARGS...]   (several probes: call it once per run, distinct NAMEs)
 # e.g. scripts/clock_probe.sh OUT/clk kl32 msa_bench_dense_kl --n 32768 --reps 400 --no-header
+# EXECUTABLE is looked up in build/microbench/bin first, else run as given (e.g. python3 some_script.py).
 set -uo pipefail
 LOG=${1:?usage: scripts/clock_probe.sh LOGDIR NAME EXECUTABLE [ARGS...]}
 NAME=${2:?run name}
-EXE=${3:?executable in build/microbench/bin}
+EXE=${3:?executable (build/microbench/bin or any command)}
 shift 3
 mkdir -p "$LOG"
 BIN=${MSA_MICROBENCH_BUILD:-build/microbench}/bin
@@ -19,7 +20,8 @@ nvidia-smi --query-gpu=$reasons --format=csv > /dev/null 2>&1 || reasons=clocks_
 nvidia-smi --query-gpu=timestamp,clocks.sm,power.draw,temperature.gpu,$reasons --format=csv,noheader,nounits -lms 100 > "$LOG/$NAME.smi.csv" 2>&1 &
 smi=$!
 sleep 0.5
-"$BIN/$EXE" "$@" > "$LOG/$NAME.csv" 2> "$LOG/$NAME.log"
+[ -x "$BIN/$EXE" ] && EXE="$BIN/$EXE"
+"$EXE" "$@" > "$LOG/$NAME.csv" 2> "$LOG/$NAME.log"
 rc=$?
 sleep 0.3
 kill $smi 2> /dev/null
