@@ -1,8 +1,8 @@
 #!/usr/bin/env bash
-# Does a kernel slow down under sustained load (power or thermal clock drop)? Runs one C++ microbenchmark
-# executable (built by scripts/gpu_microbench.sh into build/microbench) while nvidia-smi samples the SM clock, power,
-# temperature and the active clock-event reasons every 100 ms; prints the executable's CSV rows and the samples'
-# summary (scripts/clock_probe_summary.py) per run. Give each run about the same seconds of load (e.g. 32K with
+# Does a kernel slow down under sustained load (power or thermal clock drop)? Runs one command (typically a C++
+# microbenchmark executable built by scripts/gpu_microbench.sh into build/microbench) while nvidia-smi samples the SM
+# clock, power, temperature and the active clock-event reasons every 100 ms; prints the command's output (its CSV
+# rows) and the samples' summary (scripts/clock_probe_summary.py) per run. Give each run about the same seconds of load (e.g. 32K with
 # --reps 400 against 128K with --reps 20 for the dense KL) so that a drop at one N alone is not the heat of the other.
 #   scripts/clock_probe.sh LOGDIR NAME EXECUTABLE [ARGS...]   (several probes: call it once per run, distinct NAMEs)
 # e.g. scripts/clock_probe.sh OUT/clk kl32 msa_bench_dense_kl --n 32768 --reps 400 --no-header

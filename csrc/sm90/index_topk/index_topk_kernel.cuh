@@ -461,14 +461,12 @@ __global__ void __launch_bounds__(IndexTopkShape<WG>::kThreads, 1)
     // half's row maxima taken before the next half's MMA; the 32 registers this frees keep the register lists
     // unspilled (the fused m64n128 form: 128 registers, 96 bytes spilled). At 2 warpgroups (153 registers with s71's
     // late offer) the fused form keeps one wait per sub-tile.
-    constexpr bool kHalves = !kLse && !kSel && WG == 4;
+    constexpr bool kPlain = !kLse && !kSel;
+    constexpr bool kHalves = kPlain && WG == 4;
     constexpr int kAcc = kHalves ? S::kKeys / 4 : S::kKeys / 2;
     float c[kAcc];
 #pragma unroll
     for (int e = 0; e < kAcc; ++e) c[e] = 0.f;
-    // D / 16 RS wgmmas of the warp's Q rows by the keys at addr into c (m64 x 2 kAcc, fp32); then, while they run, the
-    // previous sub-tile's offers (`late`, the plain top-k: registers and shuffles only), then the wait.
-    constexpr bool kPlain = !kLse && !kSel;
     // The row max of each 64-key half: m[h][0] for row g, m[h][1] for row g + 8. The plain top-k offers a sub-tile's
     // under the next one's MMA, before that sub-tile's maxima overwrite them (`late`: m holds maxima not yet offered,
     // CTA-uniform).
@@ -488,6 +486,8 @@ __global__ void __launch_bounds__(IndexTopkShape<WG>::kThreads, 1)
         }
       }
     };
+    // D / 16 RS wgmmas of the warp's Q rows by the keys at addr into c (m64 x 2 kAcc, fp32); then, while they run, the
+    // previous sub-tile's offers (`late`, the plain top-k: registers and shuffles only), then the wait.
     auto mma_wait = [&](uint32_t addr, int it, bool offer_under) {
       wgmma_fence();
 #pragma unroll
