@@ -350,6 +350,8 @@ struct DenseKlParams {
   int num_tiles;       // >= tile_offsets[S] (Tk / key tile + S); grid.x = num_tiles * max_chunks, grid.y = Hki
   int chunk_tiles;     // 64-row query tiles per CTA
   int max_chunks;      // ceil(ceil(max_seqlen / 64) / chunk_tiles)
+  int chunk_major;     // grid order: 0 = tile * max_chunks + chunk, a tile's chunks counted from its first visible
+                       // query tile; 1 = chunk * num_tiles + tile, chunks aligned to query tiles [c, c + 1) * chunk_tiles
   int hq, hkv, hi, hki;
   float scale_log2;    // softmax_scale * log2(e)
   float iscale_log2;   // index_scale * log2(e)

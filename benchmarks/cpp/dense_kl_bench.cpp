@@ -15,6 +15,9 @@
 // not depend on their values (no data-dependent branches; only the KL / gradient values do).
 #include <algorithm>
 #include <cmath>
+#include <cstdio>
+#include <cstdlib>
+#include <cstring>
 #include <string>
 
 #include "bench_common.h"
@@ -30,12 +33,21 @@ int main(int argc, char** argv) {
   Options opt;
   bool grad = true;
   int chunk_override = 0;
+  int chunk_major = 0;
   std::string only;
   const std::vector<Knob> knobs = {
       {"--no-grad", nullptr, "no index gradients (msa_fwd with index_grad=False: dq_idx / dk_idx null)",
        [&](const char*) { grad = false; }},
       {"--chunk", "C", "64-row query tiles per CTA (default max(4, ceil(N / 64) / 32); MSA_DENSE_KL_CHUNK)",
        [&](const char* v) { chunk_override = std::max(1, std::atoi(v)); }},
+      {"--order", "tile|chunk", "the grid's order (default tile; MSA_DENSE_KL_ORDER=chunk)",
+       [&](const char* v) {
+         if (std::strcmp(v, "tile") != 0 && std::strcmp(v, "chunk") != 0) {
+           std::fprintf(stderr, "msa_bench_dense_kl: --order: expected tile or chunk, got %s\n", v);
+           std::exit(2);
+         }
+         chunk_major = std::strcmp(v, "chunk") == 0;
+       }},
       {"--only", "kl|total", "time one row only", [&](const char* v) { only = v; }},
   };
   parse_options(argc, argv,
@@ -46,7 +58,7 @@ int main(int argc, char** argv) {
                 "tile offsets, kernel, finish). tflops: the causal pairs' (2 D G + 6 Di) per index group.",
                 opt, knobs);
 #ifndef MSA_WITH_SM90
-  (void)grad, (void)chunk_override;
+  (void)grad, (void)chunk_override, (void)chunk_major;
   std::fprintf(stderr, "msa_bench_dense_kl: this build has no sm_90a kernels (MSA_CUDA_ARCHS without 90a): "
                        "nothing to time\n");
   return 0;
@@ -139,6 +151,7 @@ int main(int argc, char** argv) {
       p.num_tiles = int(T / 128 + S);
       p.chunk_tiles = chunk_tiles;
       p.max_chunks = int((n_qt + chunk_tiles - 1) / chunk_tiles);
+      p.chunk_major = chunk_major;
       p.hq = pb.hq;
       p.hkv = pb.hkv;
       p.hi = pb.hi;
@@ -170,7 +183,8 @@ int main(int argc, char** argv) {
     };
     const double pairs = double(pb.b) * double(n) * double(n + 1) / 2.0;
     const double F = pairs * pb.hi * (2.0 * pb.d * pb.g + (grad ? 6.0 : 2.0) * pb.di);
-    const std::string shape = pb.shape + " chunk=" + std::to_string(chunk_tiles) + (grad ? " grad" : " nograd");
+    const std::string shape = pb.shape + " chunk=" + std::to_string(chunk_tiles) + (chunk_major ? " chunk-major" : "") +
+                              (grad ? " grad" : " nograd");
     auto want = [&](const char* r) { return only.empty() || only == r; };
     if (want("kl")) {
       const double ms = time_ms(opt, s, n_sets, kernel, zero);

@@ -162,9 +162,15 @@ __global__ void __launch_bounds__(dense_kl::kThreads, 1)
   const int tid = threadIdx.x, lane = tid % 32, warp = tid / 32, wg = warp / 4, wq = warp % 4;
   const int g = lane / 4, t = lane % 4;
 
-  // This CTA's (key tile, query chunk): chunks of one key tile are consecutive CTAs, so the CTAs that
-  // run at the same time add into disjoint dQ_idx rows (same-address atomics serialise in L2).
-  const int tile = blockIdx.x / p.max_chunks, chunk = blockIdx.x % p.max_chunks;
+  // This CTA's (key tile, query chunk). Tile-major (p.chunk_major = 0): chunks of one key tile are
+  // consecutive CTAs, so the CTAs that run at the same time add into disjoint dQ_idx rows (same-address
+  // atomics serialise in L2), but together they span every query row: at long N most Q loads and dQ_idx
+  // reds go to DRAM. Chunk-major (1): key tiles of one chunk are consecutive CTAs and chunks are aligned
+  // ranges of query tiles, so the CTAs in flight share one chunk's Q tiles and dQ_idx rows in L2; each
+  // starts its walk at its own query tile (rot), so that they do not add into the same rows at once.
+  const bool chunk_major = p.chunk_major != 0;
+  const int tile = chunk_major ? blockIdx.x % p.num_tiles : blockIdx.x / p.max_chunks;
+  const int chunk = chunk_major ? blockIdx.x / p.num_tiles : blockIdx.x % p.max_chunks;
   if (tile >= p.tile_offsets[p.num_seqs]) return;
   int lo = 0, hi = p.num_seqs - 1;
   while (lo < hi) {
@@ -178,9 +184,12 @@ __global__ void __launch_bounds__(dense_kl::kThreads, 1)
   const int base_k = p.cu_seqlens_k[lo], len_k = p.cu_seqlens_k[lo + 1] - base_k;
   const int k0 = (tile - p.tile_offsets[lo]) * kKeys, k0q = k0 - (len_k - len_q);
   const int n_qt = (len_q + kRows - 1) / kRows;
-  const int qt_begin = max(k0q, 0) / kRows + chunk * p.chunk_tiles;
-  if (qt_begin >= n_qt) return;
-  const int nqt = min(p.chunk_tiles, n_qt - qt_begin);
+  const int qt_first = max(k0q, 0) / kRows;  // the first query tile that sees the key tile
+  const int qt_begin = chunk_major ? max(qt_first, chunk * p.chunk_tiles) : qt_first + chunk * p.chunk_tiles;
+  const int nqt = min(n_qt, chunk_major ? (chunk + 1) * p.chunk_tiles : qt_begin + p.chunk_tiles) - qt_begin;
+  if (nqt <= 0) return;
+  // The walk's first query tile (in the chunk); group r + 1 starts where group r did.
+  const int rot = chunk_major ? tile % nqt : 0;
   const int hk = blockIdx.y;
   const int G = kG > 0 ? kG : p.hq / p.hi, groups = p.hi / p.hki, r0 = hk * groups;
   const int steps = groups * nqt, loads = steps * G;
@@ -209,7 +218,7 @@ __global__ void __launch_bounds__(dense_kl::kThreads, 1)
   __syncthreads();
   // Thread 0's Q loads, in (step, head) order: the next one's slot, the parity of that slot's use, and
   // its (query tile, group, head). Counters, not divisions: this runs once per head.
-  int pq_n = 0, pq_slot = 0, pq_phase = 0, pq_qt = 0, pq_r = r0, pq_h = 0;
+  int pq_n = 0, pq_slot = 0, pq_phase = 0, pq_qt = rot, pq_r = r0, pq_h = 0;
   auto issue_q = [&]() {
     if (pq_n >= loads) return;
     if (pq_n >= slots) mbar_wait(empty_q + pq_slot, pq_phase ^ 1);  // the slot's previous use released
@@ -224,7 +233,8 @@ __global__ void __launch_bounds__(dense_kl::kThreads, 1)
     if (++pq_slot == slots) pq_slot = 0, pq_phase ^= 1;
     if (++pq_h == G) {
       pq_h = 0;
-      if (++pq_qt == nqt) pq_qt = 0, ++pq_r;
+      if (++pq_qt == nqt) pq_qt = 0;
+      if (pq_qt == rot) ++pq_r;
     }
   };
   // Thread 0: Q_idx of step s (query tile qt, group r) into slot s & 1, after its use by step s - 2.
@@ -280,10 +290,10 @@ __global__ void __launch_bounds__(dense_kl::kThreads, 1)
   sm80::cp_async_wait<0>();
   fence_proxy_async_smem();
   __syncthreads();
-  issue_lse(0, 0, r0);
+  issue_lse(0, rot, r0);
   finish_lse(0);
   if (tid == 0) {
-    issue_a(0, 0, r0);
+    issue_a(0, rot, r0);
     for (int i = 0; i < prefetch; ++i) issue_q();
   }
 
@@ -299,10 +309,11 @@ __global__ void __launch_bounds__(dense_kl::kThreads, 1)
   const int key0 = k0q + key_row, key1 = key0 + 8;  // as the first query rows that see them
 
   int c_slot = 0, c_phase = 0;  // the next Q load to read: its slot and the parity of that slot's use
-  int qt = 0, r = r0;           // step s's query tile (in the chunk) and index group
+  int qt = rot, r = r0;         // step s's query tile (in the chunk) and index group
   for (int s = 0; s < steps; ++s) {
     int qt_next = qt + 1, r_next = r;
-    if (qt_next == nqt) qt_next = 0, ++r_next;
+    if (qt_next == nqt) qt_next = 0;
+    if (qt_next == rot) ++r_next;
     const int b = s & 1, row0 = (qt_begin + qt) * kRows;
     const int kvh = r * G / kv_per;
     T* sDs = sDs0 + b * kKeys * kRows;
