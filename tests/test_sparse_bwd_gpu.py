@@ -208,9 +208,9 @@ def test_many_query_chunks(monkeypatch, mode, kernel_choice):
 
 
 @pytest.mark.parametrize("chunk", [None, "1", "3"])
-def test_dense_kl_chunk_major(monkeypatch, chunk):
-    """The dense KL kernel's chunk-major grid (MSA_DENSE_KL_ORDER=chunk: chunks aligned to query-tile ranges,
-    each CTA's walk rotated by its key tile) against its tile-major default: the same KL (fixed point) and
+def test_dense_kl_grid_order(monkeypatch, chunk):
+    """The dense KL kernel's default chunk-major grid (chunks aligned to query-tile ranges, each CTA's walk
+    rotated by its key tile) against its tile-major one (MSA_DENSE_KL_ORDER=tile): the same KL (fixed point) and
     index gradients up to the atomics' rounding, at the default chunk (4 query tiles: 6 chunks of the longer
     sequence, walks starting mid-chunk) and at 1 and 3 (diagonal chunks cut short)."""
     if not sm90_kernels_run():
@@ -220,11 +220,11 @@ def test_dense_kl_chunk_major(monkeypatch, chunk):
     args = (q, k, v, qi, ki, cu, mx, 4, 64, 0.125, 0.125, True, False, True)
     if chunk is not None:
         monkeypatch.setenv("MSA_DENSE_KL_CHUNK", chunk)
-    tile_major = ops.msa_fwd(*args)
-    monkeypatch.setenv("MSA_DENSE_KL_ORDER", "chunk")
     ran = cuda_kernel_names(lambda: ops.msa_fwd(*args))
     assert any("dense_kl_kernel" in n for n in ran), ran
-    assert_same_forward(tile_major, ops.msa_fwd(*args), "the dense KL's grid order")
+    chunk_major = ops.msa_fwd(*args)
+    monkeypatch.setenv("MSA_DENSE_KL_ORDER", "tile")
+    assert_same_forward(chunk_major, ops.msa_fwd(*args), "the dense KL's grid order")
 
 
 @pytest.mark.parametrize("per_item", ["7", "128"])

@@ -33,14 +33,14 @@ int main(int argc, char** argv) {
   Options opt;
   bool grad = true;
   int chunk_override = 0;
-  int chunk_major = 0;
+  int chunk_major = 1;
   std::string only;
   const std::vector<Knob> knobs = {
       {"--no-grad", nullptr, "no index gradients (msa_fwd with index_grad=False: dq_idx / dk_idx null)",
        [&](const char*) { grad = false; }},
       {"--chunk", "C", "64-row query tiles per CTA (default max(4, ceil(N / 64) / 32); MSA_DENSE_KL_CHUNK)",
        [&](const char* v) { chunk_override = std::max(1, std::atoi(v)); }},
-      {"--order", "tile|chunk", "the grid's order (default tile; MSA_DENSE_KL_ORDER=chunk)",
+      {"--order", "tile|chunk", "the grid's order (default chunk; MSA_DENSE_KL_ORDER=tile)",
        [&](const char* v) {
          if (std::strcmp(v, "tile") != 0 && std::strcmp(v, "chunk") != 0) {
            std::fprintf(stderr, "msa_bench_dense_kl: --order: expected tile or chunk, got %s\n", v);
@@ -183,7 +183,7 @@ int main(int argc, char** argv) {
     };
     const double pairs = double(pb.b) * double(n) * double(n + 1) / 2.0;
     const double F = pairs * pb.hi * (2.0 * pb.d * pb.g + (grad ? 6.0 : 2.0) * pb.di);
-    const std::string shape = pb.shape + " chunk=" + std::to_string(chunk_tiles) + (chunk_major ? " chunk-major" : "") +
+    const std::string shape = pb.shape + " chunk=" + std::to_string(chunk_tiles) + (chunk_major ? "" : " tile-major") +
                               (grad ? " grad" : " nograd");
     auto want = [&](const char* r) { return only.empty() || only == r; };
     if (want("kl")) {
