@@ -66,6 +66,17 @@ void print_help(const char* prog, const char* about, const std::vector<Knob>& kn
 
 }  // namespace
 
+int knob_choice(const char* flag, const char* v, std::initializer_list<const char*> names) {
+  int i = 0;
+  std::string list;
+  for (const char* n : names) {
+    if (std::strcmp(v, n) == 0) return i;
+    list += (i++ ? "|" : "") + std::string(n);
+  }
+  std::fprintf(stderr, "%s: expected %s, got %s (see --help)\n", flag, list.c_str(), v);
+  std::exit(2);
+}
+
 void parse_options(int argc, char** argv, const char* about, Options& opt, const std::vector<Knob>& knobs) {
   const char* prog = argc > 0 ? argv[0] : "bench";
   if (const char* slash = std::strrchr(prog, '/')) prog = slash + 1;

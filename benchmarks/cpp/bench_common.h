@@ -11,6 +11,7 @@
 #include <cstdio>
 #include <cstdlib>
 #include <functional>
+#include <initializer_list>
 #include <string>
 #include <utility>
 #include <vector>
@@ -49,6 +50,10 @@ struct Knob {
   const char* help;
   std::function<void(const char*)> set;
 };
+
+// A knob's value among its choices: the index of v in `names`, else a usage error naming `flag` and the choices
+// (stderr, exit 2).
+int knob_choice(const char* flag, const char* v, std::initializer_list<const char*> names);
 
 // Parses argv into `opt` (common options) and the knobs; --help prints `about`, the options and exits 0.
 void parse_options(int argc, char** argv, const char* about, Options& opt, const std::vector<Knob>& knobs = {});

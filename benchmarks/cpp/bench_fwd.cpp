@@ -1,7 +1,6 @@
 #include "bench_fwd.h"
 
 #include <algorithm>
-#include <cstring>
 
 #include "sm80/sparse_fwd/sparse_fwd.h"
 #include "sm90/index_dk/index_dk.h"
@@ -50,10 +49,8 @@ std::vector<Knob> fwd_knobs(FwdConfig& cfg, bool passes) {
       {"--mode", "sparse|msa|msa-grad",
        "forward variant: msa::sparse_fwd (main branch), msa_fwd, msa_fwd with index grads (default msa-grad)",
        [&cfg](const char* v) {
-         if (std::strcmp(v, "sparse") == 0) cfg.mode = FwdMode::kSparse;
-         else if (std::strcmp(v, "msa") == 0) cfg.mode = FwdMode::kMsa;
-         else if (std::strcmp(v, "msa-grad") == 0) cfg.mode = FwdMode::kMsaGrad;
-         else { std::fprintf(stderr, "--mode: expected sparse, msa or msa-grad\n"); std::exit(2); }
+         constexpr FwdMode kModes[] = {FwdMode::kSparse, FwdMode::kMsa, FwdMode::kMsaGrad};
+         cfg.mode = kModes[knob_choice("--mode", v, {"sparse", "msa", "msa-grad"})];
        }},
       {"--units-per-item", "U", "units per forward work item, 1..512 (default 512; MSA_FWD_UNITS_PER_ITEM)",
        [&cfg](const char* v) { cfg.units_per_item = std::max(1, std::min(sm80::kFwdMaxItemUnits, std::atoi(v))); }},

@@ -15,9 +15,6 @@
 // not depend on their values (no data-dependent branches; only the KL / gradient values do).
 #include <algorithm>
 #include <cmath>
-#include <cstdio>
-#include <cstdlib>
-#include <cstring>
 #include <string>
 
 #include "bench_common.h"
@@ -41,13 +38,7 @@ int main(int argc, char** argv) {
       {"--chunk", "C", "64-row query tiles per CTA (default max(4, ceil(N / 64) / 32); MSA_DENSE_KL_CHUNK)",
        [&](const char* v) { chunk_override = std::max(1, std::atoi(v)); }},
       {"--order", "tile|chunk", "the grid's order (default chunk; MSA_DENSE_KL_ORDER=tile)",
-       [&](const char* v) {
-         if (std::strcmp(v, "tile") != 0 && std::strcmp(v, "chunk") != 0) {
-           std::fprintf(stderr, "msa_bench_dense_kl: --order: expected tile or chunk, got %s\n", v);
-           std::exit(2);
-         }
-         chunk_major = std::strcmp(v, "chunk") == 0;
-       }},
+       [&](const char* v) { chunk_major = knob_choice("--order", v, {"tile", "chunk"}); }},
       {"--only", "kl|total", "time one row only", [&](const char* v) { only = v; }},
   };
   parse_options(argc, argv,
