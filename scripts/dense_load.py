@@ -1,6 +1,9 @@
-"""Dense cuDNN SDPA fwd+bwd in the bench configuration (msa.bench's dense_fwd_bwd: B=1, Hq=16, Hkv=2, D=128, causal,
-bf16), repeated for a given number of seconds of load, for scripts/clock_probe.sh's clock samples (is the ratios'
-denominator under the power cap too?). torch only, no msa build needed. Prints one CSV row per N,
+"""Dense cuDNN SDPA fwd+bwd in the bench configuration's shapes (B=1, Hq=16, Hkv=2, D=128, causal, GQA, bf16),
+repeated for a given number of seconds of load, for scripts/clock_probe.sh's clock samples (is the ratios' denominator
+under the power cap too?). torch only, so that it runs without the msa build (`import msa` needs msa._C), hence not
+msa.bench's dense_fwd_bwd itself: this one pins the cuDNN backend (sdpa_kernel) and takes contiguous (B, H, N, D)
+inputs and a random dO, where the bench calls SDPA's default choice on transposed (B, N, H, D) views with dO = 1.
+Prints one CSV row per N,
 `dense_cudnn_fwdbwd,N=...,median ms,TFLOP/s (msa.bench's 3.5 * 2N^2*D*Hq),reps`.
     python3 scripts/dense_load.py SECONDS N [N ...]"""
 import statistics
