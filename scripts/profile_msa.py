@@ -2,6 +2,8 @@
 torch.profiler: python scripts/profile_msa.py [N ...]. Prints one table per N, kernels by total time.
 MSA_PROFILE_DETERMINISTIC=1 profiles deterministic=True instead, MSA_PROFILE_WARMUP=1 warmup=True,
 MSA_PROFILE_WARMUP=both the default step and then warmup=True (one A/B call that changes both paths).
+MSA_PROFILE_DENSE=1 adds, per N, msa.bench's dense SDPA step (the ratios' denominator): which backend's kernels it
+launches and their GPU time.
 MSA_PROFILE_FP8=1 profiles the FP8 selection (index_dtype=torch.float8_e4m3fn: the copies and the FP8 top-k), so that
 the ncu scripts reach the FP8 top-k: scripts/ncu_hotspots.sh by its mangled name ('index_topk_sm90.*Lb1EEEv', kFp8
 the last template argument), scripts/ncu_summary.sh as 'index_topk_sm90' (the step's only top-k then).
@@ -28,10 +30,15 @@ def main():
     for warm in {"1": [True], "both": [False, True]}.get(warm_env, [False]):
         for n in ns:
             profile_one(n, det, warm, fp8)
+    if os.environ.get("MSA_PROFILE_DENSE") == "1":
+        for n in ns:
+            profile_one(n, False, False, dense=True)
 
 
-def profile_one(n, det, warm, fp8=False):
-    if warm:
+def profile_one(n, det, warm, fp8=False, dense=False):
+    if dense:
+        step = bench.dense_fwd_bwd
+    elif warm:
         step = bench.msa_fwd_bwd_warmup
     elif fp8:
         step = bench.msa_fwd_bwd_fp8
@@ -44,7 +51,8 @@ def profile_one(n, det, warm, fp8=False):
     with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CUDA]) as prof:
         step(*x)
         torch.cuda.synchronize()
-    print(f"## N = {n}: msa fwd+bwd{', deterministic' if det else ''}{', warmup' if warm else ''}"
+    what = "dense SDPA fwd+bwd (msa.bench's)" if dense else "msa fwd+bwd"
+    print(f"## N = {n}: {what}{', deterministic' if det else ''}{', warmup' if warm else ''}"
           f"{', fp8 index' if fp8 else ''}, one call")
     rows = int(os.environ.get("MSA_PROFILE_ROWS", "18"))
     print(prof.key_averages().table(sort_by="cuda_time_total", row_limit=rows, max_name_column_width=70))
