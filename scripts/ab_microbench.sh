@@ -3,6 +3,8 @@
 # that whole-kernel figures drift between device calls (scripts/ab_variants.sh profiles each side once):
 #   scripts/ab_microbench.sh LOGDIR EXE "EXE ARGS" VARIANT [VARIANT ...]
 #   e.g. scripts/ab_microbench.sh $OUT/abm msa_bench_dense_kl "--n 8192 32768 --only kl" x.patch y1.patch,y2.patch
+# Several executables from the same builds: EXE comma-separated and ARGS one '|'-separated field each
+#   (e.g. msa_bench_dense_kl,msa_bench_index_topk "--n 32768 --only kl|--n 32768"); each round runs them all.
 # Builds the microbenchmarks (scripts/gpu_microbench.sh with MSA_MICROBENCH_BUILD_ONLY=1, one build directory per
 # side under build/ab-micro) for the tree as it is (side a) and for each VARIANT (a patch, or comma-separated
 # patches applied in order, reverted after its build), keeps each side's EXE, then runs the sides in turn for
@@ -23,6 +25,9 @@ here=$(cd "$(dirname "$0")" && pwd)
 mkdir -p "$LOG/bin"
 LOG=$(cd "$LOG" && pwd)
 ROUNDS=${MSA_AB_ROUNDS:-5}
+IFS=, read -r -a exes <<< "$EXE"
+IFS='|' read -r -a exe_args <<< "$ARGS"
+[ ${#exe_args[@]} -le 1 ] || [ ${#exe_args[@]} -eq ${#exes[@]} ] || { echo "ARGS: one '|' field per executable"; exit 2; }
 sides=()
 build_side() {  # build_side NAME: the tree as it is now; its EXE kept as LOG/bin/NAME
   local name=$1
@@ -32,7 +37,10 @@ build_side() {  # build_side NAME: the tree as it is now; its EXE kept as LOG/bi
   echo "$name: $(tr '\n' ' ' < "$LOG/$name/summary.txt" 2> /dev/null)"
   [ $rc -ne 0 ] && { tail -n 20 "$LOG/$name/build.log"; return 1; }
   rm -f "$LOG/$name/build.log"
-  cp "build/ab-micro/$name/bin/$EXE" "$LOG/bin/$name" && sides+=("$name")
+  mkdir -p "$LOG/bin/$name"
+  local e
+  for e in "${exes[@]}"; do cp "build/ab-micro/$name/bin/$e" "$LOG/bin/$name/" || return 1; done
+  sides+=("$name")
 }
 build_side a
 for v in "$@"; do
@@ -47,8 +55,11 @@ rc=0
 for ((r = 0; r < ROUNDS; r++)); do
   for ((j = 0; j < n; j++)); do
     s=${sides[(r + j) % n]}
-    # shellcheck disable=SC2086  # ARGS: the executable's options, split as given
-    "$LOG/bin/$s" $ARGS --no-header 2>> "$LOG/run.log" | sed "s/^/$r,$s,/" >> "$LOG/rounds.csv" || rc=1  # pipefail: the exe's status
+    for ((x = 0; x < ${#exes[@]}; x++)); do
+      a=${exe_args[x]-${exe_args[0]-}}
+      # shellcheck disable=SC2086  # the executable's options, split as given
+      "$LOG/bin/$s/${exes[x]}" $a --no-header 2>> "$LOG/run.log" | sed "s/^/$r,$s,/" >> "$LOG/rounds.csv" || rc=1  # pipefail: the exe's status
+    done
   done
 done
 ${PYTHON:-python3} - "$LOG/rounds.csv" "${sides[@]}" > "$LOG/ab.txt" <<'PY'
