@@ -3,8 +3,8 @@
 # that whole-kernel figures drift between device calls (scripts/ab_variants.sh profiles each side once):
 #   scripts/ab_microbench.sh LOGDIR EXE "EXE ARGS" VARIANT [VARIANT ...]
 #   e.g. scripts/ab_microbench.sh $OUT/abm msa_bench_dense_kl "--n 8192 32768 --only kl" x.patch y1.patch,y2.patch
-# Several executables from the same builds: EXE comma-separated and ARGS one '|'-separated field each
-#   (e.g. msa_bench_dense_kl,msa_bench_index_topk "--n 32768 --only kl|--n 32768"); each round runs them all.
+# Several executables from the same builds: EXE comma-separated and ARGS one '|'-separated field each, or one field
+#   for all (e.g. msa_bench_dense_kl,msa_bench_index_topk "--n 32768 --only kl|--n 32768"); each round runs them all.
 # Builds the microbenchmarks (scripts/gpu_microbench.sh with MSA_MICROBENCH_BUILD_ONLY=1, one build directory per
 # side under build/ab-micro) for the tree as it is (side a) and for each VARIANT (a patch, or comma-separated
 # patches applied in order, reverted after its build), keeps each side's EXE, then runs the sides in turn for
@@ -29,7 +29,7 @@ IFS=, read -r -a exes <<< "$EXE"
 IFS='|' read -r -a exe_args <<< "$ARGS"
 [ ${#exe_args[@]} -le 1 ] || [ ${#exe_args[@]} -eq ${#exes[@]} ] || { echo "ARGS: one '|' field per executable"; exit 2; }
 sides=()
-build_side() {  # build_side NAME: the tree as it is now; its EXE kept as LOG/bin/NAME
+build_side() {  # build_side NAME: the tree as it is now; its executables kept in LOG/bin/NAME/
   local name=$1
   MSA_MICROBENCH_BUILD="build/ab-micro/$name" MSA_MICROBENCH_BUILD_ONLY=1 \
     bash "$here/gpu_microbench.sh" "$LOG/$name" > "$LOG/$name.out" 2>&1
