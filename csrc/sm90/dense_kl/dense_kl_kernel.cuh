@@ -196,6 +196,12 @@ __global__ void __launch_bounds__(dense_kl::kThreads, 1)
   const int steps = groups * nqt, loads = steps * G;
   const bool grad = p.dq_idx != nullptr;
   const int kv_per = p.hq / p.hkv;  // query heads per kv head
+  // The walk's next step from (query tile qt, group r): query tiles from rot round the chunk, then the next group.
+  // Thread 0's Q loads and the step loop both follow it.
+  auto advance = [&](int& qt, int& r) {
+    if (++qt == nqt) qt = 0;
+    if (qt == rot) ++r;
+  };
   // Q loads in flight ahead of the one being read: thread 0 refills the slot of the load `slots -
   // prefetch` before (so it rarely waits for the other warpgroup), and at least two are ahead (the
   // pipelined heads wait for load n + 1 before they release load n).
@@ -234,8 +240,7 @@ __global__ void __launch_bounds__(dense_kl::kThreads, 1)
     if (++pq_slot == slots) pq_slot = 0, pq_phase ^= 1;
     if (++pq_h == G) {
       pq_h = 0;
-      if (++pq_qt == nqt) pq_qt = 0;
-      if (pq_qt == rot) ++pq_r;
+      advance(pq_qt, pq_r);
     }
   };
   // Thread 0: Q_idx of step s (query tile qt, group r) into slot s & 1, after its use by step s - 2.
@@ -312,9 +317,8 @@ __global__ void __launch_bounds__(dense_kl::kThreads, 1)
   int c_slot = 0, c_phase = 0;  // the next Q load to read: its slot and the parity of that slot's use
   int qt = rot, r = r0;         // step s's query tile (in the chunk) and index group
   for (int s = 0; s < steps; ++s) {
-    int qt_next = qt + 1, r_next = r;
-    if (qt_next == nqt) qt_next = 0;
-    if (qt_next == rot) ++r_next;
+    int qt_next = qt, r_next = r;
+    advance(qt_next, r_next);
     const int b = s & 1, row0 = (qt_begin + qt) * kRows;
     const int kvh = r * G / kv_per;
     T* sDs = sDs0 + b * kKeys * kRows;
