@@ -352,6 +352,7 @@ struct DenseKlParams {
   int max_chunks;      // ceil(ceil(max_seqlen / 64) / chunk_tiles)
   int chunk_major;     // grid order: 0 = tile * max_chunks + chunk, a tile's chunks counted from its first visible
                        // query tile; 1 = chunk * num_tiles + tile, chunks aligned to query tiles [c, c + 1) * chunk_tiles
+  int ws;              // 1: an index warpgroup takes dK_idx, dQ_idx and the KL rows (three warpgroups); 0: two
   int hq, hkv, hi, hki;
   float scale_log2;    // softmax_scale * log2(e)
   float iscale_log2;   // index_scale * log2(e)

@@ -1,8 +1,9 @@
-"""MSA_DENSE_KL_CHUNK (query tiles per CTA of the warmup path's dense KL kernel) against the default, interleaved in
-one process so that clock and thermal drift between processes does not decide: python scripts/dense_kl_chunks.py
-[--rounds R] N [N ...] [-- CHUNK ...]. Each round times the warmup fwd+bwd (bench configuration, msa.bench.Timer)
-once per setting, in a rotated order; prints the median over rounds per setting ("default" = the launcher's own
-choice, max(4, query tiles / 32)). The variable is read at each call (csrc/api/dense_kl.cpp)."""
+"""MSA_DENSE_KL_CHUNK (query tiles per CTA of the warmup path's dense KL kernel), or another variable the launcher
+reads at each call (--var, e.g. MSA_DENSE_KL_WS), against the default, interleaved in one process so that clock and
+thermal drift between processes does not decide: python scripts/dense_kl_chunks.py [--rounds R] [--var NAME] N
+[N ...] [-- VALUE ...]. Each round times the warmup fwd+bwd (bench configuration, msa.bench.Timer) once per setting,
+in a rotated order; prints the median over rounds per setting ("default" = the variable unset: for the chunk the
+launcher's own choice, max(4, query tiles / 32)). The variables are read at each call (csrc/api/dense_kl.cpp)."""
 import os
 import statistics
 import sys
@@ -16,10 +17,15 @@ from msa import bench  # noqa: E402
 def main():
     args = sys.argv[1:]
     rounds = 5
-    if "--rounds" in args:
-        i = args.index("--rounds")
-        rounds = int(args[i + 1])
-        del args[i:i + 2]
+    var = "MSA_DENSE_KL_CHUNK"
+    for flag in ("--rounds", "--var"):
+        if flag in args:
+            i = args.index(flag)
+            if flag == "--rounds":
+                rounds = int(args[i + 1])
+            else:
+                var = args[i + 1]
+            del args[i:i + 2]
     chunks = ["default", "8", "16", "32", "64"]
     if "--" in args:
         i = args.index("--")
@@ -32,13 +38,13 @@ def main():
         for r in range(rounds):
             for c in chunks[r % len(chunks):] + chunks[:r % len(chunks)]:
                 if c == "default":
-                    os.environ.pop("MSA_DENSE_KL_CHUNK", None)
+                    os.environ.pop(var, None)
                 else:
-                    os.environ["MSA_DENSE_KL_CHUNK"] = c
+                    os.environ[var] = c
                 times[c].append(timer(bench.msa_fwd_bwd_warmup, sets))
-        os.environ.pop("MSA_DENSE_KL_CHUNK", None)
+        os.environ.pop(var, None)
         base = statistics.median(times["default"])
-        print(f"N={n} warmup fwd+bwd, median of {rounds} rounds: " + ", ".join(
+        print(f"N={n} warmup fwd+bwd ({var}), median of {rounds} rounds: " + ", ".join(
             f"{c}: {statistics.median(t):.3f} ms ({statistics.median(t) / base - 1:+.1%})" for c, t in times.items()),
             flush=True)
         del sets

@@ -227,6 +227,40 @@ def test_dense_kl_grid_order(monkeypatch, chunk):
     assert_same_forward(chunk_major, ops.msa_fwd(*args), "the dense KL's grid order")
 
 
+@pytest.mark.parametrize("heads,d,di,dtype,grad", [
+    ((16, 2, 4, 1), 128, 128, torch.bfloat16, True),   # G = 4 (the pipelined heads), the bench's head dims
+    ((16, 2, 4, 1), 128, 128, torch.bfloat16, False),  # no index gradient: the index warpgroup adds the KL rows only
+    ((16, 2, 4, 1), 64, 128, torch.float16, True),
+    ((8, 2, 4, 1), 64, 64, torch.float16, True),       # G = 2 (one head at a time)
+    ((8, 2, 4, 1), 128, 64, torch.bfloat16, True),
+])
+@pytest.mark.parametrize("chunk", [None, "1"])
+def test_dense_kl_index_warpgroup(monkeypatch, heads, d, di, dtype, grad, chunk):
+    """The dense KL kernel with its index warpgroup (the default: dK_idx, dQ_idx and the KL rows on a third
+    warpgroup, no CTA barrier per step) against the two-warpgroup kernel (MSA_DENSE_KL_WS=0): the same KL (both add
+    the same per-warp fixed-point partials) and index gradients up to the atomics' rounding. Walks of 16 steps
+    (default chunk: the heads run ahead through the lse ring and both dS^T buffers, and change kv head half way)
+    and of 4 (chunk 1); the longer sequence ends mid-tile."""
+    if not sm90_kernels_run():
+        pytest.skip("the dense KL kernel is a Hopper kernel")
+    q, k, v, qi, ki, cu, mx = make_packed([1500, 700], heads, d, di, dtype=dtype, device="cuda", seed=15)
+    args = (q, k, v, qi, ki, cu, mx, 4, 64, d ** -0.5, di ** -0.5, True, False, grad)
+    if chunk is not None:
+        monkeypatch.setenv("MSA_DENSE_KL_CHUNK", chunk)
+    def ran_ws(flag):  # the kernel's last template argument, kWs, in the demangled or the mangled name
+        names = [n for n in cuda_kernel_names(lambda: ops.msa_fwd(*args)) if "dense_kl_kernel" in n]
+        want = ("true>", "Lb1E") if flag else ("false>", "Lb0E")
+        return len(names) == 1 and any(w in names[0] for w in want), names
+
+    ok, names = ran_ws(True)
+    assert ok, names
+    with_ws = ops.msa_fwd(*args)
+    monkeypatch.setenv("MSA_DENSE_KL_WS", "0")
+    ok, names = ran_ws(False)
+    assert ok, names
+    assert_same_forward(with_ws, ops.msa_fwd(*args), "the index warpgroup", written=True)
+
+
 @pytest.mark.parametrize("per_item", ["7", "128"])
 def test_forward_item_size(monkeypatch, per_item):
     """The forward's work items (one kv block and up to MSA_FWD_UNITS_PER_ITEM of its units per CTA;

@@ -31,6 +31,7 @@ int main(int argc, char** argv) {
   bool grad = true;
   int chunk_override = 0;
   int chunk_major = 1;
+  int ws = 1;
   std::string only;
   const std::vector<Knob> knobs = {
       {"--no-grad", nullptr, "no index gradients (msa_fwd with index_grad=False: dq_idx / dk_idx null)",
@@ -39,6 +40,8 @@ int main(int argc, char** argv) {
        [&](const char* v) { chunk_override = std::max(1, std::atoi(v)); }},
       {"--order", "tile|chunk", "the grid's order (default chunk; MSA_DENSE_KL_ORDER=tile)",
        [&](const char* v) { chunk_major = knob_choice("--order", v, {"tile", "chunk"}); }},
+      {"--ws", "0|1", "1: the index warpgroup (default), 0: the two-warpgroup kernel (MSA_DENSE_KL_WS=0)",
+       [&](const char* v) { ws = knob_choice("--ws", v, {"0", "1"}); }},
       {"--only", "kl|total", "time one row only", [&](const char* v) { only = v; }},
   };
   parse_options(argc, argv,
@@ -49,7 +52,7 @@ int main(int argc, char** argv) {
                 "tile offsets, kernel, finish). tflops: the causal pairs' (2 D G + 6 Di) per index group.",
                 opt, knobs);
 #ifndef MSA_WITH_SM90
-  (void)grad, (void)chunk_override, (void)chunk_major;
+  (void)grad, (void)chunk_override, (void)chunk_major, (void)ws;
   std::fprintf(stderr, "msa_bench_dense_kl: this build has no sm_90a kernels (MSA_CUDA_ARCHS without 90a): "
                        "nothing to time\n");
   return 0;
@@ -143,6 +146,7 @@ int main(int argc, char** argv) {
       p.chunk_tiles = chunk_tiles;
       p.max_chunks = int((n_qt + chunk_tiles - 1) / chunk_tiles);
       p.chunk_major = chunk_major;
+      p.ws = ws;
       p.hq = pb.hq;
       p.hkv = pb.hkv;
       p.hi = pb.hi;
@@ -174,7 +178,7 @@ int main(int argc, char** argv) {
     };
     const double pairs = double(pb.b) * double(n) * double(n + 1) / 2.0;
     const double F = pairs * pb.hi * (2.0 * pb.d * pb.g + (grad ? 6.0 : 2.0) * pb.di);
-    const std::string shape = pb.shape + " chunk=" + std::to_string(chunk_tiles) + (chunk_major ? "" : " tile-major") +
+    const std::string shape = pb.shape + " chunk=" + std::to_string(chunk_tiles) + (chunk_major ? "" : " tile-major") + (ws ? "" : " ws=0") +
                               (grad ? " grad" : " nograd");
     auto want = [&](const char* r) { return only.empty() || only == r; };
     if (want("kl")) {

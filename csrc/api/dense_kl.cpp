@@ -84,6 +84,8 @@ SparseForward dense_kl_cuda(const Tensor& q_in, const Tensor& k_in, const Tensor
   // The grid's order (DenseKlParams::chunk_major): chunk-major (s73 on the H100: -20% at 128K, -4% at 32K, -3% at
   // 8K) unless MSA_DENSE_KL_ORDER=tile (an A/B knob).
   p.chunk_major = env_is("MSA_DENSE_KL_ORDER", "tile") ? 0 : 1;
+  // The index warpgroup (s76) unless MSA_DENSE_KL_WS=0 (the two-warpgroup kernel; an A/B knob).
+  p.ws = env_is("MSA_DENSE_KL_WS", "0") ? 0 : 1;
   MSA_CHECK(int64_t(p.num_tiles) * p.max_chunks < (int64_t(1) << 31) && Hki <= 65535,
             "q: too many query tiles for the dense KL grid, T = ", T, ", T_k = ", Tk);
   p.hq = int(Hq);

@@ -37,6 +37,12 @@ __device__ __forceinline__ void fence_regs(uint32_t (&r)[N]) {
 #pragma unroll
   for (int i = 0; i < N; ++i) asm volatile("" : "+r"(r[i])::"memory");
 }
+// Warp specialisation: a warpgroup gives registers back to the CTA's pool (dec) or takes them from it (inc);
+// every thread of the warpgroup executes it. The pool is the launch's registers per thread times the threads.
+template <int N>
+__device__ __forceinline__ void setmaxnreg_dec() { asm volatile("setmaxnreg.dec.sync.aligned.u32 %0;\n" ::"n"(N)); }
+template <int N>
+__device__ __forceinline__ void setmaxnreg_inc() { asm volatile("setmaxnreg.inc.sync.aligned.u32 %0;\n" ::"n"(N)); }
 // mbarrier (shared memory, 8 bytes) and TMA tensor loads, for a CTA without clusters.
 __device__ __forceinline__ void mbar_init(uint64_t* bar, int count) {
   asm volatile("mbarrier.init.shared::cta.b64 [%0], %1;\n" ::"r"(static_cast<uint32_t>(__cvta_generic_to_shared(bar))),
@@ -312,12 +318,15 @@ struct WgmmaSS;
 // (0, 0), N = 32: the sparse backward's S = Q K^T and dP = dO V^T over 32 keys; N = 64: the dense KL pass's
 // S^T = K Q^T (A = 64 keys of K, B = 64 queries of Q); N = 128: the general stats pass's S = Q K^T. (1, 1), N = 128:
 // index dk's dK_idx = dsi^T Q_idx
-// (sm90/index_dk/mainloop.cuh); N = 64: the warp-specialized backward's dQ = dS K (A = dS^T tiles, B = K).
+// (sm90/index_dk/mainloop.cuh); N = 64: the warp-specialized backward's dQ = dS K (A = dS^T tiles, B = K) and the
+// dense KL's dQ_idx = dS K_idx. (0, 1), N = Di: the dense KL's dK_idx = dS^T Q_idx (A = dS^T, B = Q_idx).
 #define MSA_WGMMA_SS_ALL(TYPE, PTXTYPE) \
   MSA_WGMMA_SS(TYPE, PTXTYPE, 32, 0, 0, MSA_WGMMA_D_16, MSA_WGMMA_ACC_16, "%16", "%17", "%18") \
   MSA_WGMMA_SS(TYPE, PTXTYPE, 64, 0, 0, MSA_WGMMA_D_32, MSA_WGMMA_ACC_32, "%32", "%33", "%34") \
+  MSA_WGMMA_SS(TYPE, PTXTYPE, 64, 0, 1, MSA_WGMMA_D_32, MSA_WGMMA_ACC_32, "%32", "%33", "%34") \
   MSA_WGMMA_SS(TYPE, PTXTYPE, 64, 1, 1, MSA_WGMMA_D_32, MSA_WGMMA_ACC_32, "%32", "%33", "%34") \
   MSA_WGMMA_SS(TYPE, PTXTYPE, 128, 0, 0, MSA_WGMMA_D_64, MSA_WGMMA_ACC_64, "%64", "%65", "%66") \
+  MSA_WGMMA_SS(TYPE, PTXTYPE, 128, 0, 1, MSA_WGMMA_D_64, MSA_WGMMA_ACC_64, "%64", "%65", "%66") \
   MSA_WGMMA_SS(TYPE, PTXTYPE, 128, 1, 1, MSA_WGMMA_D_64, MSA_WGMMA_ACC_64, "%64", "%65", "%66")
 MSA_WGMMA_SS_ALL(__nv_bfloat16, "bf16")
 MSA_WGMMA_SS_ALL(__half, "f16")

@@ -62,7 +62,14 @@ using sm80::smem_addr;
 constexpr int kKeys = 128;   // keys per CTA (two warpgroups of 64)
 constexpr int kRows = 64;    // query rows per step
 constexpr int kMaxSlots = 5;  // Q ring: 5 slots where the shared memory allows, else 4 or 3
-constexpr int kThreads = 256;
+constexpr int kLseBufs = 3;   // lse buffers in shared memory (the kernel without kWs uses two)
+constexpr int kThreads = 256;     // the heads' two warpgroups (every thread of the CTA without kWs)
+constexpr int kThreadsWs = 384;   // kWs: and the index warpgroup
+// kWs: setmaxnreg from the launch's 168 per thread (65536 / 384, rounded down to 8): the heads' warpgroups give
+// 16 each to the index warpgroup, whose dK_idx (128 keys x Di fp32) takes 128 registers per thread at Di = 128.
+constexpr int kHeadRegs = 152, kIdxRegs = 200;
+static_assert(2 * kHeadRegs + kIdxRegs <= 3 * 168, "register pool");
+constexpr int kBarHeads = 1;  // kWs: named barrier of the heads' 256 threads (0 is __syncthreads)
 constexpr double kLn2 = 0.6931471805599453;  // the finish (in double)
 
 template <int D, int Di>
@@ -77,9 +84,10 @@ struct Smem {
   static constexpr int qi = ki + kKeys * Di * 2;               // 2 slots
   static constexpr int ds = qi + 2 * kRows * Di * 2;            // 2 buffers
   static constexpr int kl = ds + 2 * kKeys * kRows * 2;         // 2 buffers x 8 warps x 64 queries, fp32
-  static constexpr int bars = kl + 2 * 8 * kRows * 4;           // 2 x kMaxSlots (Q) + 2 x 2 (Q_idx) + 2 (lse)
+  static constexpr int bars = kl + 2 * 8 * kRows * 4;  // 2 x kMaxSlots (Q) + 2 x 2 (Q_idx) + kLseBufs (lse) + 2 x 2 (dS)
   static constexpr int q = bars + 1024;                         // the Q slots, 1024-byte aligned
-  static constexpr int lse_bytes(int g) { return 2 * (g + 1) * kRows * 4; }  // 2 buffers x (G lse + lse_idx)
+  // kLseBufs buffers x (G lse + lse_idx): two without kWs, three with it (the heads' warpgroups meet at no barrier).
+  static constexpr int lse_bytes(int g) { return kLseBufs * (g + 1) * kRows * 4; }
   static constexpr int bytes(int g, int slots) { return q + slots * kRows * D * 2 + lse_bytes(g); }
 };
 
@@ -93,16 +101,23 @@ inline int q_slots(int g, int limit) {
 
 // rows x (W 16-bit elements) tile at global rows [row0, row0 + rows) (stride in elements), rows at or
 // past `limit` zero-filled, into a KMajorSw128 tile.
-template <typename Tile, int W>
+// kRolled: one copy per loop trip (no addresses hoisted out of the caller's loop: registers, kWs).
+template <typename Tile, int W, bool kRolled = false>
 __device__ __forceinline__ void load_tile(void* dst, const void* src, int64_t stride, int row0, int rows, int limit,
                                           int tid) {
   constexpr int kChunks = W / 8;
   const char* s = static_cast<const char*>(src);
-  for (int i = tid; i < rows * kChunks; i += kThreads) {
+  auto copy = [&](int i) {
     const int r = i / kChunks, c = i % kChunks;
     const bool ok = row0 + r < limit;
     const char* g = s + (int64_t(ok ? row0 + r : 0) * stride + c * 8) * 2;
     cp_async_16(static_cast<char*>(dst) + Tile::offset(r, c) * 2, g, ok);
+  };
+  if constexpr (kRolled) {
+#pragma unroll 1
+    for (int i = tid; i < rows * kChunks; i += kThreads) copy(i);
+  } else {
+    for (int i = tid; i < rows * kChunks; i += kThreads) copy(i);
   }
 }
 
@@ -116,8 +131,11 @@ __device__ __forceinline__ uint64_t desc_step(uint64_t d0, int ks) {
 
 // acc (64 x 64) = A B^T over kSteps k-steps, both operands by descriptor, issued and committed as one
 // group (not waited for).
-template <typename T, typename ATile, typename BTile, int kSteps>
+// kOpaque: the base descriptors hidden from the optimiser at each call, so that the k-steps' descriptors are
+// formed here, not hoisted out of the caller's loop and held in registers (kWs: 2 x 8 64-bit values per GEMM).
+template <typename T, typename ATile, typename BTile, int kSteps, bool kOpaque = false>
 __device__ __forceinline__ void issue_ss(float (&acc)[32], uint64_t a0, uint64_t b0) {
+  if constexpr (kOpaque) asm volatile("" : "+l"(a0), "+l"(b0));
   wgmma_fence();
 #pragma unroll
   for (int ks = 0; ks < kSteps; ++ks) {
@@ -131,8 +149,18 @@ __device__ __forceinline__ void issue_ss(float (&acc)[32], uint64_t a0, uint64_t
 // kG > 0: G = kG query heads per index group at compile time, and head h + 1's S^T (or, after the last
 // head, S_idx^T) runs on the tensor cores while head h's exponentials run (two accumulators). kG = 0: G
 // from the params, one head at a time, S_idx^T first.
-template <typename T, int D, int Di, int kG>
-__global__ void __launch_bounds__(dense_kl::kThreads, 1)
+//
+// kWs (the default; MSA_DENSE_KL_WS=0 for the kernel above): a third warpgroup, the index warpgroup, takes the
+// gradient GEMMs off the heads' warpgroups, which keep the heads, S_idx^T, the KL terms and dS^T. Per step the
+// heads' warpgroups store dS^T and their KL partials (buffer s & 1), fence them to the async proxy and arrive on
+// ds_full; the index warpgroup waits for it, runs dK_idx += dS^T Q_idx for all 128 keys (two m64nDi SS wgmmas,
+// A = dS^T K-major) and dQ_idx = dS K_idx (SS, A = dS read MN-major from the same tile) by column halves with
+// their reds, adds the step's KL rows, and arrives on ds_empty, which the heads wait for before they refill the
+// buffer two steps on. No CTA barrier per step: the heads run up to two steps ahead, and their registers no
+// longer hold dK_idx (the index warpgroup's 128 at Di = 128). Q_idx slot s & 1 goes back after S_idx^T (heads)
+// and dK_idx (index warpgroup): 12 arrivals; thread 0 refills it once step s's heads are done.
+template <typename T, int D, int Di, int kG, bool kWs>
+__global__ void __launch_bounds__(kWs ? dense_kl::kThreadsWs : dense_kl::kThreads, 1)
     dense_kl_kernel(const DenseKlParams p, const __grid_constant__ CUtensorMap q_map,
                     const __grid_constant__ CUtensorMap qi_map, const int slots) {
   using namespace dense_kl;
@@ -157,6 +185,8 @@ __global__ void __launch_bounds__(dense_kl::kThreads, 1)
   uint64_t* full_a = empty_q + kMaxSlots;
   uint64_t* empty_a = full_a + 2;
   uint64_t* lse_full = empty_a + 2;
+  uint64_t* ds_full = lse_full + kLseBufs;  // kWs: dS^T and the KL partials of buffer b stored (256 arrivals)
+  uint64_t* ds_empty = ds_full + 2;  // kWs: ... and read by the index warpgroup (128 arrivals)
   float* sLse0 = reinterpret_cast<float*>(smem + L::q + slots * kRows * D * 2);
 
   const int tid = threadIdx.x, lane = tid % 32, warp = tid / 32, wg = warp / 4, wq = warp % 4;
@@ -217,9 +247,11 @@ __global__ void __launch_bounds__(dense_kl::kThreads, 1)
     }
     for (int i = 0; i < 2; ++i) {
       mbar_init(full_a + i, 1);
-      mbar_init(empty_a + i, 8);
-      mbar_init(lse_full + i, kThreads);
+      mbar_init(empty_a + i, kWs ? 12 : 8);
+      mbar_init(ds_full + i, kThreads);
+      mbar_init(ds_empty + i, 128);
     }
+    for (int i = 0; i < kLseBufs; ++i) mbar_init(lse_full + i, kThreads);
     mbar_fence_init();
   }
   __syncthreads();
@@ -255,19 +287,28 @@ __global__ void __launch_bounds__(dense_kl::kThreads, 1)
                   full_a + slot);
     }
   };
-  // Every thread: its share of step s's lse (G heads) and lse_idx, one cp.async group (finish_lse turns
-  // them into exponent offsets and arrives on lse_full). Buffer s & 1 was last read in step s - 2, before that
-  // step's CTA barrier.
+  // Every thread: its share of step s's lse (G heads) and lse_idx into buffer lb, one cp.async group (finish_lse
+  // turns them into exponent offsets and arrives on lse_full). The buffers go round (two; three with kWs): buffer
+  // lb of step s was last read in step s - 2 (s - 3 with kWs), which every thread has finished: without kWs the
+  // step's CTA barrier says so; with kWs, step s - 1's lse_full wait (every heads thread's finish_lse at the end
+  // of step s - 2) came before this call.
+  constexpr int kBufs = kWs ? kLseBufs : 2;
   const float nlog2g = -__log2f(float(G));  // Pbar = sum_h exp2(S_h c - lse_h log2 e - log2 G)
-  auto issue_lse = [&](int s, int qt, int r) {
-    const int b = s & 1, row0 = (qt_begin + qt) * kRows;
-    float* dst = sLse0 + b * (G + 1) * kRows;
-    for (int i = tid; i < (G + 1) * kRows; i += kThreads) {
+  auto issue_lse = [&](int lb, int qt, int r) {
+    const int row0 = (qt_begin + qt) * kRows;
+    float* dst = sLse0 + lb * (G + 1) * kRows;
+    auto copy = [&](int i) {
       const int hh = i / kRows, row = i % kRows;
       const bool ok = row0 + row < len_q;
       const int tok = base_q + (ok ? row0 + row : 0);
       const float* src_row = hh < G ? p.lse + int64_t(r * G + hh) * p.total_tokens : p.lse_idx + int64_t(r) * p.total_tokens;
       cp_async_4(dst + i, src_row + tok, ok);
+    };
+    if constexpr (kWs) {  // one copy per trip (registers)
+#pragma unroll 1
+      for (int i = tid; i < (G + 1) * kRows; i += kThreads) copy(i);
+    } else {
+      for (int i = tid; i < (G + 1) * kRows; i += kThreads) copy(i);
     }
     sm80::cp_async_commit();
   };
@@ -275,39 +316,155 @@ __global__ void __launch_bounds__(dense_kl::kThreads, 1)
   // exponents' offsets, -(lse_h log2 e + log2 G) for the heads and lse_idx log2 e, then its arrival on
   // lse_full. The heads' exponents read them after the wgmma wait (s34: converted by each reader, the FFMAs
   // ran before the wait and stalled on the shared loads: ~10% of the kernel's stall samples).
-  auto finish_lse = [&](int s) {
-    float* dst = sLse0 + (s & 1) * (G + 1) * kRows;
+  auto finish_lse = [&](int lb) {
+    float* dst = sLse0 + lb * (G + 1) * kRows;
     sm80::cp_async_wait<0>();
     for (int i = tid; i < (G + 1) * kRows; i += kThreads) {
       const float x = dst[i];
       dst[i] = i < G * kRows ? fmaf(x, -kLog2e, nlog2g) : x * kLog2e;
     }
-    mbar_arrive(lse_full + (s & 1));
+    mbar_arrive(lse_full + lb);
   };
   auto load_k = [&](int kvh) {  // every thread; then cp.async.wait_all + a CTA barrier
-    load_tile<KT, D>(sK, k + base_k * p.k_stride_t + kvh * p.k_stride_h, p.k_stride_t, k0, kKeys, len_k, tid);
+    load_tile<KT, D, kWs>(sK, k + base_k * p.k_stride_t + kvh * p.k_stride_h, p.k_stride_t, k0, kKeys, len_k, tid);
     sm80::cp_async_commit();
   };
 
+  // The KL partials of a step's 64 query rows (8 warps' sums in sKl) added into kl_fixed: thread i < 64 takes row i.
+  auto kl_row_add = [&](const float* sKl, int row0, int r, int i) {
+    if (i < kRows && row0 + i < len_q) {  // KL in fixed point: the order of the adds does not matter
+      float v = 0.f;
+#pragma unroll
+      for (int w = 0; w < 8; ++w) v += sKl[w * kRows + i];
+      const int64_t row = int64_t(r) * p.total_tokens + base_q + row0 + i;
+      if (isfinite(v)) {
+        atomicAdd(p.kl_fixed + row, static_cast<unsigned long long>(__float2ll_rn(v * 4294967296.f)));
+      } else {
+        atomicOr(p.kl_bad + row, 1u);  // the fixed point cannot hold it: the finish writes NaN
+      }
+    }
+  };
+  // A 64-query x 64-column block of dQ_idx (the accumulator of an m64n64 wgmma, columns [col0, +64)) added by
+  // reds straight from the accumulator layout (rows wq 16 + g and + 8, column pairs 8 j + 2 t): 8-byte reds, no
+  // shuffles (the same 32-byte sectors per warp as 16-byte reds after a quad exchange).
+  auto dq_reds = [&](const float (&dq)[32], int row0, int r, int col0) {
+    const int qrow = wq * 16 + g;
+    const bool ok0 = row0 + qrow < len_q, ok1 = row0 + qrow + 8 < len_q;
+    float* dst0 = p.dq_idx + (int64_t(base_q + row0 + qrow) * p.hi + r) * Di + col0 + 2 * t;
+    float* dst1 = dst0 + int64_t(8) * p.hi * Di;
+#pragma unroll
+    for (int j = 0; j < 8; ++j) {
+      if (ok0) sm80::atomic_add2(dst0 + 8 * j, dq[4 * j] * p.grad_scale, dq[4 * j + 1] * p.grad_scale);
+      if (ok1) sm80::atomic_add2(dst1 + 8 * j, dq[4 * j + 2] * p.grad_scale, dq[4 * j + 3] * p.grad_scale);
+    }
+  };
+  // dK_idx of 64 keys (the accumulator of an m64nDi wgmma whose rows are the tile's keys from key_base) added by
+  // 16-byte reds after a quad exchange, once per CTA.
+  auto dk_flush = [&](const float (&dk)[Di / 2], int key_base) {
+    const int krow = key_base + wq * 16 + g + ((t & 1) ? 8 : 0);
+    const bool ok = k0 + krow < len_k;
+    float* dst = p.dk_idx + (int64_t(base_k + k0 + (ok ? krow : 0)) * p.hki + hk) * Di + 2 * (t & ~1);
+#pragma unroll
+    for (int j = 0; j < Di / 8; ++j) {
+      const float c4[4] = {dk[4 * j], dk[4 * j + 1], dk[4 * j + 2], dk[4 * j + 3]};
+      const float4 v = sm80::quad_rows4(c4, t);
+      if (ok) {
+        sm80::atomic_add4(dst + 8 * j,
+                          make_float4(v.x * p.grad_scale, v.y * p.grad_scale, v.z * p.grad_scale, v.w * p.grad_scale));
+      }
+    }
+  };
+
   // Prologue: K_idx and K of the first group (cp.async), step 0's Q_idx, lse and the first Q loads.
-  load_tile<KiT, Di>(sKi, ki + base_k * p.ki_stride_t + hk * p.ki_stride_h, p.ki_stride_t, k0, kKeys, len_k, tid);
   int kv_loaded = r0 * G / kv_per;
-  load_k(kv_loaded);
-  sm80::cp_async_wait<0>();
-  fence_proxy_async_smem();
+  if (tid < kThreads) {
+    load_tile<KiT, Di>(sKi, ki + base_k * p.ki_stride_t + hk * p.ki_stride_h, p.ki_stride_t, k0, kKeys, len_k, tid);
+    load_k(kv_loaded);
+    sm80::cp_async_wait<0>();
+    fence_proxy_async_smem();
+  }
   __syncthreads();
+  const uint32_t ki_addr = smem_addr(sKi);
+
+  if constexpr (kWs) {
+    if (wg == 2) {  // the index warpgroup: dK_idx, dQ_idx and the KL rows of every step, in the heads' order
+      setmaxnreg_inc<kIdxRegs>();
+      float dk[2][Di / 2];  // keys [0, 64) and [64, 128) of the tile
+#pragma unroll
+      for (int m = 0; m < 2; ++m) {
+#pragma unroll
+        for (int i = 0; i < Di / 2; ++i) dk[m][i] = 0.f;
+      }
+      const uint32_t ds_base = smem_addr(sDs0), qi_base = smem_addr(sQi);
+      // dQ_idx's columns [64 hf, +64) (Di = 128) or all 64 (Di = 64) over the tile's 128 keys: A = dS, read
+      // MN-major from the dS^T tile (rows = keys), B = K_idx's panel hf read MN-major. Issued and committed.
+      auto issue_dq = [&](float (&dq)[32], uint32_t ds_addr, int hf) {
+        wgmma_fence();
+#pragma unroll
+        for (int ks = 0; ks < 8; ++ks)
+          WgmmaSS<T, 64, true, true>::run(dq, DsT::desc_mn(ds_addr, ks), KiT::desc_mn(ki_addr + hf * KiT::kPanelElems * 2, ks),
+                                          ks > 0);
+        wgmma_commit();
+      };
+      int qt = rot, r = r0;
+      for (int s = 0; s < steps; ++s) {
+        const int b = s & 1, row0 = (qt_begin + qt) * kRows;
+        const float* sKl = sKl0 + b * 8 * kRows;
+        mbar_wait(ds_full + b, (s >> 1) & 1);
+        if (grad) {
+          mbar_wait(full_a + b, (s >> 1) & 1);  // Q_idx of the step (landed before the heads' S_idx^T)
+          const uint32_t ds_addr = ds_base + b * kKeys * kRows * 2, qi_addr = qi_base + b * kRows * Di * 2;
+          wgmma_fence();
+#pragma unroll
+          for (int m = 0; m < 2; ++m) {
+#pragma unroll
+            for (int kk = 0; kk < 4; ++kk)
+              WgmmaSS<T, Di, false, true>::run(dk[m], DsT::desc(ds_addr + m * 64 * 128, kk), QiT::desc_mn(qi_addr, kk),
+                                               true);
+          }
+          wgmma_commit();
+          float dq[32];
+          issue_dq(dq, ds_addr, 0);
+          kl_row_add(sKl, row0, r, tid - kThreads);  // under the wgmmas
+          wgmma_wait<0>();
+          fence_regs(dk[0]);
+          fence_regs(dk[1]);
+          fence_regs(dq);
+          if (lane == 0) mbar_arrive(empty_a + b);  // this warp's reads of the Q_idx slot are done
+          dq_reds(dq, row0, r, 0);
+          if constexpr (Di == 128) {
+            issue_dq(dq, ds_addr, 1);
+            wgmma_wait<0>();
+            fence_regs(dq);
+            dq_reds(dq, row0, r, 64);
+          }
+        } else {
+          if (lane == 0) mbar_arrive(empty_a + b);  // Q_idx not read here: the slot's arrival of this warp
+          kl_row_add(sKl, row0, r, tid - kThreads);
+        }
+        mbar_arrive(ds_empty + b);  // the buffer's dS^T (read by the wgmmas, waited for) and KL partials
+        advance(qt, r);
+      }
+      if (grad) {
+        dk_flush(dk[0], 0);
+        dk_flush(dk[1], 64);
+      }
+      return;
+    }
+    setmaxnreg_dec<kHeadRegs>();
+  }
   issue_lse(0, rot, r0);
   finish_lse(0);
+  int lb = 0, lph = 0;  // step s's lse buffer and the parity of its use
   if (tid == 0) {
     issue_a(0, rot, r0);
     for (int i = 0; i < prefetch; ++i) issue_q();
   }
 
-  float dk[Di / 2];  // this warpgroup's 64 keys x Di of d kl / d k_idx (before grad_scale)
+  float dk[kWs ? 1 : Di / 2];  // without kWs: this warpgroup's 64 keys x Di of d kl / d k_idx (before grad_scale)
 #pragma unroll
-  for (int i = 0; i < Di / 2; ++i) dk[i] = 0.f;
+  for (int i = 0; i < (kWs ? 1 : Di / 2); ++i) dk[i] = 0.f;
 
-  const uint32_t ki_addr = smem_addr(sKi);
   // A = this warpgroup's 64 rows of the key tiles (row 64 wg of each 128-byte panel), by descriptor.
   const uint64_t k_d0 = KT::desc(smem_addr(sK) + wg * 64 * 128, 0);
   const uint64_t ki_d0 = KiT::desc(ki_addr + wg * 64 * 128, 0);
@@ -324,19 +481,30 @@ __global__ void __launch_bounds__(dense_kl::kThreads, 1)
     T* sDs = sDs0 + b * kKeys * kRows;
     float* sKl = sKl0 + b * 8 * kRows;
     if (kvh != kv_loaded) {  // a new kv head for this group: every read of sK ended before the last barrier
+      if constexpr (kWs) asm volatile("bar.sync %0, %1;\n" ::"n"(kBarHeads), "n"(kThreads) : "memory");
       load_k(kvh);
       sm80::cp_async_wait<0>();
       fence_proxy_async_smem();
-      __syncthreads();
+      if constexpr (kWs) asm volatile("bar.sync %0, %1;\n" ::"n"(kBarHeads), "n"(kThreads) : "memory");
+      else __syncthreads();
       kv_loaded = kvh;
     }
+    const int lb_next = lb + 1 == kBufs ? 0 : lb + 1;
     if (s + 1 < steps) {
-      issue_lse(s + 1, qt_next, r_next);
-      if (tid == 0) issue_a(s + 1, qt_next, r_next);
+      issue_lse(lb_next, qt_next, r_next);
+      if (!kWs && tid == 0) issue_a(s + 1, qt_next, r_next);
     }
+    // kWs: the heads' reads of this step's Q_idx slot are done (after S_idx^T); thread 0 then refills the other
+    // slot, whose last use (step s - 1) the index warpgroup has usually finished by now.
+    auto q_idx_done = [&]() {
+      if constexpr (kWs) {
+        if (lane == 0) mbar_arrive(empty_a + b);
+        if (tid == 0 && s + 1 < steps) issue_a(s + 1, qt_next, r_next);
+      }
+    };
     mbar_wait(full_a + b, (s >> 1) & 1);
-    mbar_wait(lse_full + b, (s >> 1) & 1);
-    const float* lse_b = sLse0 + b * (G + 1) * kRows;
+    mbar_wait(lse_full + lb, lph);
+    const float* lse_b = sLse0 + lb * (G + 1) * kRows;
     const uint32_t qi_addr = smem_addr(sQi + b * kRows * Di);
     const uint64_t qi_d0 = QiT::desc(qi_addr, 0);
 
@@ -365,19 +533,28 @@ __global__ void __launch_bounds__(dense_kl::kThreads, 1)
         lv[2 * j + 1] = x.y;
       }
     };
-    auto head_terms = [&](const float (&sc)[32], const float (&lv)[16]) {
+    // Head hh's exponentials into pb. kWs: the lse offsets read from shared memory as they are used (registers: the
+    // heads' warpgroups run at kHeadRegs); otherwise from lv, loaded by load_lv before the wgmma wait.
+    auto head_terms = [&](const float (&sc)[32], const float (&lv)[16], int hh) {
+      const float* lh = lse_b + hh * kRows;
+      auto lse_pair = [&](int j) {
+        if constexpr (kWs) return *reinterpret_cast<const float2*>(lh + 8 * j + 2 * t);
+        else return make_float2(lv[2 * j], lv[2 * j + 1]);
+      };
       if (full) {
 #pragma unroll
         for (int j = 0; j < 8; ++j) {
+          const float2 o = lse_pair(j);
 #pragma unroll
-          for (int e = 0; e < 4; ++e) pb[4 * j + e] += fast_exp2(fmaf(sc[4 * j + e], p.scale_log2, lv[2 * j + (e & 1)]));
+          for (int e = 0; e < 4; ++e) pb[4 * j + e] += fast_exp2(fmaf(sc[4 * j + e], p.scale_log2, (e & 1) ? o.y : o.x));
         }
       } else {
 #pragma unroll
         for (int j = 0; j < 8; ++j) {
+          const float2 o = lse_pair(j);
 #pragma unroll
           for (int e = 0; e < 4; ++e) {
-            const float x = fast_exp2(fmaf(sc[4 * j + e], p.scale_log2, lv[2 * j + (e & 1)]));
+            const float x = fast_exp2(fmaf(sc[4 * j + e], p.scale_log2, (e & 1) ? o.y : o.x));
             pb[4 * j + e] += visible(e, j) ? x : 0.f;
           }
         }
@@ -391,43 +568,51 @@ __global__ void __launch_bounds__(dense_kl::kThreads, 1)
     if constexpr (kG > 0) {
       float sc[2][32];
       mbar_wait(full_q + c_slot, c_phase);
-      issue_ss<T, KT, QT, D / 16>(sc[0], k_d0, QT::desc(smem_addr(sQ + c_slot * kRows * D), 0));
+      issue_ss<T, KT, QT, D / 16, kWs>(sc[0], k_d0, QT::desc(smem_addr(sQ + c_slot * kRows * D), 0));
 #pragma unroll
       for (int hh = 0; hh < kG; ++hh) {
         const int slot = c_slot;
         next_slot();
         if (hh + 1 < kG) {
           mbar_wait(full_q + c_slot, c_phase);
-          issue_ss<T, KT, QT, D / 16>(sc[(hh + 1) & 1], k_d0, QT::desc(smem_addr(sQ + c_slot * kRows * D), 0));
+          issue_ss<T, KT, QT, D / 16, kWs>(sc[(hh + 1) & 1], k_d0, QT::desc(smem_addr(sQ + c_slot * kRows * D), 0));
         } else {
-          issue_ss<T, KiT, QiT, Di / 16>(si, ki_d0, qi_d0);
+          issue_ss<T, KiT, QiT, Di / 16, kWs>(si, ki_d0, qi_d0);
         }
-        load_lv(hh, lv);
+        if constexpr (!kWs) load_lv(hh, lv);
         wgmma_wait<1>();  // head hh's S^T is done, the next GEMM runs under its exponentials
         fence_regs(sc[hh & 1]);
         if (lane == 0) mbar_arrive(empty_q + slot);  // this warp is done with the slot
         if (tid == 0) issue_q();
-        head_terms(sc[hh & 1], lv);
+        head_terms(sc[hh & 1], lv, hh);
       }
       load_lv(G, lv);
       wgmma_wait<0>();
       fence_regs(si);
+      q_idx_done();
     } else {
-      issue_ss<T, KiT, QiT, Di / 16>(si, ki_d0, qi_d0);
-      wgmma_wait<0>();
-      fence_regs(si);
+      // One head at a time. kWs: S_idx^T after the heads (registers: the other warpgroups' GEMMs overlap these
+      // exponentials); otherwise before them.
+      auto s_idx = [&]() {
+        issue_ss<T, KiT, QiT, Di / 16, kWs>(si, ki_d0, qi_d0);
+        wgmma_wait<0>();
+        fence_regs(si);
+        q_idx_done();
+      };
+      if constexpr (!kWs) s_idx();
       for (int hh = 0; hh < G; ++hh) {
         float sc[32];
         mbar_wait(full_q + c_slot, c_phase);
-        issue_ss<T, KT, QT, D / 16>(sc, k_d0, QT::desc(smem_addr(sQ + c_slot * kRows * D), 0));
-        load_lv(hh, lv);
+        issue_ss<T, KT, QT, D / 16, kWs>(sc, k_d0, QT::desc(smem_addr(sQ + c_slot * kRows * D), 0));
+        if constexpr (!kWs) load_lv(hh, lv);
         wgmma_wait<0>();
         fence_regs(sc);
         if (lane == 0) mbar_arrive(empty_q + c_slot);
         next_slot();
         if (tid == 0) issue_q();
-        head_terms(sc, lv);
+        head_terms(sc, lv, hh);
       }
+      if constexpr (kWs) s_idx();
       load_lv(G, lv);
     }
 
@@ -469,13 +654,11 @@ __global__ void __launch_bounds__(dense_kl::kThreads, 1)
       }
     };
 
-    if (grad) {  // CTA-uniform
-      // dS^T as the A operand (input dtype): n-tiles 2 kk, 2 kk + 1 are queries [16 kk, +16).
-      uint32_t pa[4][4];
+    // dS^T as the A operand's packed pairs (input dtype): n-tiles 2 kk, 2 kk + 1 are queries [16 kk, +16); and
+    // into shared memory for dQ_idx (rows = keys), the same pairs.
+    auto pack_ds = [&](uint32_t (&pa)[4][4]) {
 #pragma unroll
       for (int kk = 0; kk < 4; ++kk) sm80::a_frag<T>(si + 8 * kk, pa[kk]);
-      // dS^T to shared memory for dQ_idx (rows = keys): the same packed pairs (before the wgmma: its A
-      // registers may not be read while it runs).
 #pragma unroll
       for (int kk = 0; kk < 4; ++kk) {
 #pragma unroll
@@ -485,81 +668,66 @@ __global__ void __launch_bounds__(dense_kl::kThreads, 1)
           *reinterpret_cast<uint32_t*>(sDs + DsT::offset(key_row + 8, chunk) + 2 * t) = pa[kk][2 * hf + 1];
         }
       }
-      // dK_idx += dS^T Q_idx.
-      wgmma_fence();
-#pragma unroll
-      for (int kk = 0; kk < 4; ++kk) WgmmaRS<T, Di, true>::run(dk, pa[kk], QiT::desc_mn(qi_addr, kk), true);
-      wgmma_commit();
+    };
+    if constexpr (kWs) {
+      // The buffer's last use (step s - 2) read by the index warpgroup; then this step's dS^T and KL partials.
+      if (s >= 2) mbar_wait(ds_empty + b, ((s >> 1) + 1) & 1);
+      if (grad) {
+        uint32_t pa[4][4];
+        pack_ds(pa);
+        fence_proxy_async_smem();  // the stores -> the index warpgroup's wgmma reads
+      }
       kl_partials();
-      wgmma_wait<0>();
-      fence_regs(dk);
+      mbar_arrive(ds_full + b);
     } else {
-      kl_partials();
-    }
-    if (lane == 0) mbar_arrive(empty_a + b);  // this warp's reads of the Q_idx slot are done
-    __syncthreads();  // sDs and sKl complete
-
-    if (tid < kRows && row0 + tid < len_q) {  // KL in fixed point: the order of the adds does not matter
-      float v = 0.f;
+      if (grad) {  // CTA-uniform
+        uint32_t pa[4][4];
+        pack_ds(pa);
+        // dK_idx += dS^T Q_idx (the stores above came before the wgmma: its A registers may not be read while it runs).
+        wgmma_fence();
 #pragma unroll
-      for (int w = 0; w < 8; ++w) v += sKl[w * kRows + tid];
-      const int64_t row = int64_t(r) * p.total_tokens + base_q + row0 + tid;
-      if (isfinite(v)) {
-        atomicAdd(p.kl_fixed + row, static_cast<unsigned long long>(__float2ll_rn(v * 4294967296.f)));
+        for (int kk = 0; kk < 4; ++kk) WgmmaRS<T, Di, true>::run(dk, pa[kk], QiT::desc_mn(qi_addr, kk), true);
+        wgmma_commit();
+        kl_partials();
+        wgmma_wait<0>();
+        fence_regs(dk);
       } else {
-        atomicOr(p.kl_bad + row, 1u);  // the fixed point cannot hold it: the finish writes NaN
+        kl_partials();
+      }
+      if (lane == 0) mbar_arrive(empty_a + b);  // this warp's reads of the Q_idx slot are done
+      __syncthreads();  // sDs and sKl complete
+
+      kl_row_add(sKl, row0, r, tid);
+      if (grad) {
+        // dQ_idx (64 queries x Di) = dS K_idx: Di = 128, warpgroup wg takes columns [64 wg, +64) over all 128
+        // keys; Di = 64, keys [64 wg, +64) of all columns.
+        float dq[32];
+        constexpr int kSteps = Di == 128 ? 8 : 4;
+        const int kk0 = Di == 128 ? 0 : 4 * wg;
+        const uint32_t b_addr = ki_addr + (Di == 128 ? wg * KiT::kPanelElems * 2 : 0);
+        uint32_t a[kSteps][4];
+#pragma unroll
+        for (int i = 0; i < kSteps; ++i) {
+          const int kk = kk0 + i, mi = lane / 8;
+          ldmatrix_x4_trans(a[i], sDs + DsT::offset(16 * kk + (mi / 2) * 8 + lane % 8, 2 * wq + mi % 2));
+        }
+        wgmma_fence();
+#pragma unroll
+        for (int i = 0; i < kSteps; ++i) WgmmaRS<T, 64, true>::run(dq, a[i], KiT::desc_mn(b_addr, kk0 + i), i > 0);
+        wgmma_commit();
+        wgmma_wait<0>();
+        fence_regs(dq);
+        dq_reds(dq, row0, r, Di == 128 ? 64 * wg : 0);
       }
     }
-    if (grad) {
-      // dQ_idx (64 queries x Di) = dS K_idx: Di = 128, warpgroup wg takes columns [64 wg, +64) over all 128
-      // keys; Di = 64, keys [64 wg, +64) of all columns.
-      float dq[32];
-      constexpr int kSteps = Di == 128 ? 8 : 4;
-      const int kk0 = Di == 128 ? 0 : 4 * wg;
-      const uint32_t b_addr = ki_addr + (Di == 128 ? wg * KiT::kPanelElems * 2 : 0);
-      uint32_t a[kSteps][4];
-#pragma unroll
-      for (int i = 0; i < kSteps; ++i) {
-        const int kk = kk0 + i, mi = lane / 8;
-        ldmatrix_x4_trans(a[i], sDs + DsT::offset(16 * kk + (mi / 2) * 8 + lane % 8, 2 * wq + mi % 2));
-      }
-      wgmma_fence();
-#pragma unroll
-      for (int i = 0; i < kSteps; ++i) WgmmaRS<T, 64, true>::run(dq, a[i], KiT::desc_mn(b_addr, kk0 + i), i > 0);
-      wgmma_commit();
-      wgmma_wait<0>();
-      fence_regs(dq);
-      const int col0 = Di == 128 ? 64 * wg : 0;
-      // Straight from the accumulator layout (rows wq 16 + g and + 8, column pairs 8 j + 2 t): 8-byte reds,
-      // no shuffles (the same 32-byte sectors per warp as 16-byte reds after a quad exchange).
-      const int qrow = wq * 16 + g;
-      const bool ok0 = row0 + qrow < len_q, ok1 = row0 + qrow + 8 < len_q;
-      float* dst0 = p.dq_idx + (int64_t(base_q + row0 + qrow) * p.hi + r) * Di + col0 + 2 * t;
-      float* dst1 = dst0 + int64_t(8) * p.hi * Di;
-#pragma unroll
-      for (int j = 0; j < 8; ++j) {
-        if (ok0) sm80::atomic_add2(dst0 + 8 * j, dq[4 * j] * p.grad_scale, dq[4 * j + 1] * p.grad_scale);
-        if (ok1) sm80::atomic_add2(dst1 + 8 * j, dq[4 * j + 2] * p.grad_scale, dq[4 * j + 3] * p.grad_scale);
-      }
-    }
-    if (s + 1 < steps) finish_lse(s + 1);
+    if (s + 1 < steps) finish_lse(lb_next);
     qt = qt_next, r = r_next;
+    lph ^= lb_next == 0 ? 1 : 0;
+    lb = lb_next;
   }
   sm80::cp_async_wait<0>();
-
-  if (grad) {  // dK_idx: rows = this warpgroup's keys, Di columns
-    const int krow = key_row + ((t & 1) ? 8 : 0);
-    const bool ok = k0 + krow < len_k;
-    float* dst = p.dk_idx + (int64_t(base_k + k0 + (ok ? krow : 0)) * p.hki + hk) * Di + 2 * (t & ~1);
-#pragma unroll
-    for (int j = 0; j < Di / 8; ++j) {
-      const float c4[4] = {dk[4 * j], dk[4 * j + 1], dk[4 * j + 2], dk[4 * j + 3]};
-      const float4 v = sm80::quad_rows4(c4, t);
-      if (ok) {
-        sm80::atomic_add4(dst + 8 * j,
-                          make_float4(v.x * p.grad_scale, v.y * p.grad_scale, v.z * p.grad_scale, v.w * p.grad_scale));
-      }
-    }
+  if constexpr (!kWs) {
+    if (grad) dk_flush(dk, wg * 64);  // rows = this warpgroup's keys
   }
 }
 
@@ -579,12 +747,14 @@ cudaError_t launch_dense_kl(const DenseKlParams& p, cudaStream_t stream) {
   }
   if (err != cudaSuccess) return err;
   const int smem = dense_kl::Smem<D, Di>::bytes(G, slots) + 1024;
-  // G = 4 (e.g. 16 query heads over 4 index heads) pipelines its heads; other G run the general kernel.
-  auto kernel = G == 4 ? dense_kl_kernel<T, D, Di, 4> : dense_kl_kernel<T, D, Di, 0>;
+  // G = 4 (e.g. 16 query heads over 4 index heads) pipelines its heads; other G run the general kernel. p.ws: the
+  // index warpgroup (three warpgroups) or the two-warpgroup kernel.
+  auto kernel = p.ws ? (G == 4 ? dense_kl_kernel<T, D, Di, 4, true> : dense_kl_kernel<T, D, Di, 0, true>)
+                     : (G == 4 ? dense_kl_kernel<T, D, Di, 4, false> : dense_kl_kernel<T, D, Di, 0, false>);
   err = cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, smem);
   if (err != cudaSuccess) return err;
   const dim3 grid(unsigned(p.num_tiles) * unsigned(p.max_chunks), p.hki);
-  kernel<<<grid, dense_kl::kThreads, smem, stream>>>(p, q_map, qi_map, slots);
+  kernel<<<grid, p.ws ? dense_kl::kThreadsWs : dense_kl::kThreads, smem, stream>>>(p, q_map, qi_map, slots);
   return cudaGetLastError();
 }
 

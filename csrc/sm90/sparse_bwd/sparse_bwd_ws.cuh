@@ -50,8 +50,6 @@
 namespace msa::sm90::bwd_ws {
 
 using out_ws::group_sync;
-using out_ws::setmaxnreg_dec;
-using out_ws::setmaxnreg_inc;
 using sm80::cp_async_16;
 using sm80::cp_async_4;
 using sm80::fast_exp2;

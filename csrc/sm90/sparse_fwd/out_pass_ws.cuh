@@ -127,10 +127,6 @@ struct Smem {  // byte offsets from the 1024-aligned base
                 "tiles aligned for the XOR addressing and the descriptors");
 };
 
-template <int N>
-__device__ __forceinline__ void setmaxnreg_dec() { asm volatile("setmaxnreg.dec.sync.aligned.u32 %0;\n" ::"n"(N)); }
-template <int N>
-__device__ __forceinline__ void setmaxnreg_inc() { asm volatile("setmaxnreg.inc.sync.aligned.u32 %0;\n" ::"n"(N)); }
 // The 128 threads of consumer warpgroup `id - 1` (named barrier id 1, 2 or 3; 0 is __syncthreads).
 __device__ __forceinline__ void group_sync(int id) { asm volatile("bar.sync %0, 128;\n" ::"r"(id) : "memory"); }
 __device__ __forceinline__ void cp_async_mbar_arrive(uint64_t* bar) {
