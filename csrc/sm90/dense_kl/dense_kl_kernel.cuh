@@ -148,7 +148,7 @@ __device__ __forceinline__ void issue_ss(float (&acc)[32], uint64_t a0, uint64_t
 
 // kG > 0: G = kG query heads per index group at compile time, and head h + 1's S^T (or, after the last
 // head, S_idx^T) runs on the tensor cores while head h's exponentials run (two accumulators). kG = 0: G
-// from the params, one head at a time, S_idx^T first.
+// from the params, one head at a time, S_idx^T first (with kWs after the heads).
 //
 // kWs (the default; MSA_DENSE_KL_WS=0 for the kernel above): a third warpgroup, the index warpgroup, takes the
 // gradient GEMMs off the heads' warpgroups, which keep the heads, S_idx^T, the KL terms and dS^T. Per step the
@@ -287,11 +287,11 @@ __global__ void __launch_bounds__(kWs ? dense_kl::kThreadsWs : dense_kl::kThread
                   full_a + slot);
     }
   };
-  // Every thread: its share of step s's lse (G heads) and lse_idx into buffer lb, one cp.async group (finish_lse
-  // turns them into exponent offsets and arrives on lse_full). The buffers go round (two; three with kWs): buffer
-  // lb of step s was last read in step s - 2 (s - 3 with kWs), which every thread has finished: without kWs the
-  // step's CTA barrier says so; with kWs, step s - 1's lse_full wait (every heads thread's finish_lse at the end
-  // of step s - 2) came before this call.
+  // Every thread: its share of step s's lse (G heads) and lse_idx into buffer lb, one cp.async group, issued at the
+  // top of step s - 1 (finish_lse turns them into exponent offsets at its end and arrives on lse_full). The buffers
+  // go round (two; three with kWs): buffer lb was last read in step s - 2 (s - 3 with kWs), which every thread has
+  // finished: without kWs, step s - 2's CTA barrier says so; with kWs, the caller's wait in step s - 2 for lse_full
+  // (every heads thread's finish_lse at the end of step s - 3).
   constexpr int kBufs = kWs ? kLseBufs : 2;
   const float nlog2g = -__log2f(float(G));  // Pbar = sum_h exp2(S_h c - lse_h log2 e - log2 G)
   auto issue_lse = [&](int lb, int qt, int r) {
@@ -325,7 +325,7 @@ __global__ void __launch_bounds__(kWs ? dense_kl::kThreadsWs : dense_kl::kThread
     }
     mbar_arrive(lse_full + lb);
   };
-  auto load_k = [&](int kvh) {  // every thread; then cp.async.wait_all + a CTA barrier
+  auto load_k = [&](int kvh) {  // every heads thread; then cp.async.wait_all + their barrier (the CTA's without kWs)
     load_tile<KT, D, kWs>(sK, k + base_k * p.k_stride_t + kvh * p.k_stride_h, p.k_stride_t, k0, kKeys, len_k, tid);
     sm80::cp_async_commit();
   };
