@@ -47,8 +47,10 @@ VARIANTS = [
     ("index_dk_kernel", {"Mma": "sm90::DkMma", "kDet": "false"}),
     ("index_dk_kernel", {"Mma": "sm80::DkMma", "kDet": "false"}),
     ("index_dk_kernel", {"kDet": "true"}),
-    ("dense_kl_kernel", {"kG": "4"}),
-    ("dense_kl_kernel", {"kG": "0"}),
+    ("dense_kl_kernel", {"kG": "4", "kWs": "true"}),
+    ("dense_kl_kernel", {"kG": "0", "kWs": "true"}),
+    ("dense_kl_kernel", {"kG": "4", "kWs": "false"}),  # MSA_DENSE_KL_WS=0 (sanitize_case.dense_kl_two_warpgroups)
+    ("dense_kl_kernel", {"kG": "0", "kWs": "false"}),
 ]
 
 

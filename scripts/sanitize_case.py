@@ -132,6 +132,21 @@ def suffix_queries():
                     g_q, g_k, cu_q, 3, 64, SCALE, SCALE, False, det, cu_k, 20000)
 
 
+def dense_kl_two_warpgroups():
+    """Warmup's dense KL kernel without its index warpgroup (MSA_DENSE_KL_WS=0, the A/B knob), G = 4 and G = 2, with
+    and without the index gradient (the default kernel runs in the full configuration's warmup steps)."""
+    with mock.patch.dict(os.environ, {"MSA_DENSE_KL_WS": "0"}):
+        for shape, heads in ((BF16, G4), (FP16, G2)):
+            dtype, D, Di, bs, topk, lengths = shape
+            hq, hkv, hi = heads
+            T, L = sum(lengths), max(lengths)
+            cu = torch.tensor([0] + torch.tensor(lengths).cumsum(0).tolist(), dtype=torch.int32, device=DEVICE)
+            x = (randn(T, hq, D, dtype=dtype), randn(T, hkv, D, dtype=dtype), randn(T, hkv, D, dtype=dtype),
+                 randn(T, hi, Di, dtype=dtype), randn(T, 1, Di, dtype=dtype))
+            fwd(x, cu, L, topk, bs, warmup=True)
+            fwd(x, cu, L, topk, bs, warmup=True, grad=False)
+
+
 def sync():
     if DEVICE == "cuda":
         torch.cuda.synchronize()
@@ -165,6 +180,8 @@ def run(configs):
     if 0 in configs:
         progress("suffix queries")
         suffix_queries()
+        progress("dense KL without its index warpgroup")
+        dense_kl_two_warpgroups()
     sync()
     progress("all parts ran")
 

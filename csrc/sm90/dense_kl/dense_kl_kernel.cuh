@@ -28,11 +28,12 @@
 // in (step, head) order through `slots` slots (5 where the shared memory allows, else 4 or 3); `prefetch`
 // of them are in flight ahead of the one being read, and thread 0 issues load n + prefetch once load n is
 // consumed (its slot held load n + prefetch - slots: the other warpgroup may lag by slots - prefetch
-// heads before thread 0 waits for it). lse / lse_idx of step s + 1 are cp.async'd by every thread at the top
-// of step s into the other of two buffers; at its end each thread turns its own values into the exponents'
-// offsets in place and arrives on an mbarrier of 256 arrivals, which step s + 1 waits for. K and K_idx:
-// cp.async at the start and when the kv head changes (a CTA barrier then). One CTA barrier per step: dS^T
-// and the KL partials (double buffered) before dQ_idx.
+// heads before thread 0 waits for it). lse / lse_idx of step s + 1 are cp.async'd by every (heads) thread at the
+// top of step s into the next of two buffers (three with kWs); at its end each thread turns its own values into
+// the exponents' offsets in place and arrives on an mbarrier of 256 arrivals, which step s + 1 waits for. K and
+// K_idx: cp.async at the start and when the kv head changes (a barrier then: the CTA's, with kWs the heads').
+// Without kWs, one CTA barrier per step: dS^T and the KL partials (double buffered) before dQ_idx; with kWs none
+// (the index warpgroup's mbarriers, below).
 #pragma once
 #include <cuda_bf16.h>
 #include <cuda_fp16.h>
@@ -480,7 +481,7 @@ __global__ void __launch_bounds__(kWs ? dense_kl::kThreadsWs : dense_kl::kThread
     const int kvh = r * G / kv_per;
     T* sDs = sDs0 + b * kKeys * kRows;
     float* sKl = sKl0 + b * 8 * kRows;
-    if (kvh != kv_loaded) {  // a new kv head for this group: every read of sK ended before the last barrier
+    if (kvh != kv_loaded) {  // a new kv head for this group: every read of sK ended before the last (kWs: next) barrier
       if constexpr (kWs) asm volatile("bar.sync %0, %1;\n" ::"n"(kBarHeads), "n"(kThreads) : "memory");
       load_k(kvh);
       sm80::cp_async_wait<0>();
