@@ -62,16 +62,25 @@ def bwd(x, res, cu, L, bs, warmup=False, det=False):
                        g_q, g_k, cu, L, bs, SCALE, SCALE, warmup, det)
 
 
-def step(shape, heads, full):
-    """fwd + bwd of one varlen batch, the forward without the index gradient, both in deterministic mode too; `full`
-    adds warmup (deterministic too), the main branch alone, split backward items, non-finite inputs and the batched
-    layout."""
-    dtype, D, Di, bs, topk, lengths = shape
+def batch(shape, heads):
+    """(x, cu, L): random q, k, v, q_idx, k_idx of one varlen batch, its cu_seqlens and longest length."""
+    dtype, D, Di, _, _, lengths = shape
     hq, hkv, hi = heads
     T, L = sum(lengths), max(lengths)
     cu = torch.tensor([0] + torch.tensor(lengths).cumsum(0).tolist(), dtype=torch.int32, device=DEVICE)
     x = (randn(T, hq, D, dtype=dtype), randn(T, hkv, D, dtype=dtype), randn(T, hkv, D, dtype=dtype),
          randn(T, hi, Di, dtype=dtype), randn(T, 1, Di, dtype=dtype))
+    return x, cu, L
+
+
+def step(shape, heads, full):
+    """fwd + bwd of one varlen batch, the forward without the index gradient, both in deterministic mode too; `full`
+    adds warmup (deterministic too), the main branch alone, split backward items, non-finite inputs and the batched
+    layout."""
+    dtype, D, Di, bs, topk, _ = shape
+    hq, hkv, hi = heads
+    x, cu, L = batch(shape, heads)
+    T = x[0].shape[0]
     res = fwd(x, cu, L, topk, bs)
     bwd(x, res, cu, L, bs)
     idx = res[2]
@@ -137,12 +146,8 @@ def dense_kl_two_warpgroups():
     and without the index gradient (the default kernel runs in the full configuration's warmup steps)."""
     with mock.patch.dict(os.environ, {"MSA_DENSE_KL_WS": "0"}):
         for shape, heads in ((BF16, G4), (FP16, G2)):
-            dtype, D, Di, bs, topk, lengths = shape
-            hq, hkv, hi = heads
-            T, L = sum(lengths), max(lengths)
-            cu = torch.tensor([0] + torch.tensor(lengths).cumsum(0).tolist(), dtype=torch.int32, device=DEVICE)
-            x = (randn(T, hq, D, dtype=dtype), randn(T, hkv, D, dtype=dtype), randn(T, hkv, D, dtype=dtype),
-                 randn(T, hi, Di, dtype=dtype), randn(T, 1, Di, dtype=dtype))
+            bs, topk = shape[3], shape[4]
+            x, cu, L = batch(shape, heads)
             fwd(x, cu, L, topk, bs, warmup=True)
             fwd(x, cu, L, topk, bs, warmup=True, grad=False)
 
