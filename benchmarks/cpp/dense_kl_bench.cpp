@@ -178,8 +178,8 @@ int main(int argc, char** argv) {
     };
     const double pairs = double(pb.b) * double(n) * double(n + 1) / 2.0;
     const double F = pairs * pb.hi * (2.0 * pb.d * pb.g + (grad ? 6.0 : 2.0) * pb.di);
-    const std::string shape = pb.shape + " chunk=" + std::to_string(chunk_tiles) + (chunk_major ? "" : " tile-major") + (ws ? "" : " ws=0") +
-                              (grad ? " grad" : " nograd");
+    const std::string shape = pb.shape + " chunk=" + std::to_string(chunk_tiles) + (chunk_major ? "" : " tile-major") +
+                              (ws ? "" : " ws=0") + (grad ? " grad" : " nograd");
     auto want = [&](const char* r) { return only.empty() || only == r; };
     if (want("kl")) {
       const double ms = time_ms(opt, s, n_sets, kernel, zero);

@@ -85,7 +85,8 @@ struct Smem {
   static constexpr int qi = ki + kKeys * Di * 2;               // 2 slots
   static constexpr int ds = qi + 2 * kRows * Di * 2;            // 2 buffers
   static constexpr int kl = ds + 2 * kKeys * kRows * 2;         // 2 buffers x 8 warps x 64 queries, fp32
-  static constexpr int bars = kl + 2 * 8 * kRows * 4;  // 2 x kMaxSlots (Q) + 2 x 2 (Q_idx) + kLseBufs (lse) + 2 x 2 (dS)
+  // 2 x kMaxSlots (Q) + 2 x 2 (Q_idx) + kLseBufs (lse) + 2 x 2 (dS) barriers
+  static constexpr int bars = kl + 2 * 8 * kRows * 4;
   static constexpr int q = bars + 1024;                         // the Q slots, 1024-byte aligned
   // kLseBufs buffers x (G lse + lse_idx): two without kWs, three with it (the heads' warpgroups meet at no barrier).
   static constexpr int lse_bytes(int g) { return kLseBufs * (g + 1) * kRows * 4; }
@@ -400,11 +401,11 @@ __global__ void __launch_bounds__(kWs ? dense_kl::kThreadsWs : dense_kl::kThread
       // dQ_idx's columns [64 hf, +64) (Di = 128) or all 64 (Di = 64) over the tile's 128 keys: A = dS, read
       // MN-major from the dS^T tile (rows = keys), B = K_idx's panel hf read MN-major. Issued and committed.
       auto issue_dq = [&](float (&dq)[32], uint32_t ds_addr, int hf) {
+        const uint32_t b_addr = ki_addr + hf * KiT::kPanelElems * 2;
         wgmma_fence();
 #pragma unroll
         for (int ks = 0; ks < 8; ++ks)
-          WgmmaSS<T, 64, true, true>::run(dq, DsT::desc_mn(ds_addr, ks), KiT::desc_mn(ki_addr + hf * KiT::kPanelElems * 2, ks),
-                                          ks > 0);
+          WgmmaSS<T, 64, true, true>::run(dq, DsT::desc_mn(ds_addr, ks), KiT::desc_mn(b_addr, ks), ks > 0);
         wgmma_commit();
       };
       int qt = rot, r = r0;
@@ -547,7 +548,8 @@ __global__ void __launch_bounds__(kWs ? dense_kl::kThreadsWs : dense_kl::kThread
         for (int j = 0; j < 8; ++j) {
           const float2 o = lse_pair(j);
 #pragma unroll
-          for (int e = 0; e < 4; ++e) pb[4 * j + e] += fast_exp2(fmaf(sc[4 * j + e], p.scale_log2, (e & 1) ? o.y : o.x));
+          for (int e = 0; e < 4; ++e)
+            pb[4 * j + e] += fast_exp2(fmaf(sc[4 * j + e], p.scale_log2, (e & 1) ? o.y : o.x));
         }
       } else {
 #pragma unroll
