@@ -101,26 +101,31 @@ inline int q_slots(int g, int limit) {
   return 0;
 }
 
+// f(i) for i = tid, tid + kThreads, ... below n. kRolled: one call per loop trip (kWs: no per-trip addresses
+// hoisted out of the caller's step loop and held in registers); else as the compiler unrolls it.
+template <bool kRolled, typename F>
+__device__ __forceinline__ void for_thread_share(int tid, int n, F&& f) {
+  if constexpr (kRolled) {
+#pragma unroll 1
+    for (int i = tid; i < n; i += kThreads) f(i);
+  } else {
+    for (int i = tid; i < n; i += kThreads) f(i);
+  }
+}
+
 // rows x (W 16-bit elements) tile at global rows [row0, row0 + rows) (stride in elements), rows at or
 // past `limit` zero-filled, into a KMajorSw128 tile.
-// kRolled: one copy per loop trip (no addresses hoisted out of the caller's loop: registers, kWs).
 template <typename Tile, int W, bool kRolled = false>
 __device__ __forceinline__ void load_tile(void* dst, const void* src, int64_t stride, int row0, int rows, int limit,
                                           int tid) {
   constexpr int kChunks = W / 8;
   const char* s = static_cast<const char*>(src);
-  auto copy = [&](int i) {
+  for_thread_share<kRolled>(tid, rows * kChunks, [&](int i) {
     const int r = i / kChunks, c = i % kChunks;
     const bool ok = row0 + r < limit;
     const char* g = s + (int64_t(ok ? row0 + r : 0) * stride + c * 8) * 2;
     cp_async_16(static_cast<char*>(dst) + Tile::offset(r, c) * 2, g, ok);
-  };
-  if constexpr (kRolled) {
-#pragma unroll 1
-    for (int i = tid; i < rows * kChunks; i += kThreads) copy(i);
-  } else {
-    for (int i = tid; i < rows * kChunks; i += kThreads) copy(i);
-  }
+  });
 }
 
 // A k-step's descriptor from the tile's k-step 0 descriptor: the start address (bits 0-13, in 16-byte
@@ -299,19 +304,13 @@ __global__ void __launch_bounds__(kWs ? dense_kl::kThreadsWs : dense_kl::kThread
   auto issue_lse = [&](int lb, int qt, int r) {
     const int row0 = (qt_begin + qt) * kRows;
     float* dst = sLse0 + lb * (G + 1) * kRows;
-    auto copy = [&](int i) {
+    for_thread_share<kWs>(tid, (G + 1) * kRows, [&](int i) {
       const int hh = i / kRows, row = i % kRows;
       const bool ok = row0 + row < len_q;
       const int tok = base_q + (ok ? row0 + row : 0);
       const float* src_row = hh < G ? p.lse + int64_t(r * G + hh) * p.total_tokens : p.lse_idx + int64_t(r) * p.total_tokens;
       cp_async_4(dst + i, src_row + tok, ok);
-    };
-    if constexpr (kWs) {  // one copy per trip (registers)
-#pragma unroll 1
-      for (int i = tid; i < (G + 1) * kRows; i += kThreads) copy(i);
-    } else {
-      for (int i = tid; i < (G + 1) * kRows; i += kThreads) copy(i);
-    }
+    });
     sm80::cp_async_commit();
   };
   // Every thread, once step s's lse copies have had a step to land: its own values turned in place into the
@@ -483,12 +482,16 @@ __global__ void __launch_bounds__(kWs ? dense_kl::kThreadsWs : dense_kl::kThread
     T* sDs = sDs0 + b * kKeys * kRows;
     float* sKl = sKl0 + b * 8 * kRows;
     if (kvh != kv_loaded) {  // a new kv head for this group: every read of sK ended before the last (kWs: next) barrier
-      if constexpr (kWs) asm volatile("bar.sync %0, %1;\n" ::"n"(kBarHeads), "n"(kThreads) : "memory");
+      // kWs: the heads' 256 threads only (the index warpgroup never reads sK); else the CTA.
+      auto heads_sync = []() {
+        if constexpr (kWs) asm volatile("bar.sync %0, %1;\n" ::"n"(kBarHeads), "n"(kThreads) : "memory");
+        else __syncthreads();
+      };
+      if constexpr (kWs) heads_sync();
       load_k(kvh);
       sm80::cp_async_wait<0>();
       fence_proxy_async_smem();
-      if constexpr (kWs) asm volatile("bar.sync %0, %1;\n" ::"n"(kBarHeads), "n"(kThreads) : "memory");
-      else __syncthreads();
+      heads_sync();
       kv_loaded = kvh;
     }
     const int lb_next = lb + 1 == kBufs ? 0 : lb + 1;
