@@ -14,18 +14,20 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__)))) 
 from msa import bench  # noqa: E402
 
 
+def pop_option(args, flag, default):
+    """The value after `flag` in args (both taken out of args), else default."""
+    if flag not in args:
+        return default
+    i = args.index(flag)
+    value = args[i + 1]
+    del args[i:i + 2]
+    return value
+
+
 def main():
     args = sys.argv[1:]
-    rounds = 5
-    var = "MSA_DENSE_KL_CHUNK"
-    for flag in ("--rounds", "--var"):
-        if flag in args:
-            i = args.index(flag)
-            if flag == "--rounds":
-                rounds = int(args[i + 1])
-            else:
-                var = args[i + 1]
-            del args[i:i + 2]
+    rounds = int(pop_option(args, "--rounds", 5))
+    var = pop_option(args, "--var", "MSA_DENSE_KL_CHUNK")
     chunks = ["default", "8", "16", "32", "64"]
     if "--" in args:
         i = args.index("--")
