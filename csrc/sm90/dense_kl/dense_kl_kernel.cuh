@@ -645,17 +645,43 @@ __global__ void __launch_bounds__(kWs ? dense_kl::kThreadsWs : dense_kl::kThread
       if (full) terms(std::false_type{}); else terms(std::true_type{});
     }
     // KL per query: the thread's two keys, the warp's 16 (lanes of equal t), then the 8 warps in shared
-    // memory (after the dK_idx GEMM is issued: the shuffles run under it).
+    // memory (without kWs after the dK_idx GEMM is issued: the shuffles run under it). kG > 0: the warp's sum
+    // as a reduce-scatter over g (lane bits 2-4): at each bit a lane keeps half of its query tiles and sends the
+    // other half, so lane (g, t) ends with query tile g's two columns: 14 shuffles a step instead of 48, one
+    // store a lane (s77, H100: the kernel -1..-2%). kG = 0 keeps the all-reduce (the reduce-scatter spills
+    // there at kHeadRegs).
     auto kl_partials = [&]() {
+      if constexpr (kG > 0) {
+        float v[2][8];
 #pragma unroll
-      for (int j = 0; j < 8; ++j) {
+        for (int j = 0; j < 8; ++j)
 #pragma unroll
-        for (int e = 0; e < 2; ++e) {
-          float v = pb[4 * j + e] + pb[4 * j + e + 2];
-          v += __shfl_xor_sync(0xffffffffu, v, 4);
-          v += __shfl_xor_sync(0xffffffffu, v, 8);
-          v += __shfl_xor_sync(0xffffffffu, v, 16);
-          if (g == 0) sKl[warp * kRows + 8 * j + 2 * t + e] = v;
+          for (int e = 0; e < 2; ++e) v[e][j] = pb[4 * j + e] + pb[4 * j + e + 2];
+#pragma unroll
+        for (int half = 4; half >= 1; half >>= 1) {
+          const bool hi = (g & half) != 0;
+#pragma unroll
+          for (int j = 0; j < half; ++j) {
+#pragma unroll
+            for (int e = 0; e < 2; ++e) {
+              const float send = hi ? v[e][j] : v[e][j + half];
+              const float keep = hi ? v[e][j + half] : v[e][j];
+              v[e][j] = keep + __shfl_xor_sync(0xffffffffu, send, 4 * half);
+            }
+          }
+        }
+        *reinterpret_cast<float2*>(sKl + warp * kRows + 8 * g + 2 * t) = make_float2(v[0][0], v[1][0]);
+      } else {
+#pragma unroll
+        for (int j = 0; j < 8; ++j) {
+#pragma unroll
+          for (int e = 0; e < 2; ++e) {
+            float v = pb[4 * j + e] + pb[4 * j + e + 2];
+            v += __shfl_xor_sync(0xffffffffu, v, 4);
+            v += __shfl_xor_sync(0xffffffffu, v, 8);
+            v += __shfl_xor_sync(0xffffffffu, v, 16);
+            if (g == 0) sKl[warp * kRows + 8 * j + 2 * t + e] = v;
+          }
         }
       }
     };
@@ -678,12 +704,15 @@ __global__ void __launch_bounds__(kWs ? dense_kl::kThreadsWs : dense_kl::kThread
     if constexpr (kWs) {
       // The buffer's last use (step s - 2) read by the index warpgroup; then this step's dS^T and KL partials.
       if (s >= 2) mbar_wait(ds_empty + b, ((s >> 1) + 1) & 1);
+      // The KL partials before dS^T's packing where kG > 0 (the reduce-scatter's registers), after it at kG = 0: each
+      // order the one without spills at kHeadRegs (nvcc 13.0).
+      if constexpr (kG > 0) kl_partials();
       if (grad) {
         uint32_t pa[4][4];
         pack_ds(pa);
         fence_proxy_async_smem();  // the stores -> the index warpgroup's wgmma reads
       }
-      kl_partials();
+      if constexpr (kG == 0) kl_partials();
       mbar_arrive(ds_full + b);
     } else {
       if (grad) {  // CTA-uniform
