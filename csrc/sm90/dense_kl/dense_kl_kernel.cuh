@@ -320,6 +320,7 @@ __global__ void __launch_bounds__(kWs ? dense_kl::kThreadsWs : dense_kl::kThread
   auto finish_lse = [&](int lb) {
     float* dst = sLse0 + lb * (G + 1) * kRows;
     sm80::cp_async_wait<0>();
+    // A plain loop, not for_thread_share<kWs> as in issue_lse: rolled, the kG = 4 kWs kernel spills 8 bytes (s78).
     for (int i = tid; i < (G + 1) * kRows; i += kThreads) {
       const float x = dst[i];
       dst[i] = i < G * kRows ? fmaf(x, -kLog2e, nlog2g) : x * kLog2e;
