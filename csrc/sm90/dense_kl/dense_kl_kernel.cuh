@@ -649,8 +649,8 @@ __global__ void __launch_bounds__(kWs ? dense_kl::kThreadsWs : dense_kl::kThread
     // memory (without kWs after the dK_idx GEMM is issued: the shuffles run under it). kG > 0: the warp's sum
     // as a reduce-scatter over g (lane bits 2-4): at each bit a lane keeps half of its query tiles and sends the
     // other half, so lane (g, t) ends with query tile g's two columns: 14 shuffles a step instead of 48, one
-    // store a lane (s77, H100: the kernel -1..-2%). kG = 0 keeps the all-reduce (the reduce-scatter spills
-    // there at kHeadRegs).
+    // store a lane (s78, A/B on an H100: the kernel -1.5 / -0.6 / -1.1% at 8K / 32K / 128K). kG = 0 keeps the
+    // all-reduce (the reduce-scatter spills there at kHeadRegs).
     auto kl_partials = [&]() {
       if constexpr (kG > 0) {
         float v[2][8];
