@@ -249,6 +249,7 @@ std::tuple<Tensor, Tensor, Tensor, Tensor, Tensor> msa_bwd_cuda(
     std::optional<int64_t> max_seqlen_k) {
   (void)lse_idx;
   (void)index_scale;
+  HostPhases hp("msa_bwd");
   check_qkv_cuda(q, k, v, rows(k));  // the key rows against the layout: seq_map
   MSA_CHECK(same_device(q_idx, q) && same_device(k_idx, q), "q_idx, k_idx: expected device ", dev(q));
   Tensor dq, dk, dv, dq_idx, dk_idx;
@@ -259,8 +260,10 @@ std::tuple<Tensor, Tensor, Tensor, Tensor, Tensor> msa_bwd_cuda(
     const DeviceGuard guard(q.get_device_index());
     if (warmup) {
       // SPEC 5: the dense main branch's gradients from PyTorch's flash backward.
+      hp.mark("checks");
       std::tie(dq, dk, dv) =
           dense_attention_backward(*dout, q, k, v, out, lse, seqs, max_seqlen, softmax_scale, deterministic);
+      hp.mark("dense_bwd");
     } else {
       f = sparse_backward_f32(*dout, q, k, v, out, lse, indices, seqs, block_size, softmax_scale, deterministic);
     }
@@ -305,6 +308,7 @@ std::tuple<Tensor, Tensor, Tensor, Tensor, Tensor> msa_bwd_cuda(
     dq_idx = zeros_as(q_idx);
     dk_idx = zeros_as(k_idx);
   }
+  hp.mark("casts");
   return {dq, dk, dv, dq_idx, dk_idx};
 }
 

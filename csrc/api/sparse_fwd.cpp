@@ -470,7 +470,9 @@ msa_fwd_cuda(const Tensor& q, const Tensor& k, const Tensor& v, const Tensor& q_
     // the dense forward: the GPU runs it while the host goes through the dispatcher and cuDNN's launch path (at 8K
     // the step's GPU otherwise waits ~0.3 ms for its first kernel).
     std::optional<Tensor> lse_idx_k = index_lse_cuda(q_idx, k_idx, seqs, max_seqlen, index_scale);
+    hp.mark("lse_idx");
     auto [out, lse] = dense_attention_forward(q, k, v, seqs, max_seqlen, softmax_scale, deterministic);
+    hp.mark("dense_fwd");
     const Tensor lse_idx = lse_idx_k ? *lse_idx_k
                                      : std::get<1>(dense_attention_forward(q_idx, k_idx, k_idx, seqs, max_seqlen,
                                                                            index_scale, deterministic,
