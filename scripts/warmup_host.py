@@ -7,8 +7,7 @@ GPU) and then calls msa::_dense_fwd (Python, msa/_ops.py) whose cuDNN launch the
 microseconds (median of REPS calls, each queued behind a sleep kernel so no call waits on the GPU) of:
   - the bench's dense forward (F.scaled_dot_product_attention, cuDNN) and its fwd+bwd,
   - aten::_scaled_dot_product_cudnn_attention called directly (the op _dense_fwd ends in),
-  - msa._ops._dense_fwd_cuda called directly (Python, no dispatcher), and torch.ops.msa._dense_fwd (the dispatcher's
-    Python kernel, as msa_fwd reaches it from C++),
+  - torch.ops.msa._dense_fwd (the dispatcher's Python kernel, msa/_ops.py, as msa_fwd reaches it from C++),
   - the warmup forward (msa_attention, warmup=True) and its fwd+bwd.
 With MSA_HOST_PHASES=1 in the environment the C++ ops print their phases (stderr) on every call: run it with that set
 to see msa_fwd's lse_idx / dense_fwd split and msa_bwd's dense_bwd.
@@ -23,7 +22,7 @@ import torch.nn.functional as F
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))  # the in-place build
 import msa  # noqa: E402
-from msa import _ops, bench  # noqa: E402
+from msa import bench  # noqa: E402
 
 REPS = int(os.environ.get("MSA_WARMUP_HOST_REPS", "21"))
 
@@ -57,7 +56,6 @@ def main():
             "dense fwd+bwd (the bench's)": lambda: bench.dense_fwd_bwd(q, k, v),
             "aten cuDNN fwd direct": lambda: torch.ops.aten._scaled_dot_product_cudnn_attention(
                 bh[0], bh[1], bh[2], None, True, 0.0, True, False, scale=scale),
-            "_dense_fwd_cuda (Python, direct)": lambda: _ops._dense_fwd_cuda(qt, kt, vt, cu, n, scale, True, False),
             "torch.ops.msa._dense_fwd (dispatcher)": lambda: torch.ops.msa._dense_fwd(qt, kt, vt, cu, n, scale, True,
                                                                                      False),
             "warmup fwd (no grad)": lambda: torch.no_grad()(msa.msa_attention)(
