@@ -1,9 +1,10 @@
 """Host time of the warmup forward's pieces, to find the GPU's idle time inside the warmup step (s80):
 python scripts/warmup_host.py [N ...]   (default 8192; bench configuration, bf16)
 
-host_lead.py found the 8K warmup step's GPU idle ~0.15 ms beyond its kernels even with the host lead hidden
-(dense cuDNN's step: ~0.015), on top of a host lead 0.08 ms longer than dense's. msa_fwd launches lse_idx (~80 us of
-GPU) and then calls msa::_dense_fwd (Python, msa/_ops.py) whose cuDNN launch the GPU waits for. This prints the host
+In s75 host_lead.py found the 8K warmup step's GPU idle ~0.15 ms beyond its kernels with the host lead hidden (dense
+cuDNN's step: ~0.015), and a host lead 0.08 ms longer than dense's (s80, after the dense KL's changes: ~0.03 and
+<= ~0.05 ms idle). msa_fwd launches lse_idx (~80 us of GPU) and then calls msa::_dense_fwd (Python, msa/_ops.py),
+whose cuDNN launch the GPU waits for where the host takes longer than lse_idx. This prints the host
 microseconds (median of REPS calls, each queued behind a sleep kernel so no call waits on the GPU) of:
   - the bench's dense forward (F.scaled_dot_product_attention, cuDNN) and its fwd+bwd,
   - aten::_scaled_dot_product_cudnn_attention called directly (the op _dense_fwd ends in),
@@ -18,7 +19,6 @@ import sys
 import time
 
 import torch
-import torch.nn.functional as F
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))  # the in-place build
 import msa  # noqa: E402
@@ -50,9 +50,9 @@ def main():
         scale = c["D"] ** -0.5
         qt, kt, vt = (x.detach().view(n, x.shape[2], x.shape[3]) for x in (q, k, v))
         cu = torch.tensor([0, n], dtype=torch.int32, device="cuda")
-        bh = [x.detach().transpose(1, 2) for x in (q, k, v)]
+        bh = [x.detach().transpose(1, 2) for x in (q, k, v)]  # (B, H, N, D) views, as cuDNN's op takes them
         pieces = {
-            "dense fwd (F.sdpa, the bench's)": lambda: bench.dense_fwd(*bh),
+            "dense fwd (F.sdpa, the bench's)": lambda: bench.dense_fwd(*(x.detach() for x in (q, k, v))),
             "dense fwd+bwd (the bench's)": lambda: bench.dense_fwd_bwd(q, k, v),
             "aten cuDNN fwd direct": lambda: torch.ops.aten._scaled_dot_product_cudnn_attention(
                 bh[0], bh[1], bh[2], None, True, 0.0, True, False, scale=scale),
