@@ -43,7 +43,9 @@ def host_us(fn, reps=REPS):
 
 
 def main():
+    # With the phases on (a stderr line per op call), a few calls per piece: the lines are the data.
     phases = os.environ.get("MSA_HOST_PHASES") == "1"
+    reps = 3 if phases else REPS
     for n in [int(a) for a in sys.argv[1:]] or [8192]:
         q, k, v, qi, ki = bench.make_inputs(n, torch.device("cuda"), torch.bfloat16, seed=0)
         c = bench.CONFIG
@@ -62,11 +64,11 @@ def main():
                 q, k, v, qi, ki, topk=c["topk"], block_size=c["block_size"], warmup=True),
             "warmup fwd+bwd (the bench's)": lambda: bench.msa_fwd_bwd_warmup(q, k, v, qi, ki),
         }
-        print(f"## N = {n}: host us per call (median of {REPS}, GPU kept busy)", flush=True)
+        print(f"## N = {n}: host us per call (median of {reps}, GPU kept busy)", flush=True)
         for name, fn in pieces.items():
             if phases:
                 print(f"-- {name}", file=sys.stderr, flush=True)
-            print(f"{name}: {host_us(fn, 3 if phases else REPS):.1f}", flush=True)
+            print(f"{name}: {host_us(fn, reps):.1f}", flush=True)
 
 
 if __name__ == "__main__":

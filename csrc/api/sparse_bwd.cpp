@@ -258,15 +258,15 @@ std::tuple<Tensor, Tensor, Tensor, Tensor, Tensor> msa_bwd_cuda(
   if (dout.has_value()) {
     const SeqMap seqs = seq_map(cu_seqlens, q.size(0), max_seqlen, cu_seqlens_k, max_seqlen_k, k.size(0), q);
     const DeviceGuard guard(q.get_device_index());
+    hp.mark("checks");
     if (warmup) {
-      // SPEC 5: the dense main branch's gradients from PyTorch's flash backward.
-      hp.mark("checks");
+      // SPEC 5: the dense main branch's gradients from PyTorch's cuDNN or flash backward.
       std::tie(dq, dk, dv) =
           dense_attention_backward(*dout, q, k, v, out, lse, seqs, max_seqlen, softmax_scale, deterministic);
-      hp.mark("dense_bwd");
     } else {
       f = sparse_backward_f32(*dout, q, k, v, out, lse, indices, seqs, block_size, softmax_scale, deterministic);
     }
+    hp.mark(warmup ? "dense_bwd" : "sparse_bwd");
   } else {
     dq = zeros_as(q);
     dk = zeros_as(k);
