@@ -30,13 +30,11 @@ STABLE_TORCH_LIBRARY(msa, m) {
   // kl_dq_idx (T, Hi, Di) and kl_dk_idx (T_k, Hki, Di) in fp32; without, both are empty (0,). kl_rows
   // (Hi, T) fp32 holds each row's KL term (kl is their mean). sel_q_idx / sel_k_idx: the selection's own inputs
   // (SPEC 2 with index_dtype: float8_e4m3fn copies of q_idx / k_idx with |x| <= 16 as select_blocks takes them,
-  // or tensors of their dtype); the KL, lse_idx and the index gradients use q_idx / k_idx. dense_cudnn (CUDA
-  // warmup): the caller (msa/_ops.py dense_cudnn) chose cuDNN for the dense main branch, which the op then calls
-  // without going through msa::_dense_fwd; False: msa::_dense_fwd chooses.
+  // or tensors of their dtype); the KL, lse_idx and the index gradients use q_idx / k_idx.
   m.def("msa_fwd(Tensor q, Tensor k, Tensor v, Tensor q_idx, Tensor k_idx, Tensor? cu_seqlens, "
         "SymInt max_seqlen, int topk, int block_size, float softmax_scale, float index_scale, bool warmup, "
         "bool return_indices, bool index_grad, bool deterministic=False, Tensor? cu_seqlens_k=None, SymInt? max_seqlen_k=None, "
-        "Tensor? sel_q_idx=None, Tensor? sel_k_idx=None, bool dense_cudnn=False) -> (Tensor out, Tensor kl, "
+        "Tensor? sel_q_idx=None, Tensor? sel_k_idx=None) -> (Tensor out, Tensor kl, "
         "Tensor indices, Tensor lse, Tensor lse_idx, Tensor kl_dq_idx, Tensor kl_dk_idx, Tensor kl_rows)");
   // SPEC 4 gradients: dout -> dq, dk, dv; dkl -> dq_idx, dk_idx (dkl times the forward's kl_dq_idx /
   // kl_dk_idx when given, else from dkl/rows * (Pidx - P) again). A missing dout or dkl skips that part

@@ -216,7 +216,7 @@ def _sparse_bwd_cpu(dout, q, k, v, out, lse, indices, cu_seqlens, max_seqlen, bl
 @_no_autocast
 def _msa_fwd_cpu(q, k, v, q_idx, k_idx, cu_seqlens, max_seqlen, topk, block_size, softmax_scale, index_scale,
                  warmup, return_indices, index_grad, deterministic=False, cu_seqlens_k=None, max_seqlen_k=None,
-                 sel_q_idx=None, sel_k_idx=None, dense_cudnn=False):
+                 sel_q_idx=None, sel_k_idx=None):
     _check_msa(q, k, v, q_idx, k_idx)
     sel = chk.sel_inputs(q_idx, k_idx, sel_q_idx, sel_k_idx)
     chk.topk(topk)
@@ -311,8 +311,6 @@ def _validate_cu_seqlens_cpu(cu_seqlens, total_tokens, max_seqlen):
 # mask is aligned bottom-right where a sequence has more keys than queries (flash-attn >= 2.1), our
 # convention; that of cuDNN's for s_q < s_kv is not established. The C++ callers pass a key layout only
 # where it differs from the queries' (the square path's calls are unchanged).
-# The main branch's forward skips this kernel where the caller has made its choice (dense_cudnn below: msa_fwd
-# then calls cuDNN's forward from C++, csrc/api/dense_attention.cpp).
 # ----------------------------------------------------------------------------------------------
 _CUDNN_FAILED: set = set()  # shapes whose cuDNN call raised: flash for them from then on (warned once)
 
@@ -335,44 +333,6 @@ def _dense_backend(q, k, seq_len, uniform, deterministic):
     usable = (torch.backends.cudnn.is_available() and torch.backends.cuda.cudnn_sdp_enabled()
               and hasattr(torch.ops.aten, "_scaled_dot_product_cudnn_attention"))
     return "cudnn" if usable else "flash"
-
-
-# The schema csrc/api/dense_attention.cpp calls aten::_scaled_dot_product_cudnn_attention with (names and types of
-# its arguments, number of results), checked against the running torch before msa_fwd is asked to.
-_CUDNN_ARGS = (("query", "Tensor"), ("key", "Tensor"), ("value", "Tensor"), ("attn_bias", "Optional[Tensor]"),
-               ("compute_log_sumexp", "bool"), ("dropout_p", "float"), ("is_causal", "bool"),
-               ("return_debug_mask", "bool"), ("scale", "Optional[float]"))
-_cudnn_schema_ok: Optional[bool] = None
-
-
-def _cudnn_schema_matches() -> bool:
-    global _cudnn_schema_ok
-    if _cudnn_schema_ok is None:
-        op = getattr(torch.ops.aten, "_scaled_dot_product_cudnn_attention", None)
-        schema = op.default._schema if op is not None else None
-        _cudnn_schema_ok = schema is not None and len(schema.returns) == 9 and \
-            tuple((a.name, str(a.type)) for a in schema.arguments) == _CUDNN_ARGS
-    return _cudnn_schema_ok
-
-
-def dense_cudnn(q, k, cu_seqlens, max_seqlen, key_layout, softmax_scale, deterministic) -> bool:
-    """msa_fwd's dense_cudnn for a CUDA warmup call: whether the op calls cuDNN's forward for the dense main branch
-    itself (csrc/api/dense_attention.cpp), skipping msa::_dense_fwd's host time (~100-300 us at 8K; NOTES s82). The
-    choice _dense_fwd_cuda would make for it (_dense_backend), for the layouts the C++ call takes: every sequence of
-    one length (the batched layout or one packed sequence), the queries' own keys, a positive scale; never while
-    traced (torch.compile, torch.jit), where the op keeps choosing at run time. MSA_DENSE_DIRECT=0 turns it off (A/B
-    runs)."""
-    import os
-    if q.device.type != "cuda" or key_layout or not softmax_scale > 0 or os.environ.get("MSA_DENSE_DIRECT") == "0":
-        return False
-    if torch.compiler.is_compiling() or torch.jit.is_tracing():
-        return False
-    T = q.shape[0]
-    if cu_seqlens is None:
-        seq_len = max_seqlen if isinstance(max_seqlen, int) and max_seqlen > 0 and T % max_seqlen == 0 else 0
-    else:
-        seq_len = T if cu_seqlens.dim() == 1 and cu_seqlens.shape[0] == 2 else 0
-    return seq_len >= 2 and _dense_backend(q, k, seq_len, True, deterministic) == "cudnn" and _cudnn_schema_matches()
 
 
 def _cudnn_failed(q, k, seq_len, err):
@@ -508,7 +468,7 @@ def _sparse_bwd_fake(dout, q, k, v, out, lse, indices, cu_seqlens, max_seqlen, b
 @torch.library.register_fake("msa::msa_fwd")
 def _msa_fwd_fake(q, k, v, q_idx, k_idx, cu_seqlens, max_seqlen, topk, block_size, softmax_scale, index_scale,
                   warmup, return_indices, index_grad, deterministic=False, cu_seqlens_k=None, max_seqlen_k=None,
-                  sel_q_idx=None, sel_k_idx=None, dense_cudnn=False):
+                  sel_q_idx=None, sel_k_idx=None):
     chk.one_device(q, k, v, q_idx, k_idx, cu_seqlens, cu_seqlens_k, sel_q_idx, sel_k_idx)
     T, Hi = q_idx.shape[0], q_idx.shape[1]
     slots = 0 if (warmup and not return_indices) else topk

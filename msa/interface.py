@@ -18,7 +18,7 @@ import sys
 import torch
 
 from ._op_checks import MAX_TOPK, _fail, check_heads as _check_heads, is_int
-from ._ops import MsaFunction, dense_cudnn, eager_autograd_applies, has_cuda_kernel, ops
+from ._ops import MsaFunction, eager_autograd_applies, has_cuda_kernel, ops
 
 HEAD_DIMS = (64, 128)
 BLOCK_SIZES = (64, 128)
@@ -298,14 +298,8 @@ def _msa(q, k, v, q_idx, k_idx, cu_seqlens, max_seqlen, topk, block_size, softma
     if _index_dtype(index_dtype) is not None and (return_indices or not warmup):
         sel = (*(tuple(key_layout) or (None, None)),
                *_fp8_selection(q_idx, k_idx, cu_seqlens, max_seqlen, key_layout))
-    det = _deterministic(deterministic)
-    tail = sel or tuple(key_layout)
-    # Warmup on CUDA: the op calls cuDNN's forward for the dense main branch itself where it applies (never with a
-    # key layout: the slots before it are the selection's or none).
-    if warmup and dense_cudnn(q, k, cu_seqlens, max_seqlen, key_layout, scale, det):
-        tail = (*(sel or (None,) * 4), True)
     args = (q, k, v, q_idx, k_idx, cu_seqlens, max_seqlen, topk, block_size, scale, iscale, warmup,
-            return_indices, index_grad, det, *tail)
+            return_indices, index_grad, _deterministic(deterministic), *(sel or key_layout))
     if eager_autograd_applies((q, k, v, q_idx, k_idx)):
         return _value_errors(MsaFunction.apply, *args)
     return _values_checked(ops.msa_fwd, *args)

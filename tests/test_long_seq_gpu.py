@@ -213,8 +213,7 @@ def test_warmup_long_sequence_sampled_rows(N, det, monkeypatch):
     dkl = torch.tensor(1.0, device="cuda")
     ops = torch.ops.msa
     out, kl, idx, lse, lse_idx, g_q, g_k, kl_rows = ops.msa_fwd(
-        x["q"], x["k"], x["v"], x["q_idx"], x["k_idx"], None, N, TOPK, BS, scale, iscale, True, False, True, det,
-        dense_cudnn=True)  # as msa_attention passes it (the op ignores it in deterministic mode)
+        x["q"], x["k"], x["v"], x["q_idx"], x["k_idx"], None, N, TOPK, BS, scale, iscale, True, False, True, det)
     dq, dk, dv, dq_idx, dk_idx = ops.msa_bwd(
         x["dout"], dkl, x["q"], x["k"], x["v"], out, lse, x["q_idx"], x["k_idx"], lse_idx, idx, g_q, g_k, None, N,
         BS, scale, iscale, True, det)

@@ -56,21 +56,6 @@ SparseForward dense_kl_cuda(const Tensor& q, const Tensor& k, const Tensor& q_id
                             const SeqMap& seqs, int64_t max_seqlen, double softmax_scale, double index_scale,
                             bool index_grad, const Tensor& lse, const Tensor& lse_idx);
 
-// PyTorch's dense causal attention (csrc/api/dense_attention.cpp), warmup's main branch (SPEC 5): out (T, H, D)
-// and the lse (H, T) that the KL pass and the backward need, cuDNN or flash by msa::_dense_fwd (msa/_ops.py), GQA
-// native. lse_only: the caller reads lse alone (the index branch's lse_idx; out may come back narrower than v).
-// cudnn_direct: msa/_ops.py chose cuDNN for these inputs (msa_fwd's dense_cudnn); cuDNN's forward is then called
-// from here, without the Python kernel's host time, where the layout allows it (equal sequences, no key layout).
-// The backward goes through msa::_dense_bwd (its flash path's determinism is PyTorch's global flag).
-std::tuple<Tensor, Tensor> dense_attention_forward(const Tensor& q, const Tensor& k, const Tensor& v,
-                                                   const SeqMap& seqs, int64_t max_seqlen, double scale,
-                                                   bool deterministic, bool lse_only = false,
-                                                   bool cudnn_direct = false);
-std::tuple<Tensor, Tensor, Tensor> dense_attention_backward(const Tensor& dout, const Tensor& q, const Tensor& k,
-                                                            const Tensor& v, const Tensor& out, const Tensor& lse,
-                                                            const SeqMap& seqs, int64_t max_seqlen,
-                                                            double softmax_scale, bool deterministic);
-
 // An fp32 gradient and the input whose dtype and shape it takes; scale: a device scalar it is multiplied
 // by, or nullptr; lo: an fp32 array added to it first (deterministic mode's low parts), or nullptr.
 struct GradCast {

@@ -207,6 +207,8 @@ std::tuple<Tensor, Tensor, Tensor> sparse_backward_cuda(const Tensor& dout, cons
 
 namespace {
 
+using torch::stable::detail::from;
+
 std::tuple<Tensor, Tensor, Tensor> sparse_bwd_cuda(const Tensor& dout, const Tensor& q, const Tensor& k,
                                                    const Tensor& v, const Tensor& out, const Tensor& lse,
                                                    const Tensor& indices, const std::optional<Tensor>& cu_seqlens,
@@ -216,6 +218,26 @@ std::tuple<Tensor, Tensor, Tensor> sparse_bwd_cuda(const Tensor& dout, const Ten
   check_qkv_cuda(q, k, v, rows(k));  // the key rows against the layout: seq_map
   const SeqMap seqs = seq_map(cu_seqlens, q.size(0), max_seqlen, cu_seqlens_k, max_seqlen_k, k.size(0), q);
   return sparse_backward_cuda(dout, q, k, v, out, lse, indices, seqs, block_size, softmax_scale, deterministic);
+}
+
+// PyTorch's cuDNN or flash backward (the dense main branch of warmup, SPEC 5), through msa::_dense_bwd
+// (msa/_ops.py): aten::_flash_attention_backward is deterministic when PyTorch's global flag says so,
+// and the stable ABI cannot set that flag, so the Python side sets it for this call when
+// deterministic=True (and takes flash then: cuDNN's backward is not repeatable). With a key layout
+// (seqs.suffix, never uniform: flash) the keys' offsets go along, as in the forward.
+std::tuple<Tensor, Tensor, Tensor> dense_attention_backward(const Tensor& dout, const Tensor& q, const Tensor& k,
+                                                            const Tensor& v, const Tensor& out, const Tensor& lse,
+                                                            const SeqMap& seqs, int64_t max_seqlen,
+                                                            double softmax_scale, bool deterministic) {
+  const std::optional<Tensor> cu_k = seqs.suffix ? std::optional<Tensor>(seqs.cu_k) : std::nullopt;
+  const std::optional<int64_t> max_k = seqs.suffix ? std::optional<int64_t>(seqs.max_k) : std::nullopt;
+  std::array<StableIValue, 13> st{from(dout),          from(q),             from(k),           from(v),
+                                  from(out),           from(lse),           from(seqs.cu),     from(max_seqlen),
+                                  from(softmax_scale), from(deterministic), from(seqs.uniform), from(cu_k),
+                                  from(max_k)};
+  detail::call_op("msa::_dense_bwd", "", st);
+  using torch::stable::detail::to;
+  return {to<Tensor>(st[0]), to<Tensor>(st[1]), to<Tensor>(st[2])};
 }
 
 std::tuple<Tensor, Tensor, Tensor, Tensor, Tensor> msa_bwd_cuda(

@@ -407,6 +407,25 @@ SparseForward sparse_forward_cuda(const Tensor& q_in, const Tensor& k_in, const 
 
 namespace {
 
+using torch::stable::detail::from;
+
+// Dense causal attention over packed sequences with PyTorch's flash kernel (GQA native): out and the
+// lse (Hq, T) that the KL pass and the backward need. Through msa::_dense_fwd (msa/_ops.py), which
+// calls aten::_flash_attention_forward by keyword: that schema grows between torch releases. lse_only:
+// out is not read (it may come back narrower than v). seqs.uniform: equal sequence lengths, which the
+// cuDNN kernels need; with a key layout (seqs.suffix, never uniform) the keys' offsets go along.
+std::tuple<Tensor, Tensor> dense_attention_forward(const Tensor& q, const Tensor& k, const Tensor& v,
+                                                   const SeqMap& seqs, int64_t max_seqlen, double scale,
+                                                   bool deterministic, bool lse_only = false) {
+  const std::optional<Tensor> cu_k = seqs.suffix ? std::optional<Tensor>(seqs.cu_k) : std::nullopt;
+  const std::optional<int64_t> max_k = seqs.suffix ? std::optional<int64_t>(seqs.max_k) : std::nullopt;
+  std::array<StableIValue, 11> st{from(q),           from(k),     from(v),           from(seqs.cu),
+                                  from(max_seqlen),  from(scale), from(seqs.uniform), from(deterministic),
+                                  from(lse_only),    from(cu_k),  from(max_k)};
+  detail::call_op("msa::_dense_fwd", "", st);
+  return {torch::stable::detail::to<Tensor>(st[0]), torch::stable::detail::to<Tensor>(st[1])};
+}
+
 std::tuple<Tensor, Tensor> sparse_fwd_cuda(const Tensor& q, const Tensor& k, const Tensor& v, const Tensor& indices,
                                            const std::optional<Tensor>& cu_seqlens, int64_t max_seqlen,
                                            int64_t block_size, double softmax_scale, bool deterministic,
@@ -426,7 +445,7 @@ msa_fwd_cuda(const Tensor& q, const Tensor& k, const Tensor& v, const Tensor& q_
              int64_t block_size, double softmax_scale, double index_scale, bool warmup, bool return_indices,
              bool index_grad, bool deterministic, const std::optional<Tensor>& cu_seqlens_k,
              std::optional<int64_t> max_seqlen_k, const std::optional<Tensor>& sel_q_idx,
-             const std::optional<Tensor>& sel_k_idx, bool dense_cudnn) {
+             const std::optional<Tensor>& sel_k_idx) {
   HostPhases hp("msa_fwd");
   check_qkv_cuda(q, k, v, rows(k));  // the key rows against the layout: seq_map
   hp.mark("check_qkv");
@@ -452,8 +471,7 @@ msa_fwd_cuda(const Tensor& q, const Tensor& k, const Tensor& v, const Tensor& q_
     // the step's GPU otherwise waits ~0.3 ms for its first kernel).
     std::optional<Tensor> lse_idx_k = index_lse_cuda(q_idx, k_idx, seqs, max_seqlen, index_scale);
     hp.mark("lse_idx");
-    auto [out, lse] = dense_attention_forward(q, k, v, seqs, max_seqlen, softmax_scale, deterministic,
-                                              /*lse_only=*/false, dense_cudnn);
+    auto [out, lse] = dense_attention_forward(q, k, v, seqs, max_seqlen, softmax_scale, deterministic);
     hp.mark("dense_fwd");
     const Tensor lse_idx = lse_idx_k ? *lse_idx_k
                                      : std::get<1>(dense_attention_forward(q_idx, k_idx, k_idx, seqs, max_seqlen,

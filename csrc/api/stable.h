@@ -177,25 +177,19 @@ inline Tensor zeros_f32(const std::vector<int64_t>& shape, const Tensor& like, c
   return t;
 }
 
-// A view of base's storage with the given sizes and strides (elements), from `offset` elements after base's own
-// storage offset, through the C shim (one direct call; narrow / view / transpose take dispatcher round trips). The
-// caller keeps it inside base's elements. Shares base's storage: not for op outputs.
-inline Tensor strided_view(const Tensor& base, const std::vector<int64_t>& shape, const int64_t* strides,
-                           int64_t offset = 0) {
-  AtenTensorHandle h = nullptr;
-  if (aoti_torch__reinterpret_tensor(base.get(), int64_t(shape.size()), shape.data(), strides, offset, &h) !=
-      AOTI_TORCH_SUCCESS) {
-    fail("msa: a view of ", shape.size(), " dims failed");
-  }
-  return Tensor(h);
-}
-// A contiguous view of `shape` into `base` (contiguous) from its element `offset`.
+// A contiguous view of `shape` into `base` (contiguous, storage offset 0) from its element `offset`, through the C
+// shim (one direct call; narrow + view take two dispatcher round trips). Shares base's storage: not for op outputs.
 inline Tensor part_view(const Tensor& base, int64_t offset, const std::vector<int64_t>& shape) {
   const std::array<int64_t, 8> strides = contiguous_strides(shape.data(), shape.size());
   int64_t n = 1;
   for (int64_t d : shape) n *= d;
   if (offset < 0 || offset + n > base.numel()) fail("msa: part_view: [", offset, ", ", offset + n, ") outside ", base.numel());
-  return strided_view(base, shape, strides.data(), offset);
+  AtenTensorHandle h = nullptr;
+  if (aoti_torch__reinterpret_tensor(base.get(), int64_t(shape.size()), shape.data(), strides.data(), offset, &h) !=
+      AOTI_TORCH_SUCCESS) {
+    fail("msa: part_view failed");
+  }
+  return Tensor(h);
 }
 
 // fp32 tensors of the given shapes as views of one buffer (each part starting 16-byte aligned), the first
