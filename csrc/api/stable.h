@@ -136,6 +136,9 @@ inline Tensor contig(const Tensor& t) { return torch::stable::contiguous(t); }
 inline Tensor add(const Tensor& a, const Tensor& b) { return torch::stable::subtract(a, b, -1.0); }
 
 namespace detail {
+// Only ops whose results are all of one type come back through torch_call_dispatcher: its shim converts the i-th
+// value popped (the last result first) with the schema type of result i, so mixed results (e.g. cuDNN attention's
+// Tensor x4, SymInt x2, Tensor x3) fail with "Expected Tensor but got Int" after the op ran (torch 2.11, NOTES s83).
 template <size_t N>
 void call_op(const char* name, const char* overload, std::array<StableIValue, N>& stack) {
   const AOTITorchError err = torch_call_dispatcher(name, overload, stack.data(), TORCH_ABI_VERSION);
